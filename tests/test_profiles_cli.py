@@ -1,0 +1,143 @@
+"""Profile loading/validation and the ``xstage`` CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xstage import profiles
+from xstage.cli import main
+from xstage.planner import plan_fa_a2a, plan_megamoe
+
+
+def test_shipped_paper_profile():
+    assert "paper-b200-nvlink" in profiles.available()
+    p = profiles.load("paper-b200-nvlink")
+    assert p.source == "paper" and p.num_sms == 148
+    assert p.R == pytest.approx(717e9)
+    assert p.t_iss0_at(148, 4.6 * 2**20) == pytest.approx(0.76e-6)
+    assert p.q_at(148) / 2**20 == pytest.approx(4.25)
+    assert "NOT measured" in p.description
+
+
+def test_roundtrip(tmp_path):
+    p = profiles.load("paper-b200-nvlink")
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(profiles.to_dict(p)))
+    q = profiles.load(f)
+    assert (q.R, q.Q, q.num_sms) == (p.R, p.Q, p.num_sms)
+    assert q.t_iss0 == pytest.approx(p.t_iss0, rel=1e-12) and q.sigma == pytest.approx(p.sigma, rel=1e-12)
+
+
+def test_table_profile(tmp_path):
+    d = {"name": "t", "source": "measured", "num_sms": 132, "R_bytes_per_s": 1e10,
+         "t_iss0_us": {"K": [66, 132], "V_bytes": [1e5, 1e6], "us": [[1, 2], [3, 4]]},
+         "Q_bytes": {"132": 2e6, "66": 1e6}}
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(d))
+    p = profiles.load(str(f))
+    assert p.t_iss0_at(132, 1e6) == pytest.approx(4e-6)
+    assert p.q_at(99) == pytest.approx(1.5e6)
+
+
+BAD = [
+    ("{not json", "malformed JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"name": "x"}', "missing required key"),
+    ('{"name":"x","source":"guess","num_sms":1,"R_bytes_per_s":1,"t_iss0_us":1,"Q_bytes":1}', "'source'"),
+    ('{"name":"x","source":"paper","num_sms":1,"R_bytes_per_s":-5,"t_iss0_us":1,"Q_bytes":1}', "R_bytes_per_s"),
+    ('{"name":"x","source":"paper","num_sms":0,"R_bytes_per_s":1,"t_iss0_us":1,"Q_bytes":1}', "num_sms"),
+    ('{"name":"x","source":"paper","num_sms":1,"R_bytes_per_s":1,"t_iss0_us":"fast","Q_bytes":1}', "t_iss0_us"),
+    ('{"name":"x","source":"paper","num_sms":1,"R_bytes_per_s":1,"t_iss0_us":1,"Q_bytes":{"abc":1}}', "Q_bytes"),
+    ('{"name":"x","source":"paper","num_sms":1,"R_bytes_per_s":1,"t_iss0_us":{"K":[1]},"Q_bytes":1}', "t_iss0_us"),
+    ('{"schema":"v9","name":"x"}', "unsupported schema"),
+]
+
+
+@pytest.mark.parametrize("text,msg", BAD)
+def test_malformed_profiles_raise_clear_errors(tmp_path, text, msg):
+    f = tmp_path / "bad.json"
+    f.write_text(text)
+    with pytest.raises(profiles.ProfileError, match=msg):
+        profiles.load(f)
+
+
+def test_unknown_platform_name():
+    with pytest.raises(profiles.ProfileError, match="unknown platform 'no-such'"):
+        profiles.load("no-such")
+    with pytest.raises(profiles.ProfileError, match="not found"):
+        profiles.load("/nonexistent/p.json")
+
+
+def test_planner_rejects_bad_shapes():
+    p = profiles.load("paper-b200-nvlink")
+    with pytest.raises(ValueError, match="not divisible"):
+        plan_fa_a2a(p, seq_len=8192, heads=6, head_dim=128, world=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        plan_fa_a2a(p, seq_len=-8192, heads=8, head_dim=128, world=8)
+    with pytest.raises(ValueError, match="divisible"):
+        plan_megamoe(p, hidden=4096, intermediate=2048, experts=250, topk=6, tokens=8192, world=8)
+
+
+def _cli(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_plan_fa_a2a_paper_example(capsys):
+    rc, out, _ = _cli(capsys, "plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "8192",
+                      "--heads", "8", "--head-dim", "128", "--world", "8", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert 5.8e-6 <= d["recovery_gap_s"] <= 6.2e-6
+    assert d["verdict"] == "piggyback"
+    assert 900 < d["m_star_ub"] < 1100
+    rc, text, _ = _cli(capsys, "plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "8192",
+                       "--heads", "8", "--head-dim", "128", "--world", "8")
+    assert rc == 0 and "G* (eq. 5)" in text and "6.004 us" in text and "piggyback" in text
+
+
+def test_cli_plan_fa_a2a_short_sequence_reshapes(capsys):
+    rc, out, _ = _cli(capsys, "plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "512",
+                      "--heads", "8", "--head-dim", "128", "--world", "8", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["verdict"] == "reshape" and d["rate_ok"] is False
+
+
+def test_cli_plan_megamoe(capsys):
+    rc, out, _ = _cli(capsys, "plan", "megamoe", "--platform", "paper-b200-nvlink", "--hidden", "4096",
+                      "--intermediate", "2048", "--experts", "256", "--topk", "6", "--tokens", "8192",
+                      "--world", "8", "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert d["n1"] == 32 and d["n2"] == 32
+    assert d["d_knee_rows"] == pytest.approx(128 * 148 / 4096)
+    assert d["interleaved_overhead_s"] <= d["wave_overhead_s"]
+
+
+def test_cli_profiles(capsys):
+    rc, out, _ = _cli(capsys, "profiles")
+    assert rc == 0 and "paper-b200-nvlink" in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["plan", "fa-a2a", "--platform", "nope", "--seq", "8192", "--heads", "8", "--head-dim", "128",
+      "--world", "8"], "unknown platform"),
+    (["plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "-1", "--heads", "8", "--head-dim",
+      "128", "--world", "8"], "positive integer"),
+    (["plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "abc"], "invalid int"),
+    (["plan", "megamoe", "--platform", "paper-b200-nvlink"], "required"),
+    (["bogus"], "invalid choice"),
+])
+def test_cli_errors_one_line_exit_2(capsys, argv, msg):
+    rc, out, err = _cli(capsys, *argv)
+    assert rc == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xstage: error:") and msg in lines[0]
+
+
+def test_console_entry_runs_as_module():
+    r = subprocess.run([sys.executable, "-m", "xstage", "profiles"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "paper-b200-nvlink" in r.stdout

@@ -1,0 +1,261 @@
+"""Design-test planner (Section 4.1): audit a kernel's burst volume and gap
+against a platform profile and pick an action — piggyback or reshape.
+
+Two audits, one per kernel of the paper:
+
+* :func:`plan_fa_a2a` — FlashAttention fused with the Ulysses post-attention
+  All-to-All (Section 4.3): V = K·b_m·d·s_out, gap = the next Q-loop.
+* :func:`plan_megamoe` — MegaMoE Combine bursts under the expert-wave and
+  interleaved schedules (Section 4.2): eq. 9, 12–14, 16.
+
+Both return plain dataclasses whose ``as_dict()`` is what ``xstage plan
+--json`` prints. The worst aligned case is used by default: all K = num_sms
+producers reach their tile boundary together (the paper's conservative
+audit); ``producers`` overrides K.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from . import model
+from .model import Platform
+
+__all__ = ["FAPlan", "MoEPlan", "plan_fa_a2a", "plan_megamoe"]
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return v
+
+
+@dataclass
+class FAPlan:
+    platform: str
+    seq_len: int
+    heads: int
+    head_dim: int
+    world: int
+    batch: int
+    tile_m: int
+    tile_n: int
+    out_bytes: int
+    producers: int
+    local_heads: int
+    tiles_per_rank: int
+    burst_waves: int
+    volume_bytes: int
+    t_iss0_s: float
+    recovery_gap_s: float
+    peak_outstanding_bytes: float
+    capacity_bytes: float
+    capacity_ok: bool
+    sigma_s: float | None
+    qloop_gap_s: float | None
+    m_star_ub: float | None
+    drain_stall_s: float | None
+    drain_residual_s: float | None
+    rate_ok: bool | None
+    verdict: str
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_fa_a2a(
+    platform: Platform,
+    *,
+    seq_len: int,
+    heads: int,
+    head_dim: int,
+    world: int,
+    batch: int = 1,
+    tile_m: int = 128,
+    tile_n: int = 128,
+    out_bytes: int = 2,
+    producers: int | None = None,
+    sigma: float | None = None,
+) -> FAPlan:
+    """Audit the piggybacked FA–A2A design (Section 4.3, eq. 10, 18–20).
+
+    ``seq_len`` is the global sequence length M and ``heads`` the total head
+    count H; each rank computes full-sequence attention for H/P heads.
+    ``sigma`` (seconds per KV tile) defaults to the platform's.
+    """
+    for name, v in (("seq_len", seq_len), ("heads", heads), ("head_dim", head_dim), ("world", world),
+                    ("batch", batch), ("tile_m", tile_m), ("tile_n", tile_n), ("out_bytes", out_bytes)):
+        _positive_int(name, v)
+    if heads % world:
+        raise ValueError(f"heads={heads} is not divisible by world={world} (Ulysses splits heads across ranks)")
+    if seq_len % world:
+        raise ValueError(f"seq_len={seq_len} is not divisible by world={world} (Ulysses splits the sequence)")
+    k = platform.num_sms if producers is None else _positive_int("producers", producers)
+    sigma = platform.sigma if sigma is None else sigma
+    if sigma is not None and not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma!r}")
+
+    local_heads = heads // world
+    tiles = batch * local_heads * math.ceil(seq_len / tile_m)
+    waves = math.ceil(tiles / k)
+    v = model.fa_burst_volume(k, tile_m, head_dim, out_bytes)
+    t0 = platform.t_iss0_at(k, v)
+    q = platform.q_at(k)
+    g_star = model.recovery_gap(v, platform.R, t0)
+    q_peak = model.peak_outstanding(v, platform.R, t0)
+    cap_ok = q_peak <= q
+    reasons = []
+    if not cap_ok:
+        reasons.append(f"capacity bound fails: peak outstanding {q_peak / 2**20:.2f} MiB > Q {q / 2**20:.2f} MiB;"
+                       " reduce the aligned burst (fewer aligned producers or smaller output tiles)")
+    gap = m_ub = stall = resid = None
+    rate_ok = None
+    if sigma is None:
+        reasons.append("no Q-loop slope sigma for this platform: rate bound not evaluated (give --sigma-us)")
+        verdict = "unknown" if cap_ok else "reshape"
+    else:
+        gap = model.qloop_gap(seq_len, tile_n, sigma)
+        m_ub = model.m_star_ub(v, platform.R, t0, sigma, tile_n)
+        stall = model.drain_stall(v, platform.R, t0, gap)
+        resid = model.drain_residual(waves, v, platform.R, t0, gap)
+        rate_ok = model.design_test(v, gap, platform.R, t0, q).rate_ok
+        if not rate_ok:
+            reasons.append(f"rate bound fails: Q-loop gap {gap * 1e6:.2f} us < G* {g_star * 1e6:.2f} us"
+                           f" (M < M*_ub = {m_ub:.0f})")
+        verdict = "piggyback" if (cap_ok and rate_ok) else "reshape"
+    if verdict == "piggyback":
+        reasons.append("both bounds of eq. 10 hold: the output-owning role can issue and resume;"
+                       " the next Q-loop drains the burst")
+    return FAPlan(
+        platform=platform.name, seq_len=seq_len, heads=heads, head_dim=head_dim, world=world, batch=batch,
+        tile_m=tile_m, tile_n=tile_n, out_bytes=out_bytes, producers=k, local_heads=local_heads,
+        tiles_per_rank=tiles, burst_waves=waves, volume_bytes=v, t_iss0_s=t0, recovery_gap_s=g_star,
+        peak_outstanding_bytes=q_peak, capacity_bytes=q, capacity_ok=cap_ok, sigma_s=sigma, qloop_gap_s=gap,
+        m_star_ub=m_ub, drain_stall_s=stall, drain_residual_s=resid, rate_ok=rate_ok, verdict=verdict,
+        reasons=reasons,
+    )
+
+
+@dataclass
+class MoEPlan:
+    platform: str
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    tokens_per_rank: int
+    world: int
+    block_m: int
+    block_n: int
+    out_bytes: int
+    producers: int
+    rows_per_expert: float
+    n1: int
+    n2: int
+    tile_volume_bytes: int
+    volume_bytes: int
+    t_iss0_s: float
+    t_l1_mma_s: float
+    t_l2_mma_s: float
+    mma_source: str
+    recovery_gap_s: float
+    wave_gap_s: float
+    wave_overhead_s: float
+    wave_rate_ratio: float
+    interleaved_gap_s: float
+    interleaved_overhead_s: float
+    interleaved_rate_ratio: float
+    interleave_sufficient: bool
+    capacity_ok: bool
+    d_knee_rows: float
+    verdict: str
+    reasons: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_megamoe(
+    platform: Platform,
+    *,
+    hidden: int,
+    intermediate: int,
+    experts: int,
+    topk: int,
+    tokens: int,
+    world: int,
+    block_m: int = 128,
+    block_n: int = 128,
+    out_bytes: int = 2,
+    producers: int | None = None,
+    t_l1_mma: float | None = None,
+    t_l2_mma: float | None = None,
+    dense_flops: float | None = None,
+) -> MoEPlan:
+    """Audit MegaMoE's Combine bursts (Section 4.2).
+
+    Mainloop times per tile, if not given, are estimated as the tile's
+    FLOPs over one SM's share of the dense rate (``dense_flops`` or the
+    platform's): T_L1 = 2·b_m·b_n·hidden / (F/num_sms), T_L2 likewise with
+    the intermediate size as reduction dimension.
+    """
+    for name, v in (("hidden", hidden), ("intermediate", intermediate), ("experts", experts), ("topk", topk),
+                    ("tokens", tokens), ("world", world), ("block_m", block_m), ("block_n", block_n),
+                    ("out_bytes", out_bytes)):
+        _positive_int(name, v)
+    if experts % world:
+        raise ValueError(f"experts={experts} is not divisible by world={world} (expert parallelism)")
+    if topk > experts:
+        raise ValueError(f"topk={topk} exceeds experts={experts}")
+    k = platform.num_sms if producers is None else _positive_int("producers", producers)
+    n1, n2 = model.tile_mix(hidden, intermediate, block_n)
+
+    if t_l1_mma is None or t_l2_mma is None:
+        flops = dense_flops if dense_flops is not None else platform.dense_flops
+        if flops is None:
+            raise ValueError(f"platform {platform.name!r} has no dense_tflops: give the mainloop times"
+                             " (--t-l1-us, --t-l2-us) or --dense-tflops")
+        per_sm = flops / platform.num_sms
+        est_l1 = 2.0 * block_m * block_n * hidden / per_sm
+        est_l2 = 2.0 * block_m * block_n * intermediate / per_sm
+        mma_source = f"estimated from {flops / 1e12:.0f} TFLOP/s dense over {platform.num_sms} SMs"
+        t_l1_mma = est_l1 if t_l1_mma is None else t_l1_mma
+        t_l2_mma = est_l2 if t_l2_mma is None else t_l2_mma
+    else:
+        mma_source = "given"
+
+    vt = block_m * block_n * out_bytes
+    v = k * vt
+    t0 = platform.t_iss0_at(k, v)
+    q = platform.q_at(k)
+    g_star = model.recovery_gap(v, platform.R, t0)
+    wave_dt = model.wave_overhead(v, platform.R, t0, t_l2_mma)
+    wave_test = model.design_test(v, t_l2_mma, platform.R, t0, q)
+    g_int = model.interleaved_gap(t_l2_mma, t_l1_mma, n1, n2)
+    int_dt = model.interleaved_overhead(v, platform.R, t0, t_l2_mma, t_l1_mma, n1, n2)
+    suff, int_ratio = model.interleave_sufficient(v, platform.R, t0, t_l2_mma, t_l1_mma, n1, n2)
+    knee = model.d_knee(block_n, k, intermediate)
+
+    reasons = []
+    if wave_test.rate_ok:
+        verdict = "expert-wave already backpressure-free"
+        reasons.append("eq. 10 holds for the expert-wave gap: nothing to reshape")
+    elif suff:
+        verdict = "interleave"
+        reasons.append("expert-wave violates the rate bound; eq. 14 holds: interleaving L1 tiles suffices")
+    else:
+        verdict = "interleave + reduce burst volume"
+        reasons.append("eq. 14 fails: interleaving alone leaves residual overhead; also shrink aligned bursts")
+    if not wave_test.capacity_ok:
+        reasons.append("capacity bound fails for one aligned burst")
+    return MoEPlan(
+        platform=platform.name, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
+        tokens_per_rank=tokens, world=world, block_m=block_m, block_n=block_n, out_bytes=out_bytes,
+        producers=k, rows_per_expert=tokens * world * topk / experts, n1=n1, n2=n2, tile_volume_bytes=vt,
+        volume_bytes=v, t_iss0_s=t0, t_l1_mma_s=t_l1_mma, t_l2_mma_s=t_l2_mma, mma_source=mma_source,
+        recovery_gap_s=g_star, wave_gap_s=t_l2_mma, wave_overhead_s=wave_dt, wave_rate_ratio=wave_test.rate_ratio,
+        interleaved_gap_s=g_int, interleaved_overhead_s=int_dt, interleaved_rate_ratio=int_ratio,
+        interleave_sufficient=suff, capacity_ok=wave_test.capacity_ok, d_knee_rows=knee, verdict=verdict,
+        reasons=reasons,
+    )
