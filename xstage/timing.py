@@ -54,6 +54,22 @@ def _check(**kw: int) -> None:
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
 
 
+def _event_trials(step: Callable[[], object], per_trial: int, trials: int) -> Timing:
+    """CUDA events around ``per_trial`` back-to-back calls of ``step``; one per-call sample per trial."""
+    import torch
+
+    samples = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(per_trial):
+            step()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / per_trial)
+    return Timing(samples)
+
+
 def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, trials: int = 21) -> Timing:
     """Median over ``trials`` of the mean per-call time of ``iters`` back-to-back calls."""
     import torch
@@ -62,16 +78,7 @@ def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, trials:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / iters)
-    return Timing(samples)
+    return _event_trials(fn, iters, trials)
 
 
 def bench_graph(fn: Callable[[], object], *, replays: int = 20, trials: int = 21, warmup: int = 3) -> Timing:
@@ -92,16 +99,7 @@ def bench_graph(fn: Callable[[], object], *, replays: int = 20, trials: int = 21
     for _ in range(warmup):
         g.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / replays)
-    return Timing(samples)
+    return _event_trials(g.replay, replays, trials)
 
 
 def ratio(a: Timing, b: Timing) -> float:
