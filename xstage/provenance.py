@@ -45,7 +45,7 @@ def git_commit(repo: str | Path | None = None) -> str | None:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10).stdout.strip()
-        if not sha:
+        if len(sha) != 40:  # e.g. a copied tree without history prints "HEAD"
             return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
                                capture_output=True, text=True, timeout=10).stdout.strip()
