@@ -54,6 +54,17 @@ def git_commit(repo: str | Path | None = None) -> str | None:
         return None
 
 
+def _commit() -> str | None:
+    """git_commit(), else the HEAD recorded in .xstage_commit (a tree copied without history)."""
+    sha = git_commit()
+    if sha:
+        return sha
+    f = Path(__file__).resolve().parent.parent / ".xstage_commit"
+    if f.is_file():
+        return f.read_text().strip() + " (from .xstage_commit; working tree may differ)"
+    return None
+
+
 def _nvidia_smi() -> dict[str, Any]:
     q = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw"
     try:
@@ -89,7 +100,7 @@ def collect(extra: dict | None = None) -> dict[str, Any]:
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "python": _platform.python_version(),
-        "commit": git_commit(),
+        "commit": _commit(),
         "packages": package_versions(),
     }
     d.update(_torch_gpu())
