@@ -1,0 +1,105 @@
+"""xstage.device: a tiny kernel using every helper compiles for sm_90a with the intended PTX (CPU)."""
+import re
+
+import pytest
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module")
+def helper_ptx():
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from xstage import device as xd
+    from xstage.cute_compile import compile_hopper, fake_stream
+
+    @cute.kernel
+    def probe(table: cute.Tensor, flags: cute.Tensor, out: cute.Tensor, err: cute.Tensor, timeout: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        t0 = xd.globaltimer_ns()
+        c0 = xd.clock64()
+        off = Int64(tidx) * 16
+        xd.store_v4_to_peer(table, bidx % 2, off, tidx, 1, 2, 3)
+        xd.store_v4_to_peer(table, bidx % 2, off + 4096, tidx, 1, 2, 3, "cs")
+        xd.store_v4(xd.peer_address(table, 0, off + 8192), tidx, 1, 2, 3, "no_allocate")
+        xd.grid_arrive_and_wait(flags.iterator, Int32(2), timeout, err.iterator, tidx)
+        if tidx == 0:
+            xd.store_release(flags.iterator + 1, 5, "gpu")
+            xd.red_add_release(flags.iterator + 2, 1, "sys")
+            xd.red_add_relaxed(flags.iterator + 4, 1, "gpu")
+            ok = xd.spin_wait_ge(flags.iterator + 1, Int32(5), timeout, err.iterator)
+            v = xd.load_acquire(flags.iterator + 3, "sys")
+            r = xd.load_relaxed(flags.iterator + 5, "gpu")
+            out[bidx, 0] = xd.globaltimer_ns() - t0 + Int64(v) + Int64(r) + Int64(ok)
+            out[bidx, 1] = xd.clock64() - c0
+            out[bidx, 2] = Int64(xd.smid())
+
+    @cute.jit
+    def launch(table, flags, out, err, timeout: Int64, stream):
+        probe(table, flags, out, err, timeout).launch(grid=[2, 1, 1], block=[128, 1, 1], stream=stream)
+
+    mk = cute.runtime.make_fake_compact_tensor
+    c = compile_hopper(
+        launch, mk(Int64, (2,), assumed_align=16), mk(Int32, (8,), assumed_align=16), mk(Int64, (2, 3)),
+        mk(Int32, (1,)), Int64(0), fake_stream(), keep_ptx=True,
+    )
+    assert c.ptx, "no PTX produced"
+    return c.ptx
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"\.target sm_90a",
+        r"st\.global\.v4\.b32",
+        r"st\.global\.cs\.v4\.b32",
+        r"st\.global\.L1::no_allocate\.v4\.b32",
+        r"ld\.global(\.nc)?\.b64|ld\.global(\.nc)?\.u64",  # peer table load
+        r"mov\.u64\s+%rd\d+, %globaltimer",
+        r"mov\.u64\s+%rd\d+, %clock64",
+        r"mov\.u32\s+%r\d+, %smid",
+        r"st\.release\.gpu\.global\.b32",
+        r"red\.release\.sys\.global\.add\.s32",
+        r"red\.relaxed\.gpu\.global\.add\.s32",
+        r"ld\.acquire\.gpu\.global\.b32",
+        r"ld\.acquire\.sys\.global\.b32",
+        r"ld\.relaxed\.gpu\.global\.b32",
+        r"atom(\.relaxed\.gpu)?\.global\.or\.b32",
+        r"bar\.sync",
+    ],
+)
+def test_helper_ptx_contains(helper_ptx, pattern):
+    assert re.search(pattern, helper_ptx), f"PTX lacks {pattern}"
+
+
+def test_store_v4_rejects_unknown_cache_hint():
+    import cutlass.cute as cute
+    from cutlass import Int64
+
+    from xstage import device as xd
+    from xstage.cute_compile import compile_hopper, fake_stream
+
+    @cute.kernel
+    def bad(table: cute.Tensor):
+        xd.store_v4(Int64(table[0]), 1, 2, 3, 4, "evict_everything")
+
+    @cute.jit
+    def launch(table, stream):
+        bad(table).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    with pytest.raises(Exception, match="cache must be one of"):
+        compile_hopper(launch, cute.runtime.make_fake_compact_tensor(Int64, (1,), assumed_align=16), fake_stream())
+
+
+def test_raise_on_device_error():
+    import torch
+
+    from xstage import device as xd
+
+    xd.raise_on_device_error(torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(xd.DeviceError, match="spin-wait timed out"):
+        xd.raise_on_device_error(torch.tensor([xd.ERR_SPIN_TIMEOUT], dtype=torch.int32), "k")
+    with pytest.raises(xd.DeviceError, match="grid barrier"):
+        xd.raise_on_device_error(xd.ERR_BARRIER_TIMEOUT | 8)

@@ -1,0 +1,296 @@
+"""CuTe DSL device helpers shared by every xstage kernel.
+
+One place for the few PTX-level operations the kernels need, each a thin
+wrapper over ``cute.arch`` so the emitted instruction is explicit:
+
+===========================  ===============================================
+helper                        PTX (sm_90a)
+===========================  ===============================================
+``peer_address``              ``ld.global.b64`` of ``peer_table[dst]`` + add
+``store_v4``                  ``st.global.v4.b32`` (``.cs`` / ``L1::no_allocate``
+                              variants via ``cache``)
+``store_v4_to_peer``          both of the above
+``globaltimer_ns``            ``mov.u64 %rd, %globaltimer`` (ns, GPU-wide)
+``clock64``                   ``mov.u64 %rd, %clock64`` (SM cycles, per SM)
+``smid``                      ``mov.u32 %r, %smid``
+``load_acquire``              ``ld.acquire.{gpu,sys}.global.b32``
+``load_relaxed``              ``ld.relaxed.{gpu,sys}.global.b32``
+``store_release``             ``st.release.{gpu,sys}.global.b32``
+``red_add_release``           ``red.release.{gpu,sys}.global.add.s32``
+``red_add_relaxed``           ``red.relaxed.{gpu,sys}.global.add.s32``
+``spin_wait_ge``              bounded acquire/relaxed poll; on timeout it
+                              ``atom.or``s an error code into an error flag
+``grid_arrive_and_wait``      one-thread-per-CTA counter barrier built on
+                              ``red_add_relaxed`` + ``spin_wait_ge``
+===========================  ===============================================
+
+Conventions
+-----------
+* Remote (peer) addresses are plain ``Int64`` virtual addresses: a rank's
+  peer table is an int64 tensor ``[P]`` built by :mod:`xstage.world`, and
+  ``peer_table[dst] + byte_offset`` is a generic address that the SM can
+  store to (NVLink peer mapping, symmetric memory, or pinned host memory
+  under UVA).  Addresses must be 16-byte aligned for ``store_v4``: the
+  helper promises alignment to the compiler, it does not check it (the
+  host checks offsets before launch).
+* Flags are ``Int32`` words addressed by a ``cute.Pointer`` (e.g.
+  ``flags.iterator + i``) in global memory.
+* Every spin is bounded: ``spin_wait_ge`` gives up after ``timeout_ns`` of
+  ``%globaltimer`` time, records ``error_code`` in an error word with an
+  atomic OR and returns ``False``.  The host reads the error word after the
+  kernel and raises (see :func:`raise_on_device_error`).  Kernels must not
+  loop on a wait that can fail.
+* ``%globaltimer`` is GPU-wide and comparable across SMs, but its update
+  granularity is implementation-defined (calibrate it); ``%clock64`` counts
+  the SM's own cycles and is only comparable within one SM.
+"""
+from __future__ import annotations
+
+
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32, Int64, const_expr
+from cutlass.base_dsl.typing import Vector
+from cutlass.cutlass_dsl import dsl_user_op
+
+__all__ = [
+    "STORE_CACHE_HINTS",
+    "ERR_SPIN_TIMEOUT",
+    "ERR_BARRIER_TIMEOUT",
+    "peer_address",
+    "store_v4",
+    "store_v4_to_peer",
+    "globaltimer_ns",
+    "clock64",
+    "smid",
+    "load_acquire",
+    "load_relaxed",
+    "store_release",
+    "red_add_release",
+    "red_add_relaxed",
+    "atomic_or_relaxed",
+    "spin_wait_ge",
+    "grid_arrive_and_wait",
+    "raise_on_device_error",
+    "DeviceError",
+]
+
+# Cache hints accepted by ``store_v4``: None (plain write-back store),
+# "cs" (streaming, evict-first) and "no_allocate" (do not allocate in L1).
+STORE_CACHE_HINTS = (None, "cs", "no_allocate")
+
+# Error codes written (OR-ed) into a kernel's error word.  Bit flags, so that
+# several failures in one launch stay distinguishable.
+ERR_SPIN_TIMEOUT = 1
+ERR_BARRIER_TIMEOUT = 2
+
+
+class DeviceError(RuntimeError):
+    """A kernel reported a failure through its error word."""
+
+
+_ERROR_NAMES = {
+    ERR_SPIN_TIMEOUT: "bounded spin-wait timed out (a flag never reached its target)",
+    ERR_BARRIER_TIMEOUT: "grid barrier timed out (CTAs not co-resident, or a producer stalled)",
+}
+
+
+def raise_on_device_error(error_word, what: str = "kernel") -> None:
+    """Raise :class:`DeviceError` if a kernel's int32 error word is non-zero.
+
+    ``error_word``: a torch tensor (any device) whose first element is the
+    error word, or an int.  Call after synchronizing with the kernel.
+    """
+    code = int(error_word.reshape(-1)[0].item()) if hasattr(error_word, "reshape") else int(error_word)
+    if code == 0:
+        return
+    names = [msg for bit, msg in _ERROR_NAMES.items() if code & bit]
+    unknown = code & ~sum(_ERROR_NAMES)
+    if unknown:
+        names.append(f"unknown error bits 0x{unknown:x}")
+    raise DeviceError(f"{what}: device error 0x{code:x}: " + "; ".join(names))
+
+
+# ---------------------------------------------------------------------------
+# Addresses and 16-byte stores
+# ---------------------------------------------------------------------------
+
+
+@dsl_user_op
+def peer_address(peer_table: cute.Tensor, dst, byte_offset, *, loc=None, ip=None) -> Int64:
+    """Return ``peer_table[dst] + byte_offset`` as an Int64 virtual address.
+
+    ``peer_table``: int64 tensor ``[P]`` of per-rank base addresses as seen
+    from the calling rank (see :meth:`xstage.world.SymmetricTensor.peer_table`).
+    """
+    return Int64(peer_table[dst]) + Int64(byte_offset)
+
+
+@dsl_user_op
+def store_v4(address, w0, w1, w2, w3, cache: cutlass.Constexpr = None, *, loc=None, ip=None) -> None:
+    """16-byte store ``st.global[.cs|.L1::no_allocate].v4.b32 [address], {w0..w3}``.
+
+    ``address``: Int64 generic address, 16-byte aligned (promised to the
+    compiler, not checked).  ``cache``: one of :data:`STORE_CACHE_HINTS`.
+    """
+    if const_expr(cache not in STORE_CACHE_HINTS):
+        raise ValueError(f"cache must be one of {STORE_CACHE_HINTS}, got {cache!r}")
+    ptr = cute.make_ptr(Int32, Int64(address), cute.AddressSpace.gmem, assumed_align=16, loc=loc, ip=ip)
+    vec = Vector.from_elements(
+        (Int32(w0), Int32(w1), Int32(w2), Int32(w3)), Int32, loc=loc, ip=ip
+    ).ir_value()
+    if const_expr(cache == "cs"):
+        cute.arch.store(ptr.llvm_ptr, vec, cop="cs", loc=loc, ip=ip)
+    elif const_expr(cache == "no_allocate"):
+        cute.arch.store(ptr.llvm_ptr, vec, level1_eviction_priority="evict_no_allocate", loc=loc, ip=ip)
+    else:
+        cute.arch.store(ptr.llvm_ptr, vec, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store_v4_to_peer(
+    peer_table: cute.Tensor, dst, byte_offset, w0, w1, w2, w3, cache: cutlass.Constexpr = None, *, loc=None, ip=None
+) -> None:
+    """16-byte store of ``{w0..w3}`` to ``peer_table[dst] + byte_offset``."""
+    store_v4(peer_address(peer_table, dst, byte_offset, loc=loc, ip=ip), w0, w1, w2, w3, cache, loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------------------
+# Timers
+# ---------------------------------------------------------------------------
+
+
+@dsl_user_op
+def globaltimer_ns(*, loc=None, ip=None) -> Int64:
+    """``%globaltimer``: GPU-wide nanosecond timer (coarse update step; calibrate)."""
+    return cute.arch.globaltimer(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def clock64(*, loc=None, ip=None) -> Int64:
+    """``%clock64``: this SM's cycle counter (not comparable across SMs)."""
+    return cute.arch.clock64(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def smid(*, loc=None, ip=None) -> Int32:
+    """``%smid``: the SM this thread runs on."""
+    return cute.arch.smid(loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------------------
+# Int32 flags: acquire/release loads, stores and reductions
+# ---------------------------------------------------------------------------
+
+
+def _check_scope(scope: str) -> None:
+    if scope not in ("gpu", "sys"):
+        raise ValueError(f"flag scope must be 'gpu' or 'sys', got {scope!r}")
+
+
+@dsl_user_op
+def load_acquire(flag: cute.Pointer, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> Int32:
+    """``ld.acquire.<scope>.global.b32``: later accesses are ordered after it."""
+    _check_scope(scope)
+    return cute.arch.load(flag.llvm_ptr, Int32, sem="acquire", scope=scope, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_relaxed(flag: cute.Pointer, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> Int32:
+    """``ld.relaxed.<scope>.global.b32``: a coherent poll with no ordering."""
+    _check_scope(scope)
+    return cute.arch.load(flag.llvm_ptr, Int32, sem="relaxed", scope=scope, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def store_release(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> None:
+    """``st.release.<scope>.global.b32``: publishes this thread's earlier writes."""
+    _check_scope(scope)
+    cute.arch.store(flag.llvm_ptr, Int32(value), sem="release", scope=scope, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_release(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> None:
+    """``red.release.<scope>.global.add.s32``: fire-and-forget counter publish."""
+    _check_scope(scope)
+    cute.arch.red(flag.llvm_ptr, Int32(value), op="add", dtype=Int32, sem="release", scope=scope, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_relaxed(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> None:
+    """``red.relaxed.<scope>.global.add.s32``: counter bump that orders nothing.
+
+    Used where only the *time* of arrival matters (timing barriers), so that
+    the arrival does not wait for this thread's outstanding stores.
+    """
+    _check_scope(scope)
+    cute.arch.red(flag.llvm_ptr, Int32(value), op="add", dtype=Int32, sem="relaxed", scope=scope, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atomic_or_relaxed(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> Int32:
+    """``atom.relaxed.<scope>.global.or.b32``; returns the old value."""
+    _check_scope(scope)
+    return cute.arch.atomic_or(flag.llvm_ptr, Int32(value), sem="relaxed", scope=scope, loc=loc, ip=ip)
+
+
+@cute.jit
+def spin_wait_ge(
+    flag: cute.Pointer,
+    target: Int32,
+    timeout_ns: Int64,
+    error_word: cute.Pointer,
+    error_code: cutlass.Constexpr = ERR_SPIN_TIMEOUT,
+    acquire: cutlass.Constexpr = True,
+    scope: cutlass.Constexpr = "gpu",
+) -> Boolean:
+    """Poll ``*flag >= target`` for at most ``timeout_ns`` (``%globaltimer``).
+
+    Returns True when the flag reached the target.  On timeout it ORs
+    ``error_code`` into ``*error_word`` and returns False; the caller must
+    then skip the work that depended on the flag (never loop again), and the
+    host raises after the kernel (:func:`raise_on_device_error`).
+    ``acquire=False`` polls with relaxed loads (timing-only waits).  Call from
+    one thread; follow with a CTA barrier if the whole CTA depends on it.
+    """
+    deadline = globaltimer_ns() + timeout_ns
+    value = Int32(0)
+    if const_expr(acquire):
+        value = load_acquire(flag, scope)
+    else:
+        value = load_relaxed(flag, scope)
+    timed_out = Boolean(False)
+    while value < target and not timed_out:
+        if globaltimer_ns() > deadline:
+            timed_out = Boolean(True)
+        else:
+            if const_expr(acquire):
+                value = load_acquire(flag, scope)
+            else:
+                value = load_relaxed(flag, scope)
+    ok = Boolean(True)
+    if timed_out:
+        atomic_or_relaxed(error_word, Int32(error_code), "gpu")
+        ok = Boolean(False)
+    return ok
+
+
+@cute.jit
+def grid_arrive_and_wait(
+    counter: cute.Pointer,
+    target: Int32,
+    timeout_ns: Int64,
+    error_word: cute.Pointer,
+    tidx: Int32,
+) -> None:
+    """Counter barrier across CTAs: thread 0 adds 1 to ``*counter`` and waits
+    until it reaches ``target`` (e.g. ``num_ctas * (round + 1)``), then the CTA
+    syncs.  Relaxed ordering: the barrier aligns *time*, it publishes no data.
+    Requires every participating CTA to be co-resident; a missing CTA turns
+    into :data:`ERR_BARRIER_TIMEOUT` instead of a hang.
+    """
+    if tidx == 0:
+        red_add_relaxed(counter, Int32(1), "gpu")
+        spin_wait_ge(counter, target, timeout_ns, error_word, ERR_BARRIER_TIMEOUT, False, "gpu")
+    cute.arch.sync_threads()

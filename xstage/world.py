@@ -1,0 +1,465 @@
+"""Peer-memory worlds: symmetric allocations and per-rank peer address tables.
+
+Every multi-rank kernel in xstage reaches other ranks' memory the same way: a
+rank ``r`` gets an int64 table ``peer_table(r)[j]`` = base address of rank
+``j``'s copy of a symmetric buffer *as seen from rank r*, and stores to
+``peer_table(r)[j] + byte_offset`` (see ``xstage.device.store_v4_to_peer``).
+Three backends provide such tables:
+
+``loopback``
+    One process, one GPU, ``P`` simulated ranks.  Every rank's buffer is a
+    separate device allocation; a kernel "for rank r" is launched once per
+    ``r`` with ``peer_table(r)``.  Ranks run one after another, so a wait
+    inside one kernel on another rank's progress can never be satisfied here.
+``host``
+    Like loopback, but every rank's buffer is pinned host memory (page-locked,
+    mapped into the device address space; with UVA the host pointer is the
+    device pointer).  Stores from a kernel cross PCIe: a real interconnect
+    with finite outstanding capacity on a single-GPU host.
+``torch-symm``
+    One process per GPU (torchrun, NCCL).  Buffers come from
+    ``torch.distributed._symmetric_memory.empty`` + ``rendezvous``; the peer
+    table holds the peer mappings of *this tensor* (allocation base + the
+    tensor's offset inside it, see :func:`symm_peer_addresses`).
+
+Contract (other packages code against it)::
+
+    world = make_world("loopback" | "host" | "torch-symm", world_size=P, device=None)
+    world.world_size, world.backend, world.local_ranks, world.device
+    world.barrier()
+    buf = world.alloc(shape, dtype)          # SymmetricTensor
+    buf.local(r)       # rank r's own buffer (torch.Tensor on world.device)
+    buf.peer_table(r)  # int64 CUDA tensor [P] of base addresses seen from r
+    buf.fill_(value)   # poison every local copy
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "BACKENDS",
+    "ADDRESS_ALIGN",
+    "World",
+    "LoopbackWorld",
+    "HostWorld",
+    "TorchSymmWorld",
+    "SymmetricTensor",
+    "make_world",
+    "symm_peer_addresses",
+    "check_peer_table",
+]
+
+BACKENDS = ("loopback", "host", "torch-symm")
+
+# Every base address handed to a kernel is at least this aligned (16-byte
+# vector stores need 16; we promise more so kernels can assume it).
+ADDRESS_ALIGN = 16
+
+ShapeLike = Union[int, Sequence[int]]
+
+
+def _normalize_shape(shape: ShapeLike) -> Tuple[int, ...]:
+    if isinstance(shape, bool):
+        raise TypeError("shape must be an int or a sequence of ints, got a bool")
+    if isinstance(shape, int):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    if not dims:
+        raise ValueError("shape must have at least one dimension")
+    for d in dims:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"shape entries must be ints, got {d!r} in {shape!r}")
+        if d < 1:
+            raise ValueError(f"shape entries must be >= 1, got {shape!r}")
+    return dims
+
+
+def _check_dtype(dtype) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def check_peer_table(table: torch.Tensor, world_size: int, device: Optional[torch.device] = None) -> None:
+    """Raise ValueError unless ``table`` is a valid peer table for ``world_size`` ranks.
+
+    Kernels call this before launching: int64, 1-D, ``world_size`` entries,
+    on ``device`` (when given), every address non-zero and 16-byte aligned.
+    """
+    if not isinstance(table, torch.Tensor):
+        raise TypeError(f"peer table must be a torch.Tensor, got {type(table).__name__}")
+    if table.dtype != torch.int64:
+        raise ValueError(f"peer table must be int64, got {table.dtype}")
+    if table.dim() != 1 or table.numel() != world_size:
+        raise ValueError(f"peer table must have shape [{world_size}], got {list(table.shape)}")
+    if device is not None and table.device != torch.device(device):
+        raise ValueError(f"peer table is on {table.device}, expected {device}")
+    addrs = table.tolist()
+    for j, a in enumerate(addrs):
+        if a == 0 or a % ADDRESS_ALIGN:
+            raise ValueError(f"peer table entry {j} = 0x{a:x} is null or not {ADDRESS_ALIGN}-byte aligned")
+
+
+def symm_peer_addresses(
+    buffer_ptrs: Sequence[int], rank: int, local_ptr: int, nbytes: int, buffer_size: Optional[int] = None
+) -> List[int]:
+    """Per-peer addresses of a tensor inside a torch symmetric-memory allocation.
+
+    ``buffer_ptrs`` are the handle's per-rank mapped *allocation* bases (with
+    the implicit memory pool a tensor may sit at an offset inside its
+    allocation); ``local_ptr`` is this rank's ``tensor.data_ptr()``.  The
+    tensor lives at the same offset in every rank's allocation, so peer ``j``
+    sees it at ``buffer_ptrs[j] + (local_ptr - buffer_ptrs[rank])``.  This is
+    also right when a torch version already folds the offset into
+    ``buffer_ptrs`` (the offset is then 0).
+    """
+    P = len(buffer_ptrs)
+    if P < 1:
+        raise ValueError("buffer_ptrs is empty")
+    if not 0 <= rank < P:
+        raise ValueError(f"rank {rank} out of range for {P} buffer pointers")
+    if int(buffer_ptrs[rank]) == 0:
+        raise ValueError(f"buffer_ptrs[{rank}] is null")
+    offset = int(local_ptr) - int(buffer_ptrs[rank])
+    if offset < 0:
+        raise ValueError(
+            f"tensor at 0x{local_ptr:x} lies before its allocation base 0x{buffer_ptrs[rank]:x}: "
+            "not a tensor of this symmetric-memory handle"
+        )
+    if buffer_size is not None and offset + nbytes > buffer_size:
+        raise ValueError(
+            f"tensor [offset {offset}, {nbytes} bytes] exceeds the symmetric buffer ({buffer_size} bytes)"
+        )
+    addrs = []
+    for j, base in enumerate(buffer_ptrs):
+        if int(base) == 0:
+            raise ValueError(f"buffer_ptrs[{j}] is null (peer not mapped)")
+        a = int(base) + offset
+        if a % ADDRESS_ALIGN:
+            raise ValueError(f"peer {j} address 0x{a:x} is not {ADDRESS_ALIGN}-byte aligned")
+        addrs.append(a)
+    return addrs
+
+
+class SymmetricTensor:
+    """One buffer of identical shape/dtype on every rank, with peer tables.
+
+    Created by :meth:`World.alloc`.  ``local(r)`` is rank r's own copy;
+    ``peer_table(r)`` the int64 device table of every rank's base address as
+    seen from rank r; ``addresses(r)`` the same as Python ints.
+    """
+
+    def __init__(
+        self,
+        world: "World",
+        shape: Tuple[int, ...],
+        dtype: torch.dtype,
+        locals_: Dict[int, torch.Tensor],
+        addresses: Dict[int, List[int]],
+        keepalive: Sequence[object] = (),
+        host_copies: Optional[Dict[int, torch.Tensor]] = None,
+    ):
+        self.world = world
+        self.shape = shape
+        self.dtype = dtype
+        self._locals = locals_
+        self._addresses = addresses
+        self._tables: Dict[int, torch.Tensor] = {}
+        self._keepalive = list(keepalive)  # owners of the memory (host pinned buffers, symm handles)
+        self._host = host_copies or {}
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def _check_rank(self, r: int) -> None:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise TypeError(f"rank must be an int, got {r!r}")
+        if r not in self.world.local_ranks:
+            raise ValueError(
+                f"rank {r} is not local to this process (local ranks: {self.world.local_ranks}, "
+                f"backend {self.world.backend})"
+            )
+
+    def local(self, r: int) -> torch.Tensor:
+        """Rank r's own buffer (a separate allocation per rank in loopback/host).
+
+        ``host`` backend: a CUDA tensor aliasing the pinned host memory when
+        torch accepts the mapping (else the pinned CPU tensor itself).
+        """
+        self._check_rank(r)
+        return self._locals[r]
+
+    def host(self, r: int) -> torch.Tensor:
+        """``host`` backend only: rank r's pinned CPU tensor (same memory as ``local(r)``)."""
+        self._check_rank(r)
+        if r not in self._host:
+            raise ValueError(f"backend {self.world.backend!r} has no host copy")
+        return self._host[r]
+
+    def addresses(self, r: int) -> List[int]:
+        """Every rank's base address as seen from rank r (Python ints)."""
+        self._check_rank(r)
+        return list(self._addresses[r])
+
+    def peer_table(self, r: int) -> torch.Tensor:
+        """int64 tensor [P] on the world's device: base address of every rank's buffer seen from r."""
+        self._check_rank(r)
+        if r not in self._tables:
+            self._tables[r] = torch.tensor(self._addresses[r], dtype=torch.int64, device=self.world.device)
+        return self._tables[r]
+
+    def fill_(self, value) -> "SymmetricTensor":
+        """Fill (poison) every local copy with ``value``."""
+        for r in self.world.local_ranks:
+            self._locals[r].fill_(value)
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"SymmetricTensor(shape={self.shape}, dtype={self.dtype}, backend={self.world.backend}, "
+            f"world_size={self.world.world_size})"
+        )
+
+
+class World:
+    """Base class: ``world_size`` ranks, of which ``local_ranks`` live in this process."""
+
+    backend: str = ""
+
+    def __init__(self, world_size: int, device: torch.device):
+        self.world_size = world_size
+        self.device = device
+
+    @property
+    def local_ranks(self) -> List[int]:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size}, device={self.device})"
+
+
+class LoopbackWorld(World):
+    """P simulated ranks in one process on one device; one allocation per rank."""
+
+    backend = "loopback"
+
+    @property
+    def local_ranks(self) -> List[int]:
+        return list(range(self.world_size))
+
+    def barrier(self) -> None:
+        # All ranks share one process and stream order; a device sync makes
+        # every rank's previous kernels complete.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+        shape = _normalize_shape(shape)
+        dtype = _check_dtype(dtype)
+        locals_ = {r: torch.empty(shape, dtype=dtype, device=self.device) for r in self.local_ranks}
+        ptrs = [locals_[r].data_ptr() for r in self.local_ranks]
+        for r, p in enumerate(ptrs):
+            if p % ADDRESS_ALIGN:
+                raise RuntimeError(f"allocation for rank {r} is not {ADDRESS_ALIGN}-byte aligned (0x{p:x})")
+        return SymmetricTensor(self, shape, dtype, locals_, {r: list(ptrs) for r in self.local_ranks})
+
+
+class _CudaArrayView:
+    """Minimal ``__cuda_array_interface__`` over a device-visible address (bytes)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: object):
+        self._owner = owner  # keeps the pinned allocation alive as long as the view
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _host_device_pointer(ptr: int) -> Optional[int]:
+    """cudaHostGetDevicePointer for a pinned host pointer, if cuda-python is present (else None)."""
+    try:
+        from cuda.bindings import runtime as cudart  # type: ignore
+    except Exception:
+        return None
+    try:
+        err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
+    except Exception:
+        return None
+    if int(err) != 0:
+        return None
+    return int(dptr)
+
+
+class HostWorld(World):
+    """P ranks whose buffers are pinned, device-mapped host memory (stores go over PCIe)."""
+
+    backend = "host"
+
+    def __init__(self, world_size: int, device: torch.device):
+        super().__init__(world_size, device)
+        self.uva_checks: List[str] = []
+
+    @property
+    def local_ranks(self) -> List[int]:
+        return list(range(self.world_size))
+
+    def barrier(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+        shape = _normalize_shape(shape)
+        dtype = _check_dtype(dtype)
+        host: Dict[int, torch.Tensor] = {}
+        locals_: Dict[int, torch.Tensor] = {}
+        addrs: List[int] = []
+        keep: List[object] = []
+        with torch.cuda.device(self.device):
+            for r in self.local_ranks:
+                h = torch.empty(shape, dtype=dtype, pin_memory=True)
+                ptr = h.data_ptr()
+                if ptr % ADDRESS_ALIGN:
+                    raise RuntimeError(f"pinned allocation for rank {r} is not {ADDRESS_ALIGN}-byte aligned")
+                # With UVA (every 64-bit CUDA platform) a pinned host pointer is
+                # also its device pointer; check when cuda-python can tell.
+                dptr = _host_device_pointer(ptr)
+                if dptr is not None:
+                    if dptr != ptr:
+                        raise RuntimeError(
+                            f"pinned memory is mapped at 0x{dptr:x} on the device, host 0x{ptr:x}: no UVA"
+                        )
+                    self.uva_checks.append(f"rank {r}: cudaHostGetDevicePointer == host pointer")
+                nbytes = h.numel() * h.element_size()
+                try:
+                    dev_view = torch.as_tensor(_CudaArrayView(ptr, nbytes, h), device=self.device)
+                    dev_view = dev_view.view(dtype).view(shape)
+                except Exception:  # torch refused the mapping: fall back to the CPU tensor
+                    dev_view = h
+                host[r] = h
+                locals_[r] = dev_view
+                addrs.append(ptr)
+                keep.append(h)
+        return SymmetricTensor(
+            self, shape, dtype, locals_, {r: list(addrs) for r in self.local_ranks}, keep, host
+        )
+
+
+class TorchSymmWorld(World):
+    """One rank per process: torch.distributed + torch symmetric memory.
+
+    ``dist``/``symm_mem`` are injectable for tests (defaults:
+    ``torch.distributed`` and ``torch.distributed._symmetric_memory``).
+    """
+
+    backend = "torch-symm"
+
+    def __init__(self, world_size: int, device: torch.device, group=None, dist=None, symm_mem=None):
+        if dist is None:
+            import torch.distributed as dist  # noqa: F811
+        if symm_mem is None:
+            import torch.distributed._symmetric_memory as symm_mem  # noqa: F811
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch-symm world needs an initialized torch.distributed process group "
+                "(run under torchrun and call dist.init_process_group('nccl') first)"
+            )
+        actual = dist.get_world_size(group)
+        if actual != world_size:
+            raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
+        super().__init__(world_size, device)
+        self._dist = dist
+        self._symm = symm_mem
+        self.group = group
+        self.rank = dist.get_rank(group)
+
+    @property
+    def local_ranks(self) -> List[int]:
+        return [self.rank]
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._dist.barrier(group=self.group)
+
+    def _group_arg(self):
+        if self.group is not None:
+            return self.group
+        return self._dist.group.WORLD
+
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+        shape = _normalize_shape(shape)
+        dtype = _check_dtype(dtype)
+        t = self._symm.empty(shape, dtype=dtype, device=self.device)
+        hdl = self._symm.rendezvous(t, self._group_arg())
+        if hdl.world_size != self.world_size:
+            raise RuntimeError(f"symmetric handle has world_size {hdl.world_size}, expected {self.world_size}")
+        if hdl.rank != self.rank:
+            raise RuntimeError(f"symmetric handle rank {hdl.rank} != process rank {self.rank}")
+        nbytes = t.numel() * t.element_size()
+        addrs = symm_peer_addresses(
+            list(hdl.buffer_ptrs), self.rank, t.data_ptr(), nbytes, getattr(hdl, "buffer_size", None)
+        )
+        return SymmetricTensor(self, shape, dtype, {self.rank: t}, {self.rank: addrs}, keepalive=[hdl])
+
+
+def _resolve_device(device, backend: str) -> torch.device:
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend {backend!r} needs a CUDA device (none visible)")
+        if backend == "torch-symm" and "LOCAL_RANK" in os.environ:
+            return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend {backend!r}: CUDA device {dev} requested but CUDA is not available")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+    if dev.type == "cpu" and backend == "loopback":
+        # Host-side testing of addressing only: tables live on the CPU, no kernel can run.
+        return dev
+    raise ValueError(f"backend {backend!r} needs a CUDA device, got {dev}")
+
+
+def make_world(backend: str, world_size: int = 1, device=None, **kwargs) -> World:
+    """Create a peer-memory world.
+
+    backend: ``"loopback"`` | ``"host"`` | ``"torch-symm"`` (see module doc).
+    world_size: number of ranks P (>= 1).  device: a CUDA device (default: the
+    current one).  ``loopback`` also accepts ``device="cpu"`` for host-side
+    tests of the addressing (tables on the CPU; nothing can be launched).
+    ``torch-symm`` accepts ``group=`` (default: the world group).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend != "torch-symm" and kwargs:
+        raise TypeError(f"unexpected arguments for backend {backend!r}: {sorted(kwargs)}")
+    dev = _resolve_device(device, backend)
+    if backend == "loopback":
+        return LoopbackWorld(world_size, dev)
+    if backend == "host":
+        return HostWorld(world_size, dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return TorchSymmWorld(world_size, dev, **kwargs)
