@@ -1,0 +1,158 @@
+"""Ulysses sequence-parallel attention for DiT stacks, with the post-attention A2A fused.
+
+``ulysses_attention(q, k, v, world)`` takes sequence-sharded ``[B, S/P, H, D]`` tensors
+(yunchang / xDiT layout), does the pre-attention All-to-All, then one fused FlashAttention +
+post-All-to-All launch per local rank, and returns ``[B, S/P, H, D]``.
+
+World backends (``xstage.world``):
+  * ``loopback`` / ``host``: all P ranks live in this process; ``q, k, v`` are sequences of P
+    tensors (one per rank) and the result is a list of P tensors.  Launches run in rank order on
+    the current stream, so stream order completes every rank's output (no cross-rank wait).
+  * ``torch-symm``: one rank per process; ``q, k, v`` are tensors; the pre-A2A is
+    ``all_to_all_single`` on ``world.group`` (default group if absent) and a ``world.barrier()``
+    after the launch makes peers' stores visible.
+
+The outputs are views of a per-shape destination workspace (symmetric memory in multi-process
+worlds): they stay valid until the next call that uses the same workspace.  Everything is
+asynchronous and CUDA-graph capturable once a shape has been seen (the first call compiles and
+allocates; capture after a warm-up call).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from fa4_a2a import ops  # noqa: F401  (registers torch.ops.fa4_a2a.*)
+from fa4_a2a.baselines import a2a_all_to_all_single_pre
+from fa4_a2a.reference import seq_to_head_shards
+from fa4_a2a.validate import Fa4A2AInputError, check_sequence_sharded
+
+Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
+class UlyssesWorkspace:
+    """Destination buffers [B, S/P, H, D] (one per rank, world-allocated) + per-rank peer tables."""
+
+    def __init__(self, world, shape: Sequence[int], dtype: torch.dtype):
+        B, C, H, D = shape
+        P = world.world_size
+        self.world = world
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.dest = world.alloc(tuple(shape), dtype)
+        head_bytes = (H // P) * D * torch.empty((), dtype=dtype).element_size()
+        # Fold this rank's head offset into its table: the kernel needs no rank (see kernel.py).
+        self.tables = {r: (self.dest.peer_table(r) + r * head_bytes).contiguous() for r in world.local_ranks}
+
+    def out(self, rank: int) -> torch.Tensor:
+        return self.dest.local(rank)
+
+
+_workspaces: dict = {}
+
+
+def get_workspace(world, shape, dtype) -> UlyssesWorkspace:
+    key = (id(world), tuple(shape), dtype)
+    ws = _workspaces.get(key)
+    if ws is None or ws.world is not world:
+        ws = UlyssesWorkspace(world, shape, dtype)
+        _workspaces[key] = ws
+    return ws
+
+
+def _as_rank_list(x: Tensors, world, name: str) -> list[torch.Tensor]:
+    P = world.world_size
+    multi = len(world.local_ranks) > 1 or world.backend in ("loopback", "host")
+    if isinstance(x, torch.Tensor):
+        if multi and P > 1:
+            raise Fa4A2AInputError(
+                f"{name}: the {world.backend} world holds all {P} ranks in this process; pass a "
+                f"sequence of {P} tensors [B, S/P, H, D]"
+            )
+        return [x]
+    xs = list(x)
+    if len(xs) != len(world.local_ranks):
+        raise Fa4A2AInputError(f"{name}: expected {len(world.local_ranks)} tensors (one per local rank), got {len(xs)}")
+    return xs
+
+
+def ulysses_attention(
+    q: Tensors,
+    k: Tensors,
+    v: Tensors,
+    world,
+    *,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    persistent: bool = False,
+    workspace: Optional[UlyssesWorkspace] = None,
+) -> Tensors:
+    """Ulysses attention: pre-A2A, then fused FA4 + post-A2A. See the module docstring."""
+    qs, ks, vs = (_as_rank_list(t, world, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    P = world.world_size
+    for r, (qr, kr, vr) in enumerate(zip(qs, ks, vs)):
+        check_sequence_sharded(qr, kr, vr, P, name_prefix=f"rank {world.local_ranks[r]} ")
+        if qr.shape != qs[0].shape or qr.dtype != qs[0].dtype:
+            raise Fa4A2AInputError(f"all ranks must pass the same shape/dtype, got {tuple(qr.shape)} vs {tuple(qs[0].shape)}")
+    B, C, H, D = qs[0].shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    ws = workspace or get_workspace(world, (B, C, H, D), qs[0].dtype)
+    if ws.shape != (B, C, H, D) or ws.dtype != qs[0].dtype:
+        raise Fa4A2AInputError(f"workspace is for {ws.shape} {ws.dtype}, inputs are {(B, C, H, D)} {qs[0].dtype}")
+
+    # Pre-attention All-to-All: sequence shards -> head shards [B, S, H/P, D].
+    if len(world.local_ranks) == P:
+        qh, kh, vh = seq_to_head_shards(qs), seq_to_head_shards(ks), seq_to_head_shards(vs)
+    else:
+        group = getattr(world, "group", None)
+        qh, kh, vh = ([a2a_all_to_all_single_pre(x[0], group)] for x in (qs, ks, vs))
+
+    # Fused attention + post-attention All-to-All, one launch per local rank.
+    for i, r in enumerate(world.local_ranks):
+        torch.ops.fa4_a2a.attention_a2a_(
+            qh[i], kh[i], vh[i], ws.out(r), ws.tables[r], None, P, scale, causal, persistent
+        )
+    if world.backend not in ("loopback", "host"):
+        world.barrier()
+    outs = [ws.out(r) for r in world.local_ranks]
+    return outs if not isinstance(q, torch.Tensor) else outs[0]
+
+
+class UlyssesAttention(nn.Module):
+    """Drop-in for yunchang's ``UlyssesAttention`` (BSHD in and out), backed by the fused kernel.
+
+    ``world`` replaces yunchang's ``sequence_process_group`` (an ``xstage.world`` World).  Only the
+    FlashAttention features the fused kernel has are accepted; the others raise.
+    """
+
+    def __init__(self, world=None, scatter_idx: int = 2, gather_idx: int = 1, use_sync: bool = False,
+                 attn_type=None, persistent: bool = False):
+        super().__init__()
+        if (scatter_idx, gather_idx) != (2, 1):
+            raise NotImplementedError("only scatter_idx=2, gather_idx=1 (BSHD) is supported")
+        if world is None:
+            raise ValueError("UlyssesAttention needs an xstage.world World")
+        self.world = world
+        self.persistent = persistent
+        self.use_sync = use_sync
+
+    def forward(self, query, key, value, dropout_p: float = 0.0, softmax_scale=None, causal: bool = False,
+                window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
+                return_attn_probs: bool = False, *args):
+        if dropout_p != 0.0:
+            raise NotImplementedError("dropout is not supported by the fused kernel")
+        if tuple(window_size) != (-1, -1):
+            raise NotImplementedError("local (windowed) attention is not supported by the fused kernel")
+        if softcap != 0.0 or alibi_slopes is not None:
+            raise NotImplementedError("softcap / alibi are not supported by the fused kernel")
+        if return_attn_probs:
+            raise NotImplementedError("return_attn_probs is not supported")
+        out = ulysses_attention(query, key, value, self.world, softmax_scale=softmax_scale, causal=causal,
+                                persistent=self.persistent)
+        if self.use_sync:
+            torch.cuda.synchronize()
+        return out
