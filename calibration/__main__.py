@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--cache", choices=("cs", "no_allocate"), default=None, help="store cache hint")
         p.add_argument("--align", choices=("grid", "free", "both"), default="grid",
                        help="grid barrier before every burst (default; the committed H200 results), "
-                            "free-running producers (no memory operation between bursts), or both")
+                            "free-running producers (EXPERIMENTAL: its per-producer analysis is not validated and gave "
+                            "R above the PCIe link on the H200), or both")
         p.add_argument("--no-progress", action="store_true")
         if name == "all":
             p.add_argument("--profile", type=Path, default=None)
