@@ -104,6 +104,7 @@ def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int)
         est = a.elapsed_time(b) * 1e3 / 3
         replays[k] = int(max(3, min(max_replays, math.ceil(target_us / max(est, 1.0)))))
     samples = {k: [] for k in graphs}
+    clocks = {k: [] for k in graphs}  # SM clock (MHz) read right after each trial: DVFS shows up here
     names = list(graphs)
     for t in range(trials):
         order = names[t % len(names):] + names[: t % len(names)]
@@ -116,8 +117,27 @@ def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int)
             b.record()
             b.synchronize()
             samples[k].append(a.elapsed_time(b) * 1e3 / n)
+            clocks[k].append(_sm_clock_mhz())
     del graphs
-    return {k: Timing(v) for k, v in samples.items()}, replays
+    return {k: Timing(v) for k, v in samples.items()}, replays, clocks
+
+
+def _sm_clock_mhz():
+    """Current SM clock through NVML (None where NVML is unavailable)."""
+    import torch
+
+    try:
+        return torch.cuda.clock_rate()
+    except Exception:
+        return None
+
+
+def paired_stats(timings: dict, a: str, b: str) -> dict:
+    """Per-trial differences a - b (same trial, rotated order): robust to slow drift that moves
+    both medians. Returns the median difference and the fraction of trials with a > b."""
+    sa, sb = timings[a].samples_us, timings[b].samples_us
+    d = sorted(x - y for x, y in zip(sa, sb))
+    return {"median_diff_us": d[len(d) // 2], "frac_positive": sum(x > 0 for x in d) / len(d)}
 
 
 # ----------------------------------------------------------------------------- model
@@ -231,12 +251,15 @@ def run(args):
             }
             fns = {n: fns[n] for n in args.variants}
             t0 = time.time()
-            timings, replays = time_interleaved(fns, args.trials, args.target_trial_us, args.max_replays)
+            timings, replays, clocks = time_interleaved(fns, args.trials, args.target_trial_us, args.max_replays)
             med = {n: t.median_us for n, t in timings.items()}
             row = {"H": H, "H_local": Hl, "M": M, "P": P, "head_dim": D, "dtype": args.dtype,
                    "world": args.world, "replays": replays,
                    "timings": {n: t.as_dict() for n, t in timings.items()}, "median_us": med,
-                   "wall_s": time.time() - t0}
+                   "sm_clock_mhz": clocks, "wall_s": time.time() - t0}
+            for fused in FUSED:
+                if fused in med and "serial" in med:
+                    row[f"paired_serial_minus_{fused}"] = paired_stats(timings, "serial", fused)
             if "fa_only" in med:
                 t_fa = med["fa_only"]
                 if "stock" in med:
