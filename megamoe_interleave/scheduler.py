@@ -1,0 +1,371 @@
+"""Tile schedulers of the fused MoE kernel: ``expert_wave`` and ``interleaved`` (paper Algorithm 1).
+
+A scheduler is a pure function ``step(cursor, g, G, r, grid) -> (tile, cursor')``:
+
+* ``g``  -- instance id (a *pair* of CTAs), ``G`` -- stride (number of pairs),
+* ``r``  -- role in the pair (0 or 1); both members walk the same sequence of
+  *pair tiles* and take N-block ``2 * pair + r``,
+* ``cursor`` -- a small tuple of integers (the scheduler's private state),
+* ``grid`` -- the row layout (:class:`RowGrid`): ``P`` scheduler rows (one row =
+  one BLOCK_M block of one local expert; experts are laid out row-contiguously,
+  expert ``e`` owns rows ``[O_e, O_e + m_blocks_e)``), ``P1`` / ``P2`` pair tiles
+  per row of the Linear-1 / Linear-2 stream, and two lookup tables.
+
+The same code runs in two worlds:
+
+* Python reference (:func:`enumerate_order`): integers, lists; used by the tests
+  and to predict what the kernel does.
+* CuTe DSL kernel: called at trace time with ``cutlass.Int32`` values and
+  ``cute.Tensor`` lookup tables; it emits the index arithmetic. To make that
+  possible the step functions use only ``+ - * // %``, comparisons, ``&``/``|``
+  on booleans, table indexing and :func:`select` -- no Python ``if`` on values,
+  no loops. A step may return an *idle* tile (``valid == 0``) while the cursor
+  moves (expert_wave skipping an exhausted wave); callers loop
+  ``while not done(cursor)`` and skip idle tiles.
+
+Deadlock freedom (both schedulers)
+----------------------------------
+Model: every CTA is resident (persistent grid <= #SMs), processes its own tile
+sequence strictly in order, an L1 tile depends only on Dispatch (which never waits
+on any tile), and an L2 tile of row p waits until *all* L1 tiles of row p (over all
+CTAs) have published their outputs (release/acquire counter ``l2_full[p]``).
+
+Invariant I (checked by the tests for every order we generate): in each CTA's
+sequence, every L1 tile of row p precedes every L2 tile of row p.
+
+Claim: with I, the kernel cannot deadlock. Suppose it did. Every stuck CTA's
+*head* (first unfinished tile) is then an L2 tile (L1 heads always progress). Let
+p* be the smallest row among the stuck heads, held by CTA a. Some L1 tile T of row
+p* is unfinished; it belongs to a CTA c. T is not before c's head (tiles before the
+head are finished), so T comes at or after c's head, an L2 tile of row q >= p*
+(minimality of p*). If q == p*, T would follow an L2 tile of its own row in c's
+sequence, violating I. If q > p*: for ``interleaved`` the L2 tile of row q was
+emitted only when c's L1 cursor row p1 satisfied q + D <= p1 with D >= 1, so the
+cursor was already past row p* (L1 rows are visited in increasing order) and T was
+emitted earlier -- contradiction. For ``expert_wave`` the per-CTA sequence follows
+one global order in which all L1 tiles of wave w precede all L2 tiles of wave w and
+rows of later waves are larger; row p* <= q, so T (L1, row p*) is at a smaller
+global index than c's head -- contradiction. Hence some head is always runnable.
+(D = 0 breaks the argument: an L2 tile of row p could precede the same CTA's L1
+tiles of row p; :func:`interleaved_step` therefore requires D >= 1.)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, List, Sequence, Tuple
+
+PHASE_L1 = 1
+PHASE_L2 = 2
+SCHEDULES = ("expert_wave", "interleaved")
+
+
+# ---------------------------------------------------------------------------
+# Arithmetic that works on Python ints and on CuTe DSL Int32
+# ---------------------------------------------------------------------------
+def _is_py(x) -> bool:
+    return isinstance(x, (bool, int))
+
+
+def select(cond, a, b):
+    """``a if cond else b`` for Python values and for DSL dynamic values."""
+    if _is_py(cond):
+        return a if cond else b
+    import cutlass  # deferred: the reference must not need the DSL
+
+    return cutlass.Int32(cutlass.select_(cond, a, b))
+
+
+def logical_and(a, b):
+    if _is_py(a) and _is_py(b):
+        return bool(a) and bool(b)
+    return a & b
+
+
+def logical_or(a, b):
+    if _is_py(a) and _is_py(b):
+        return bool(a) or bool(b)
+    return a | b
+
+
+def logical_not(a):
+    if _is_py(a):
+        return not a
+    import cutlass
+
+    return cutlass.Boolean(cutlass.select_(a, False, True))
+
+
+def as_int(x):
+    """Boolean -> 0/1 integer (Python) or Int32 (DSL)."""
+    if _is_py(x):
+        return int(bool(x))
+    import cutlass
+
+    return cutlass.Int32(cutlass.select_(x, 1, 0))
+
+
+# ---------------------------------------------------------------------------
+# Row layout
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowGrid:
+    """Row layout shared by both schedulers.
+
+    ``num_rows`` P, ``pairs_l1`` P1 = L1 N-blocks / 2, ``pairs_l2`` P2 = L2 N-blocks / 2,
+    ``row_expert[p]`` = e(p), ``expert_row_offset[e]`` = O_e (length E + 1, last = P),
+    ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P).
+    In the kernel the tables are device tensors filled after Dispatch.
+    """
+
+    num_rows: Any
+    pairs_l1: int
+    pairs_l2: int
+    row_expert: Any
+    expert_row_offset: Any
+    wave_row_start: Any = None
+    num_waves: Any = 0
+
+
+def make_row_grid(
+    tokens_per_expert: Sequence[int],
+    *,
+    block_m: int,
+    n_blocks_l1: int,
+    n_blocks_l2: int,
+    experts_per_wave: int | None = None,
+) -> RowGrid:
+    """Host-side row layout from the number of tokens each local expert received."""
+    if n_blocks_l1 % 2 or n_blocks_l2 % 2:
+        raise ValueError(
+            f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
+        )
+    if block_m <= 0:
+        raise ValueError("block_m must be positive")
+    num_experts = len(tokens_per_expert)
+    m_blocks = [(int(c) + block_m - 1) // block_m for c in tokens_per_expert]
+    if any(c < 0 for c in tokens_per_expert):
+        raise ValueError("negative token count")
+    offsets = [0]
+    for mb in m_blocks:
+        offsets.append(offsets[-1] + mb)
+    num_rows = offsets[-1]
+    row_expert = [e for e in range(num_experts) for _ in range(m_blocks[e])]
+    epw = experts_per_wave or default_experts_per_wave(num_experts)
+    num_waves = (num_experts + epw - 1) // epw if num_experts else 0
+    wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]
+    wave_row_start += [num_rows, num_rows]
+    return RowGrid(
+        num_rows=num_rows,
+        pairs_l1=n_blocks_l1 // 2,
+        pairs_l2=n_blocks_l2 // 2,
+        row_expert=row_expert,
+        expert_row_offset=offsets,
+        wave_row_start=wave_row_start,
+        num_waves=num_waves,
+    )
+
+
+def default_experts_per_wave(num_local_experts: int) -> int:
+    """Experts per wave when the caller does not choose: a quarter of the local
+    experts (at least 1), so there are ~4 waves and hence wave boundaries at which
+    the expert-wave schedule shows its L2 bursts, as in upstream's multi-wave runs."""
+    return max(1, num_local_experts // 4)
+
+
+# ---------------------------------------------------------------------------
+# Lead D (paper eq. 16)
+# ---------------------------------------------------------------------------
+def d_knee(block_n: int, k_sm: int, intermediate: int) -> float:
+    """Anti-starvation knee D_knee = b_n * K_SM / (2 * h_inter) (paper eq. 16), in rows.
+
+    Uses ``xstage.model.d_knee`` when the lead has provided it; the local formula is
+    the fallback until then (same equation).
+    """
+    try:
+        from xstage import model as _model  # owned by the lead
+
+        fn = getattr(_model, "d_knee", None)
+        if fn is not None:
+            return float(fn(block_n, k_sm, intermediate))
+    except ImportError:
+        pass
+    if block_n <= 0 or k_sm <= 0 or intermediate <= 0:
+        raise ValueError("d_knee needs positive block_n, k_sm, intermediate")
+    return block_n * k_sm / (2.0 * intermediate)
+
+
+def default_lead(block_n: int, k_sm: int, intermediate: int) -> int:
+    """Integer lead D >= 1 at the knee (ceil of eq. 16)."""
+    return max(1, int(math.ceil(d_knee(block_n, k_sm, intermediate) - 1e-9)))
+
+
+# ---------------------------------------------------------------------------
+# Tiles
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tile:
+    valid: Any  # 1 = a tile, 0 = idle step
+    phase: Any  # PHASE_L1 / PHASE_L2
+    row: Any  # scheduler row (pool M-block)
+    expert: Any  # local expert e(row)
+    m_block: Any  # row - O_e
+    n_block: Any  # 2 * pair + r
+
+
+def _lookup(table, idx, valid):
+    """``table[idx]`` if valid else 0; idle steps may carry an out-of-range index, so
+    the DSL path clamps it (device tables always hold at least one entry)."""
+    if _is_py(valid):
+        return table[idx] if valid else 0
+    return select(valid > 0, table[select(valid > 0, idx, 0)], 0)
+
+
+def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
+    expert = _lookup(grid.row_expert, row, valid)
+    m_block = row - grid.expert_row_offset[expert]
+    return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=m_block, n_block=2 * pair + r)
+
+
+# ---------------------------------------------------------------------------
+# interleaved (Algorithm 1)
+# ---------------------------------------------------------------------------
+def interleaved_init(g):
+    """Cursor (k1, k2): pair-tile cursors of the L1 and L2 streams."""
+    return (g, g)
+
+
+def interleaved_done(cursor, grid: RowGrid):
+    k1, k2 = cursor
+    return logical_and(k1 >= grid.num_rows * grid.pairs_l1, k2 >= grid.num_rows * grid.pairs_l2)
+
+
+def interleaved_next(cursor, G, grid: RowGrid, lead):
+    """One step of Algorithm 1 without the table lookups.
+
+    Returns (is_l2, row, pair, cursor'). Emits L2 iff the L2 stream has tiles left and
+    the L1 stream leads by >= D rows (L1 finished counts as +inf lead).
+    """
+    k1, k2 = cursor
+    P, P1, P2 = grid.num_rows, grid.pairs_l1, grid.pairs_l2
+    l1_left = k1 < P * P1
+    l2_left = k2 < P * P2
+    p1 = k1 // P1
+    p2 = k2 // P2
+    is_l2 = logical_and(l2_left, logical_or(logical_not(l1_left), p2 + lead <= p1))
+    row = select(is_l2, p2, p1)
+    pair = select(is_l2, k2 % P2, k1 % P1)
+    k1n = select(is_l2, k1, k1 + G)
+    k2n = select(is_l2, k2 + G, k2)
+    return is_l2, row, pair, (k1n, k2n)
+
+
+def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
+    if _is_py(lead) and lead < 1:
+        raise ValueError(f"lead D must be >= 1 for deadlock freedom, got {lead}")
+    valid = as_int(logical_not(interleaved_done(cursor, grid)))
+    is_l2, row, pair, nxt = interleaved_next(cursor, G, grid, lead)
+    phase = select(is_l2, PHASE_L2, PHASE_L1)
+    return _tile(grid, valid, phase, row, pair, r), nxt
+
+
+# ---------------------------------------------------------------------------
+# expert_wave
+# ---------------------------------------------------------------------------
+def expert_wave_init(g):
+    """Cursor (t, w): global pair-tile index and current wave."""
+    return (g, 0)
+
+
+def expert_wave_done(cursor, grid: RowGrid):
+    t, _ = cursor
+    return t >= grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
+
+
+def expert_wave_step(cursor, g, G, r, grid: RowGrid):
+    """Global order = concat over waves w of (L1 tiles of w, row-major; L2 tiles of w).
+
+    Wave w occupies global pair indices [(P1+P2)*S_w, (P1+P2)*S_{w+1}) since every row
+    contributes P1 + P2 pair tiles. If ``t`` is beyond the current wave the step only
+    advances the wave (idle tile); otherwise it emits and advances ``t`` by G.
+    """
+    t, w = cursor
+    P1, P2 = grid.pairs_l1, grid.pairs_l2
+    per_row = P1 + P2
+    ws = grid.wave_row_start
+    done = expert_wave_done(cursor, grid)
+    s0 = ws[w]
+    s1 = ws[w + 1]
+    in_wave = logical_and(logical_not(done), t < per_row * s1)
+    local = t - per_row * s0
+    rows_in_wave = s1 - s0
+    is_l2 = local >= rows_in_wave * P1
+    l2_local = local - rows_in_wave * P1
+    row = select(is_l2, s0 + l2_local // P2, s0 + local // P1)
+    pair = select(is_l2, l2_local % P2, local % P1)
+    phase = select(is_l2, PHASE_L2, PHASE_L1)
+    valid = as_int(in_wave)
+    row = select(in_wave, row, 0)
+    t_next = select(in_wave, t + G, t)
+    w_next = select(logical_or(in_wave, done), w, w + 1)
+    return _tile(grid, valid, phase, row, pair, r), (t_next, w_next)
+
+
+# ---------------------------------------------------------------------------
+# Uniform front end
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    """A scheduler selected by name; ``lead`` is used by ``interleaved`` only."""
+
+    name: str
+    lead: int = 1
+
+    def __post_init__(self):
+        if self.name not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.name!r}; expected one of {SCHEDULES}")
+        if self.name == "interleaved" and self.lead < 1:
+            raise ValueError(f"lead D must be >= 1, got {self.lead}")
+
+    def init(self, g):
+        return interleaved_init(g) if self.name == "interleaved" else expert_wave_init(g)
+
+    def done(self, cursor, grid: RowGrid):
+        if self.name == "interleaved":
+            return interleaved_done(cursor, grid)
+        return expert_wave_done(cursor, grid)
+
+    def step(self, cursor, g, G, r, grid: RowGrid):
+        if self.name == "interleaved":
+            return interleaved_step(cursor, g, G, r, grid, self.lead)
+        return expert_wave_step(cursor, g, G, r, grid)
+
+
+def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:
+    """Python reference: the full tile sequence of CTA (g, r)."""
+    if not (0 <= g < G) or r not in (0, 1):
+        raise ValueError(f"bad instance g={g} G={G} r={r}")
+    cursor = schedule.init(g)
+    out: List[Tile] = []
+    # Every step either emits or advances a wave, so this bound is never reached
+    # by a correct scheduler; it turns a scheduler bug into an error, not a hang.
+    max_steps = grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) + (grid.num_waves or 0) + 2
+    for _ in range(max_steps):
+        if schedule.done(cursor, grid):
+            return out
+        tile, cursor = schedule.step(cursor, g, G, r, grid)
+        if tile.valid:
+            out.append(tile)
+    raise RuntimeError("scheduler did not terminate")
+
+
+def enumerate_all(schedule: Schedule, grid: RowGrid, num_ctas: int) -> List[List[Tile]]:
+    """Sequences of every CTA; CTA c = pair g = c // 2, role r = c % 2."""
+    if num_ctas % 2:
+        raise ValueError("number of CTAs must be even (pairs)")
+    G = num_ctas // 2
+    return [enumerate_order(schedule, grid, c // 2, G, c % 2) for c in range(num_ctas)]
+
+
+def tile_key(t: Tile) -> Tuple[int, int, int]:
+    return (int(t.phase), int(t.row), int(t.n_block))

@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Benchmark the MoE layer on one GPU (loopback world): fused kernel (both schedulers)
+vs the unfused torch pipeline vs the two torch._grouped_mm GEMMs alone.
+
+Per (shape, routing, P, tokens per rank): median per-call time over trials (xstage.timing),
+TFLOP/s = 2 * picks * H * I * 3 / t, against the measured dense bf16 matmul rate.
+In the loopback/host worlds one "call" runs every simulated rank one after another, so
+times are for the whole world (P ranks) on one GPU. The baselines always run on device
+memory; ``--world host`` only moves the fused kernel's symmetric buffers to pinned host
+memory (Dispatch reads and Combine stores then cross PCIe).
+
+The fused kernel is currently a functional subset (single-stage WGMMA mainloop without TMA
+or a producer warp, see megamoe_interleave/kernel_sm90.py). "fused[...] api" is the whole
+MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
+"fused[...] kernels" is the device time of the fused kernels alone (CUDA events around the
+back-to-back launches of every rank).
+
+    python scripts/bench_megamoe.py --shape deepseek-v4-flash --P 1 8 --tokens 8192 --out results/h200/megamoe
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megamoe_interleave.api import MegaMoE, decode_trace, make_world  # noqa: E402
+from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline  # noqa: E402
+from megamoe_interleave.routing import make_routing  # noqa: E402
+from megamoe_interleave.shapes import get_shape  # noqa: E402
+from xstage import provenance, timing  # noqa: E402
+
+
+def dense_bf16_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = timing.bench(lambda: a @ b, warmup=3, iters=10, trials=5)
+    return 2 * n ** 3 / (t.median_us * 1e-6) / 1e12
+
+
+def run_case(shape, kind, P, tokens, args, dense):
+    E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
+    xs = [torch.randn(tokens, H, device="cuda").bfloat16() for _ in range(P)]
+    routes = [make_routing(kind, tokens, E, k, seed=r, strength=args.strength) for r in range(P)]
+    idx = [r[0].cuda() for r in routes]
+    wts = [r[1].cuda() for r in routes]
+    picks = sum(int((i >= 0).sum()) for i in idx)
+    flops = 2 * picks * H * I * 3
+    el = E // P
+    w1_t = [w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
+    w2_t = [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
+    rows = []
+
+    def record(name, t):
+        tf = flops / (t.median_us * 1e-6) / 1e12
+        rows.append(dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens, impl=name,
+                         median_us=round(t.median_us, 2), p10_us=round(t.p10_us, 2), p90_us=round(t.p90_us, 2),
+                         tflops=round(tf, 2), frac_dense=round(tf / dense, 4)))
+        print(f"{shape.name:18s} {kind:8s} P={P} T={tokens:6d} {name:24s} {t.median_us:12.1f} us {tf:8.2f} TFLOP/s",
+              flush=True)
+
+    # The two grouped GEMMs alone (per destination rank, pre-permuted inputs).
+    perms = [permute_for_rank(idx, wts, d, el) for d in range(P)]
+    a1 = [torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16() for p in perms]
+    a2 = [torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16() for p in perms]
+
+    def gemms_only():
+        for d, p in enumerate(perms):
+            grouped_mm(a1[d], w1_t[d], p.counts)
+            grouped_mm(a2[d], w2_t[d], p.counts)
+
+    if not args.skip_baselines:
+        record("grouped_mm x2 only", timing.bench(gemms_only, warmup=2, iters=3, trials=args.trials))
+        record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
+                                                      warmup=1, iters=1, trials=args.trials))
+
+    def moe_kwargs(sched):
+        return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
+                    backend="fused", block_m=args.block_m, block_n=args.block_n, mma=args.mma,
+                    stages=args.stages)
+
+    if tokens <= args.fused_max_tokens:
+        for sched in ("expert_wave", "interleaved"):
+            world = make_world(args.world, world_size=P, device="cuda")
+            moe = MegaMoE(world, **moe_kwargs(sched))
+            moe.load_weights(w1, w2)
+            kernel_us = []
+
+            def call():
+                moe.forward(xs, idx, wts)
+                kernel_us.append(moe.last_kernel_us)
+
+            tag = f"{sched},{args.mma},{args.block_m}x{args.block_n}" + (
+                f",s{args.stages}" if args.mma == "wgmma_cpasync" else "")
+            record(f"fused[{tag}] api", timing.bench(call, warmup=1, iters=1, trials=args.trials))
+            samples = sorted(kernel_us[1:])
+            record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
+            if args.trace:
+                trace_summaries.append(trace_one_call(moe_kwargs(sched), w1, w2, xs, idx, wts, P, tag, shape, kind,
+                                                      tokens, args))
+    return rows
+
+
+trace_summaries = []
+
+
+def _median(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else float("nan")
+
+
+def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, args):
+    """One traced call: per-tile timeline of rank 0 to CSV, medians of the spans to the JSON."""
+    world = make_world(args.world, world_size=P, device="cuda")
+    moe = MegaMoE(world, trace=True, **kwargs)
+    moe.load_weights(w1, w2)
+    moe.forward(xs, idx, wts)
+    recs = decode_trace(moe.last_trace[0])
+    t_min = min(r["t_start"] for cta in recs for r in cta)
+    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
+                    "t_epilogue_ns", "smid"])
+        for c, cta in enumerate(recs):
+            for i, r in enumerate(cta):
+                w.writerow([c, i, r["phase"], r["row"], r["n_block"], r["t_start"] - t_min, r["t_ready"] - t_min,
+                            r["t_mainloop"] - t_min, r["t_epilogue"] - t_min, r["smid"]])
+    summary = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens, impl=tag, rank=0)
+    for phase, name in ((1, "l1"), (2, "l2")):
+        rs = [r for cta in recs for r in cta if r["phase"] == phase]
+        summary[f"{name}_tiles"] = len(rs)
+        summary[f"{name}_wait_ns_median"] = _median([r["t_ready"] - r["t_start"] for r in rs])
+        summary[f"{name}_mainloop_ns_median"] = _median([r["t_mainloop"] - r["t_ready"] for r in rs])
+        summary[f"{name}_epilogue_ns_median"] = _median([r["t_epilogue"] - r["t_mainloop"] for r in rs])
+    summary["span_ns"] = max(r["t_epilogue"] for cta in recs for r in cta) - t_min
+    print("trace", summary, flush=True)
+    return summary
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
+    ap.add_argument("--world", default="loopback", choices=["loopback", "host"],
+                    help="host: symmetric buffers in pinned host memory, so Dispatch reads and Combine "
+                         "stores cross PCIe (a real drain-limited remote path on one GPU)")
+    ap.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "skewed"])
+    ap.add_argument("--strength", type=float, default=1.0)
+    ap.add_argument("--P", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[8192])
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--fused-max-tokens", type=int, default=8192)
+    ap.add_argument("--mma", default="wgmma", choices=["wgmma", "wgmma_cpasync", "fma"])
+    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--skip-baselines", action="store_true")
+    ap.add_argument("--trace", action="store_true", help="also record one per-tile timeline per schedule")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--out", default="results/h200/megamoe")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    dense = dense_bf16_tflops()
+    print(f"dense bf16 matmul: {dense:.1f} TFLOP/s")
+    rows = []
+    for name in args.shape:
+        for kind in args.routing:
+            for P in args.P:
+                for T in args.tokens:
+                    rows += run_case(get_shape(name), kind, P, T, args, dense)
+    with open(os.path.join(args.out, f"bench_megamoe{args.tag}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    provenance.write_json(os.path.join(args.out, f"bench_megamoe{args.tag}.json"),
+                          {"dense_bf16_tflops": dense, "args": vars(args), "rows": rows,
+                           "trace_summaries": trace_summaries})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""CPU tests: routing generators, shapes table, weight transform, torch references and the API."""
+import pytest
+import torch
+
+from megamoe_interleave.api import MegaMoE, make_world, transform_weights, untransform_w1
+from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline, permute_for_rank
+from megamoe_interleave.routing import (
+    balanced_routing, expert_load, imbalance, make_routing, mask_picks, skewed_routing,
+)
+from megamoe_interleave.shapes import SHAPES, get_shape
+
+
+def test_routing_seedable_valid_and_distinct():
+    a = balanced_routing(300, 64, 6, seed=3)
+    b = balanced_routing(300, 64, 6, seed=3)
+    c = balanced_routing(300, 64, 6, seed=4)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    idx, w = a
+    assert idx.shape == (300, 6) and idx.dtype == torch.int64 and w.dtype == torch.float32
+    assert all(len(set(row.tolist())) == 6 for row in idx)  # distinct experts per token
+    torch.testing.assert_close(w.sum(1), torch.ones(300))
+
+
+def test_skewed_routing_is_skewed_with_shared_hot_experts():
+    E = 128
+    r0 = skewed_routing(4000, E, 6, strength=1.5, seed=0)[0]
+    r1 = skewed_routing(4000, E, 6, strength=1.5, seed=1)[0]
+    bal = balanced_routing(4000, E, 6, seed=0)[0]
+    assert imbalance(r0, E) > 2 * imbalance(bal, E)
+    hot0 = set(torch.topk(expert_load(r0, E), 5).indices.tolist())
+    hot1 = set(torch.topk(expert_load(r1, E), 5).indices.tolist())
+    assert len(hot0 & hot1) >= 3  # same hot experts on every rank
+    # strength 0 is balanced
+    assert imbalance(skewed_routing(4000, E, 6, strength=0.0)[0], E) < 1.5
+
+
+def test_mask_picks_and_bad_args():
+    idx = balanced_routing(1000, 32, 4)[0]
+    m = mask_picks(idx, 0.3, seed=1)
+    frac = (m == -1).float().mean().item()
+    assert 0.25 < frac < 0.35 and torch.equal(m[m >= 0], idx[m >= 0])
+    with pytest.raises(ValueError):
+        balanced_routing(10, 8, 9)
+    with pytest.raises(ValueError):
+        make_routing("nope", 10, 8, 2)
+
+
+def test_shapes_table():
+    assert (get_shape("deepseek-v4-pro").hidden, get_shape("deepseek-v4-pro").intermediate) == (7168, 3072)
+    f = get_shape("deepseek-v4-flash")
+    assert (f.hidden, f.intermediate, f.num_experts, f.topk) == (4096, 2048, 256, 6)
+    m = get_shape("mimo-v2.5-pro")
+    assert (m.hidden, m.intermediate, m.num_experts, m.topk) == (6144, 2048, 384, 8)
+    assert all(s.source for s in SHAPES.values())
+    with pytest.raises(ValueError):
+        get_shape("qwen3.5")
+
+
+def test_transform_weights_interleaves_gate_up():
+    E, I, H = 2, 32, 16
+    w1 = torch.randn(E, 2 * I, H)
+    w2 = torch.randn(E, H, I)
+    w1i, w2o = transform_weights(w1, w2)
+    assert torch.equal(w1i[:, 0:8], w1[:, 0:8]) and torch.equal(w1i[:, 8:16], w1[:, I:I + 8])
+    assert torch.equal(w1i[:, 16:24], w1[:, 8:16])
+    assert torch.equal(untransform_w1(w1i), w1) and torch.equal(w2o, w2)
+    with pytest.raises(ValueError):
+        transform_weights(w1, torch.randn(E, H, I + 1))
+
+
+def _problem(P, E, H, I, k, tokens, kind="balanced", mask=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
+    routes = [make_routing(kind, t, E, k, seed=seed * 100 + r, mask_ratio=mask) for r, t in enumerate(tokens)]
+    return w1, w2, xs, [r[0] for r in routes], [r[1] for r in routes]
+
+
+def _check_close(ys, refs):
+    for y, ref in zip(ys, refs):
+        assert y.shape == ref.shape and y.dtype == torch.bfloat16
+        assert torch.isfinite(y.float()).all()
+        if y.numel() == 0:
+            continue
+        err = (y.float() - ref).abs()
+        assert err.max().item() <= 0.02 + 0.02 * ref.abs().max().item(), err.max().item()
+
+
+@pytest.mark.parametrize("P,tokens,k,kind,mask", [
+    (1, [70], 2, "balanced", 0.0),
+    (2, [33, 0], 6, "skewed", 0.0),
+    (4, [65, 1, 17, 128], 8, "balanced", 0.25),
+    (4, [40, 40, 40, 40], 1, "skewed", 0.0),
+])
+@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
+def test_api_torch_backend_matches_fp32_reference(P, tokens, k, kind, mask, schedule):
+    E, H, I = 16, 128, 64
+    w1, w2, xs, idx, w = _problem(P, E, H, I, k, tokens, kind, mask)
+    world = make_world("loopback", world_size=P, device="cpu")
+    moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=128,
+                  schedule=schedule, block_n=32)
+    moe.load_weights(w1, w2)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    for _ in range(2):  # repeated calls reuse the buffer
+        _check_close(moe.forward(xs, idx, w), refs)
+    # The unfused baseline agrees too.
+    el = E // P
+    w1_t = [w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
+    w2_t = [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
+    _check_close(unfused_pipeline(xs, idx, w, w1_t, w2_t), refs)
+
+
+def test_permutation_is_expert_major_and_complete():
+    idx = [torch.tensor([[0, 3], [2, -1]]), torch.tensor([[3, 1]])]
+    w = [torch.rand(2, 2), torch.rand(1, 2)]
+    p = permute_for_rank(idx, w, 1, 2)  # rank 1 owns experts 2, 3
+    assert p.counts.tolist() == [1, 2]
+    assert list(zip(p.src_rank.tolist(), p.src_token.tolist(), p.src_pick.tolist(), p.expert.tolist())) == [
+        (0, 1, 0, 0), (0, 0, 1, 1), (1, 0, 0, 1)]
+
+
+def test_api_rejects_bad_input_before_launch():
+    world = make_world("loopback", world_size=2, device="cpu")
+    with pytest.raises(ValueError):
+        MegaMoE(world, num_experts=15, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8)
+    with pytest.raises(ValueError):
+        MegaMoE(world, num_experts=16, hidden=100, intermediate=64, topk=2, max_tokens_per_rank=8)
+    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, block_n=32)
+    w1, w2, xs, idx, w = _problem(2, 16, 128, 64, 2, [4, 4])
+    with pytest.raises(RuntimeError):
+        moe.forward(xs, idx, w)  # weights not loaded
+    moe.load_weights(w1, w2)
+    with pytest.raises(ValueError):
+        moe.forward(xs[:1], idx[:1], w[:1])  # wrong number of ranks
+    with pytest.raises(ValueError):
+        moe.forward([x.float() for x in xs], idx, w)  # dtype
+    bad = [i.clone() for i in idx]
+    bad[0][0, 0] = 16
+    with pytest.raises(ValueError):
+        moe.forward(xs, bad, w)  # expert id out of range
+    big = [torch.randn(9, 128).bfloat16()] * 2
+    with pytest.raises(ValueError):
+        moe.forward(big, [balanced_routing(9, 16, 2)[0]] * 2, [balanced_routing(9, 16, 2)[1]] * 2)
+
+
+@pytest.mark.parametrize("mma,trace", [("wgmma", False), ("wgmma_cpasync", True), ("fma", False)])
+@pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [0, 0, 0, 0]])
+def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
+    """The host planning of the fused backend produces arguments that match the kernel's
+    compiled signature (dtypes, shapes, shared dynamic dims, contiguity) -- on the CPU."""
+    from megamoe_interleave.kernel_sm90 import check_launch_arguments, tensor_argument_spec
+
+    P, E, H, I, k = 4, 16, 256, 128, 6
+    w1, w2, xs, idx, w = _problem(P, E, H, I, k, tokens, "skewed", 0.1)
+    world = make_world("loopback", world_size=P, device="cpu")
+    moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=128,
+                  block_n=64, backend="fused", mma=mma, trace=trace)
+    moe.load_weights(w1, w2)
+    moe.stage_inputs(xs, idx, w)
+    for d in range(P):
+        num_ctas, tensors, scalars = moe.launch_arguments(d)
+        assert num_ctas % 2 == 0 and 2 <= num_ctas <= 132
+        check_launch_arguments(H, I, tensors)
+        names = [n for n, _, _ in tensor_argument_spec(H, I)]
+        t = dict(zip(names, tensors))
+        num_rows, n_pool = scalars[0], scalars[1]
+        assert t["mPoolX"].shape[0] >= n_pool + 64  # padded M tiles
+        assert t["mCounters"].numel() >= 2 + num_rows
+        assert int(t["mExpertTokenOffset"][-1]) == n_pool
+        if trace:  # room for every tile of the busiest CTA
+            from megamoe_interleave.scheduler import enumerate_all
+
+            _, grid = moe.plan_rank(d)
+            most = max((len(q) for q in enumerate_all(moe.schedule, grid, num_ctas)), default=0)
+            assert t["mTrace"].shape[:2] == (num_ctas, t["mTrace"].shape[1]) and t["mTrace"].shape[1] >= most
+    with pytest.raises(ValueError):  # the checker itself can fail
+        bad = list(tensors)
+        bad[4] = bad[4][:, :8]
+        check_launch_arguments(H, I, bad)

@@ -1,0 +1,191 @@
+"""CPU tests of the MoE tile schedulers (Python reference of megamoe_interleave.scheduler)."""
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megamoe_interleave.scheduler import (
+    PHASE_L1,
+    PHASE_L2,
+    Schedule,
+    d_knee,
+    default_lead,
+    enumerate_all,
+    enumerate_order,
+    make_row_grid,
+    tile_key,
+)
+
+grids = st.builds(
+    lambda counts, bm, p1, p2, epw: make_row_grid(
+        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw
+    ),
+    st.lists(st.integers(0, 300), min_size=1, max_size=12),
+    st.sampled_from([16, 64, 128]),
+    st.integers(1, 6),
+    st.integers(1, 6),
+    st.integers(1, 5),
+)
+schedules = st.one_of(
+    st.just(Schedule("expert_wave")),
+    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d)),
+)
+cta_counts = st.sampled_from([2, 4, 6, 10])
+
+
+def _all_tiles(grid):
+    out = set()
+    for p in range(grid.num_rows):
+        out |= {(PHASE_L1, p, n) for n in range(2 * grid.pairs_l1)}
+        out |= {(PHASE_L2, p, n) for n in range(2 * grid.pairs_l2)}
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(grids, schedules, cta_counts)
+def test_every_tile_exactly_once(grid, schedule, num_ctas):
+    seqs = enumerate_all(schedule, grid, num_ctas)
+    keys = [tile_key(t) for seq in seqs for t in seq]
+    counts = Counter(keys)
+    assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1][:5]
+    assert set(keys) == _all_tiles(grid)
+
+
+@settings(max_examples=150, deadline=None)
+@given(grids, schedules, cta_counts)
+def test_tile_fields_consistent(grid, schedule, num_ctas):
+    """expert / m_block agree with the row layout; pair members take n = 2j + r."""
+    for c, seq in enumerate(enumerate_all(schedule, grid, num_ctas)):
+        for t in seq:
+            e = t.expert
+            assert grid.expert_row_offset[e] <= t.row < grid.expert_row_offset[e + 1]
+            assert t.m_block == t.row - grid.expert_row_offset[e]
+            assert t.n_block % 2 == c % 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(grids, schedules, cta_counts)
+def test_per_cta_l1_before_l2_for_every_row(grid, schedule, num_ctas):
+    """Invariant I of the deadlock-freedom proof."""
+    for seq in enumerate_all(schedule, grid, num_ctas):
+        seen_l2_rows = set()
+        for t in seq:
+            if t.phase == PHASE_L2:
+                seen_l2_rows.add(t.row)
+            else:
+                assert t.row not in seen_l2_rows, "L1 tile after an L2 tile of its row"
+
+
+def _simulate_deadlock_free(seqs, num_l1_per_row):
+    """Run CTAs in lock-free rounds: a CTA advances if its head is L1 or an L2 whose row's
+    L1 tiles are all done. Returns True if every CTA finishes."""
+    heads = [0] * len(seqs)
+    l1_done = Counter()
+    while True:
+        progressed = False
+        for c, seq in enumerate(seqs):
+            if heads[c] < len(seq):
+                t = seq[heads[c]]
+                if t.phase == PHASE_L1 or l1_done[t.row] == num_l1_per_row:
+                    if t.phase == PHASE_L1:
+                        l1_done[t.row] += 1
+                    heads[c] += 1
+                    progressed = True
+        if all(h == len(s) for h, s in zip(heads, seqs)):
+            return True
+        if not progressed:
+            return False
+
+
+@settings(max_examples=100, deadline=None)
+@given(grids, schedules, cta_counts)
+def test_no_deadlock_in_dependency_simulation(grid, schedule, num_ctas):
+    seqs = enumerate_all(schedule, grid, num_ctas)
+    assert _simulate_deadlock_free(seqs, 2 * grid.pairs_l1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(grids, st.integers(1, 6), cta_counts)
+def test_interleaved_lead_respected(grid, lead, num_ctas):
+    """An L2 tile of row p is emitted only when the CTA's L1 cursor is at row >= p + D
+    or the L1 stream is exhausted."""
+    schedule = Schedule("interleaved", lead=lead)
+    G = num_ctas // 2
+    for c in range(num_ctas):
+        g, r = c // 2, c % 2
+        cursor = schedule.init(g)
+        while not schedule.done(cursor, grid):
+            k1, _ = cursor
+            tile, cursor = schedule.step(cursor, g, G, r, grid)
+            if tile.phase == PHASE_L2 and k1 < grid.num_rows * grid.pairs_l1:
+                assert tile.row + lead <= k1 // grid.pairs_l1
+
+
+def test_lead_zero_rejected():
+    with pytest.raises(ValueError):
+        Schedule("interleaved", lead=0)
+    with pytest.raises(ValueError):
+        Schedule("bogus")
+
+
+def test_deadlock_possible_with_lead_zero_shows_invariant_matters():
+    """Sanity check that the simulation can fail: a hand-built order violating invariant I
+    (one CTA emits L2 of row 0 before its own L1 tile of row 0) deadlocks."""
+    from megamoe_interleave.scheduler import Tile
+
+    grid = make_row_grid([64], block_m=64, n_blocks_l1=2, n_blocks_l2=2)
+    bad = [
+        [Tile(1, PHASE_L2, 0, 0, 0, 0), Tile(1, PHASE_L1, 0, 0, 0, 0)],
+        [Tile(1, PHASE_L1, 0, 0, 0, 1), Tile(1, PHASE_L2, 0, 0, 0, 1)],
+    ]
+    assert not _simulate_deadlock_free(bad, 2 * grid.pairs_l1)
+
+
+@pytest.mark.parametrize("p1,p2", [(8, 16), (4, 4), (16, 8), (6, 14)])
+@pytest.mark.parametrize("lead", [1, 3, 8])
+def test_interleaved_long_run_ratio_fixed_by_tile_shapes(p1, p2, lead):
+    """In the steady state each CTA emits L1 : L2 tiles in the ratio P1 : P2, whatever D."""
+    grid = make_row_grid([128 * 2000], block_m=128, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2)
+    G = 16
+    seq = enumerate_order(Schedule("interleaved", lead=lead), grid, 5, G, 0)
+    n = len(seq)
+    mid = seq[n // 4 : 3 * n // 4]  # away from the warm-up (L1 only) and the L2-only tail
+    n1 = sum(t.phase == PHASE_L1 for t in mid)
+    n2 = sum(t.phase == PHASE_L2 for t in mid)
+    assert n1 / n2 == pytest.approx(p1 / p2, rel=0.05)
+    # Interleaving really interleaves: no long runs of L2 tiles in the steady state.
+    longest, run = 0, 0
+    for t in mid:
+        run = run + 1 if t.phase == PHASE_L2 else 0
+        longest = max(longest, run)
+    assert longest <= -(-p2 // p1) + 1
+
+
+def test_expert_wave_runs_l2_in_bursts():
+    """Expert-wave emits each wave's L2 tiles consecutively (the bursts the paper fixes)."""
+    grid = make_row_grid([512] * 8, block_m=64, n_blocks_l1=16, n_blocks_l2=16, experts_per_wave=2)
+    seq = enumerate_order(Schedule("expert_wave"), grid, 0, 4, 0)
+    phases = "".join("1" if t.phase == PHASE_L1 else "2" for t in seq)
+    # 4 waves -> exactly 4 L1 runs and 4 L2 runs.
+    runs = [c for i, c in enumerate(phases) if i == 0 or phases[i - 1] != c]
+    assert runs == ["1", "2"] * 4
+
+
+def test_empty_grid_and_empty_waves():
+    grid = make_row_grid([0, 0, 0], block_m=64, n_blocks_l1=4, n_blocks_l2=4, experts_per_wave=1)
+    for s in (Schedule("expert_wave"), Schedule("interleaved", lead=2)):
+        assert all(seq == [] for seq in enumerate_all(s, grid, 4))
+
+
+def test_bad_grid_inputs():
+    with pytest.raises(ValueError):
+        make_row_grid([1], block_m=64, n_blocks_l1=3, n_blocks_l2=4)
+    with pytest.raises(ValueError):
+        make_row_grid([-1], block_m=64, n_blocks_l1=4, n_blocks_l2=4)
+
+
+def test_d_knee_eq16():
+    # D_knee = b_n K_SM / (2 h_inter)
+    assert d_knee(128, 132, 2048) == pytest.approx(128 * 132 / 4096)
+    assert default_lead(128, 132, 2048) == 5
+    assert default_lead(128, 2, 4096) == 1
