@@ -349,6 +349,7 @@ class MegaMoE:
         self.last_kernel_us = start.elapsed_time(end) * 1e3
         from xstage.device import raise_on_device_error
 
+        buf = self.buffer
         for d in self.world.local_ranks:
             if int(buf.counters[d][0].item()) != 0:
                 # The counter state is unusable after a timeout: reset it, then raise.
