@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Timing", "bench", "bench_graph", "ratio"]
+__all__ = ["Timing", "bench", "bench_graph", "capture_graph", "ratio"]
 
 
 @dataclass(frozen=True)
@@ -81,11 +81,14 @@ def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, trials:
     return _event_trials(fn, iters, trials)
 
 
-def bench_graph(fn: Callable[[], object], *, replays: int = 20, trials: int = 21, warmup: int = 3) -> Timing:
-    """Capture ``fn`` once (after eager warm-up on a side stream) and time graph replays."""
+def capture_graph(fn: Callable[[], object], *, warmup: int = 3):
+    """Warm ``fn`` up eagerly on a side stream, then capture one call into a CUDA graph.
+
+    Returns the ``torch.cuda.CUDAGraph`` (replayed once, synchronized). The
+    warm-up keeps compilation, allocation and handle creation out of the graph.
+    """
     import torch
 
-    _check(warmup=warmup, replays=replays, trials=trials)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -96,6 +99,17 @@ def bench_graph(fn: Callable[[], object], *, replays: int = 20, trials: int = 21
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def bench_graph(fn: Callable[[], object], *, replays: int = 20, trials: int = 21, warmup: int = 3) -> Timing:
+    """Capture ``fn`` once (after eager warm-up on a side stream) and time graph replays."""
+    import torch
+
+    _check(warmup=warmup, replays=replays, trials=trials)
+    g = capture_graph(fn, warmup=warmup)
     for _ in range(warmup):
         g.replay()
     torch.cuda.synchronize()
