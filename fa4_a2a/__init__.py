@@ -5,9 +5,13 @@ Entry points:
   UlyssesAttention(world)                 nn.Module mirroring yunchang's UlyssesAttention
   attention_a2a(...) / attention_local(...)  one rank's fused / FA-only launch
   torch.ops.fa4_a2a.attention_a2a_ / attention_local_  the same as torch custom ops
+  a2a_symm(...)                           the A2A-only baseline by a symmetric-memory copy kernel
+  fa4_a2a.baselines                       FA-only / A2A-only / Serial baselines (stable names)
+  fa4_a2a.selfcheck.check_world(world)    every path against the fp32 reference on a live world
 """
 
 from fa4_a2a.validate import Fa4A2AInputError
+from fa4_a2a.a2a_copy import A2ACopyConfig, a2a_symm
 from fa4_a2a.interface import (
     KernelConfig,
     attention_a2a,
@@ -18,6 +22,8 @@ from fa4_a2a.interface import (
 from fa4_a2a.ulysses import UlyssesAttention, UlyssesWorkspace, ulysses_attention
 
 __all__ = [
+    "A2ACopyConfig",
+    "a2a_symm",
     "Fa4A2AInputError",
     "KernelConfig",
     "attention_a2a",

@@ -8,9 +8,12 @@ World backends (``xstage.world``):
   * ``loopback`` / ``host``: all P ranks live in this process; ``q, k, v`` are sequences of P
     tensors (one per rank) and the result is a list of P tensors.  Launches run in rank order on
     the current stream, so stream order completes every rank's output (no cross-rank wait).
-  * ``torch-symm``: one rank per process; ``q, k, v`` are tensors; the pre-A2A is
-    ``all_to_all_single`` on ``world.group`` (default group if absent) and a ``world.barrier()``
-    after the launch makes peers' stores visible.
+  * ``torch-symm``: one rank per process (``world.local_ranks == [rank]``); ``q, k, v`` are
+    tensors; the pre-A2A is ``all_to_all_single`` on ``world.group`` (default group if absent) and
+    a ``world.barrier()`` after the launch makes the peers' stores visible before anyone reads its
+    output.  Under CUDA-graph capture the barrier (a host sync + ``dist.barrier``) cannot be
+    recorded: it is skipped, and the caller calls ``world.barrier()`` once after the replay (the
+    paper's Section 5.1 boundary; ``barrier=False`` does the same outside capture).
 
 The outputs are views of a per-shape destination workspace (symmetric memory in multi-process
 worlds): they stay valid until the next call that uses the same workspace.  Everything is
@@ -64,6 +67,23 @@ def get_workspace(world, shape, dtype) -> UlyssesWorkspace:
     return ws
 
 
+def _launch_fused(q, k, v, out, table, num_ranks, scale, causal, persistent) -> None:
+    """One rank's fused launch (a seam for CPU tests of the multi-process path)."""
+    torch.ops.fa4_a2a.attention_a2a_(q, k, v, out, table, None, num_ranks, scale, causal, persistent)
+
+
+def _world_dist(world):
+    """The torch.distributed the world uses (TorchSymmWorld may carry an injected one)."""
+    d = getattr(world, "_dist", None)
+    if d is None:
+        import torch.distributed as d
+    return d
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _as_rank_list(x: Tensors, world, name: str) -> list[torch.Tensor]:
     P = world.world_size
     multi = len(world.local_ranks) > 1 or world.backend in ("loopback", "host")
@@ -90,8 +110,13 @@ def ulysses_attention(
     causal: bool = False,
     persistent: bool = False,
     workspace: Optional[UlyssesWorkspace] = None,
+    barrier: bool = True,
 ) -> Tensors:
-    """Ulysses attention: pre-A2A, then fused FA4 + post-A2A. See the module docstring."""
+    """Ulysses attention: pre-A2A, then fused FA4 + post-A2A. See the module docstring.
+
+    ``barrier`` (multi-process worlds): call ``world.barrier()`` after the launch so that the
+    returned output is complete; skipped automatically under CUDA-graph capture.
+    """
     qs, ks, vs = (_as_rank_list(t, world, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     P = world.world_size
     for r, (qr, kr, vr) in enumerate(zip(qs, ks, vs)):
@@ -108,15 +133,18 @@ def ulysses_attention(
     if len(world.local_ranks) == P:
         qh, kh, vh = seq_to_head_shards(qs), seq_to_head_shards(ks), seq_to_head_shards(vs)
     else:
-        group = getattr(world, "group", None)
-        qh, kh, vh = ([a2a_all_to_all_single_pre(x[0], group)] for x in (qs, ks, vs))
+        if len(qs) != 1:
+            raise Fa4A2AInputError(f"{world.backend} world: {len(world.local_ranks)} local ranks of {P} per "
+                                   "process is not supported (one rank per process, or all of them)")
+        group, dist = getattr(world, "group", None), _world_dist(world)
+        qh, kh, vh = ([a2a_all_to_all_single_pre(x[0], group, dist=dist)] for x in (qs, ks, vs))
 
     # Fused attention + post-attention All-to-All, one launch per local rank.
     for i, r in enumerate(world.local_ranks):
-        torch.ops.fa4_a2a.attention_a2a_(
-            qh[i], kh[i], vh[i], ws.out(r), ws.tables[r], None, P, scale, causal, persistent
-        )
-    if world.backend not in ("loopback", "host"):
+        _launch_fused(qh[i], kh[i], vh[i], ws.out(r), ws.tables[r], P, scale, causal, persistent)
+    # Multi-process: the peers' stores into our buffer must be complete before we return it.
+    # Single-process worlds: stream order already completes every rank's launch.
+    if len(world.local_ranks) < P and barrier and not _capturing():
         world.barrier()
     outs = [ws.out(r) for r in world.local_ranks]
     return outs if not isinstance(q, torch.Tensor) else outs[0]

@@ -128,3 +128,38 @@ def check_sequence_sharded(
     H = q.shape[2]
     if H % num_ranks:
         _fail(f"number of heads {H} is not divisible by the world size {num_ranks}")
+
+
+# The copy kernel indexes 16-byte chunks with int32 (grid-stride index + one stride of slack).
+MAX_COPY_CHUNKS = 2**31 - 2**24
+
+
+def check_a2a_copy(o_local: torch.Tensor, out: torch.Tensor, peer_table: torch.Tensor, num_ranks: int) -> None:
+    """Checks for one rank's symmetric-memory A2A copy (``fa4_a2a.a2a_copy.a2a_symm``).
+
+    o_local: [B, S, Hl, D] contiguous (this rank's attention output).  out: this rank's own
+    destination buffer [B, S/P, Hl*P, D] (contiguous; every rank's has this layout).
+    peer_table: int64 [P].
+    """
+    check_world_size(num_ranks)
+    check_bshd("o_local", o_local)
+    check_bshd("out", out)
+    check_same(("o_local", "out"), (o_local, out), "dtype")
+    check_contiguous("o_local", o_local)
+    check_contiguous("out", out)
+    B, S, Hl, D = o_local.shape
+    if S % num_ranks:
+        _fail(f"sequence length {S} is not divisible by the world size {num_ranks}")
+    want = (B, S // num_ranks, Hl * num_ranks, D)
+    if tuple(out.shape) != want:
+        _fail(f"out must have shape {want}, got {tuple(out.shape)}")
+    if not isinstance(peer_table, torch.Tensor) or peer_table.dtype != torch.int64 or peer_table.dim() != 1 \
+            or peer_table.numel() != num_ranks:
+        _fail(f"peer_table must be int64 [{num_ranks}], got "
+              f"{getattr(peer_table, 'dtype', type(peer_table).__name__)} {tuple(getattr(peer_table, 'shape', ()))}")
+    check_contiguous("peer_table", peer_table)
+    chunks = o_local.numel() * o_local.element_size() // 16
+    if chunks > MAX_COPY_CHUNKS:
+        _fail(f"o_local has {chunks} 16-byte chunks, more than the copy kernel's int32 index allows "
+              f"({MAX_COPY_CHUNKS})")
+    check_cuda(("o_local", "out", "peer_table"), (o_local, out, peer_table))

@@ -1,32 +1,52 @@
 #!/usr/bin/env python
 """FA4 + Ulysses post-attention All-to-All on one H200 (paper Section 5.3, Table 3, Fig. 11).
 
-One rank's sender-visible time (rank 0 of a world of P ranks) for DiT shapes (B = 1, head_dim 128,
-H heads, sequence M, Hl = H / P heads per rank):
+One rank's sender-visible time for DiT shapes (B = 1, head_dim 128, H heads, sequence M,
+Hl = H / P heads per rank):
 
   stock          flash_attn.cute.flash_attn_func on the rank's [1, M, Hl, 128] (reference point)
   fa_only        the same kernel class with the stock epilogue (local output)      [T_FA]
   fa_only_pers   ... static persistent tile order (own O staging buffer)
-  a2a_only       the post-attention volume moved without attention (device copies into the P
-                 destination buffers of the world)
+  a2a_only       the post-attention volume moved without attention: torch device copies into the
+                 P destination buffers (loopback/host); all_to_all_single with yunchang's
+                 permutes (torch-symm)
   serial         fa_only, then a2a_only                                              [T_serial]
+  a2a_symm       the same volume by the symmetric-memory copy kernel (fa4_a2a.a2a_copy: 16-byte
+                 stores through the fused kernel's own peer table, one CTA per SM)
+  serial_symm    fa_only, then a2a_symm
   fused          FA4 whose epilogue stores every tile at its Ulysses destination    [T_fused]
   fused_pers     ... static persistent tile order, own O staging buffer in smem
   fused_pers_dq  ... static persistent, sO aliasing sQ with Q's release deferred past the epilogue
 
 Method: every variant is captured once in a CUDA graph; a trial times ``replays`` back-to-back
-replays between two CUDA events (one boundary after the replays, none per iteration); trials of
-all variants are interleaved with a rotated order (DVFS drift hits every variant alike); median
-of >= 21 trials.  E_res = T_fused - T_FA, hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21),
-speedup = T_serial / T_fused.
+replays between two CUDA events (sender-side boundary, paper Section 5.1: in multi-process worlds
+one world barrier after the replays, none per iteration); trials of all variants are interleaved
+with a rotated order (DVFS drift hits every variant alike); median of >= 21 trials.  The SM clock
+(NVML, ``torch.cuda.clock_rate``) is read after every trial (and before it with ``--stabilize``).
+E_res = T_fused - T_FA, hiding ratio H = 1 - E_res / (T_serial - T_FA) (eq. 21), speedup =
+T_serial / T_fused.
+
+Acceptance "T_fused < T_serial at every M" is decided per M on the *paired, matched-clock*
+statistic: per trial the difference serial_i - fused_i (same trial, rotated order), kept only for
+trials whose serial and fused clocks are both within ``--clock-tol-mhz`` of the row's reference
+clock (median of all clock readings of the row); pass when that median difference is > 0 over at
+least ``--min-matched`` trials (the one-sided sign-test p-value is reported with it).
+
+``--stabilize`` (paper Section 5.3: "We monitor clocks and repeat affected points in short,
+clock-stabilized runs"): before each variant's timed replays the host synchronizes and sleeps
+``--cooldown-s`` (the GPU leaves its power limit), and replays per trial are kept short
+(``--target-trial-us`` / ``--max-replays`` default to 2000 us / 4 there, at least one replay).
+GPU clocks are never changed by this script.
 
 Worlds: ``loopback`` (all P destination buffers in this GPU's HBM: the fused stores are local
-stores, a control for issue cost) and ``host`` (destinations in pinned host memory: the stores
-drain over PCIe, a real X-Stage path on one GPU).  The Burst-Gap prediction (eq. 18-20) uses an
-``xstage.profiles`` platform and sigma measured from T_FA here.
+stores, a control for issue cost), ``host`` (destinations in pinned host memory: the stores drain
+over PCIe, a real X-Stage path on one GPU) and ``torch-symm`` (one process per GPU under torchrun,
+NVLink peer stores into torch symmetric memory; times are the per-trial maximum over ranks).
 
   python scripts/bench_fa_a2a.py                       # full sweep, loopback, P = 8
   python scripts/bench_fa_a2a.py --world host --seqs 8192 16384 32768
+  python scripts/bench_fa_a2a.py --stabilize --seqs 49152 65536 --variants fa_only serial serial_symm fused
+  torchrun --nproc-per-node 8 scripts/bench_fa_a2a.py --world torch-symm
   python scripts/bench_fa_a2a.py --plot results/h200/fa4_a2a/bench_loopback.json
 """
 
@@ -36,36 +56,88 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = ("stock", "fa_only", "fa_only_pers", "a2a_only", "serial", "fused", "fused_pers", "fused_pers_dq")
+VARIANTS = ("stock", "fa_only", "fa_only_pers", "a2a_only", "serial", "a2a_symm", "serial_symm", "fused",
+            "fused_pers", "fused_pers_dq")
+FUSED = ("fused", "fused_pers", "fused_pers_dq")
+SERIALS = ("serial", "serial_symm")
 TILE_M = TILE_N = 128
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", choices=("loopback", "host"), default="loopback")
-    p.add_argument("--P", type=int, default=8)
+    p.add_argument("--world", choices=("loopback", "host", "torch-symm"), default="loopback")
+    p.add_argument("--P", type=int, default=8, help="world size (torch-symm: must equal the process count)")
     p.add_argument("--heads", type=int, nargs="+", default=[24, 40])
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768, 49152, 65536])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--trials", type=int, default=21)
-    p.add_argument("--target-trial-us", type=float, default=3000.0, help="replays per trial ~ this / T")
-    p.add_argument("--max-replays", type=int, default=20)
+    p.add_argument("--target-trial-us", type=float, default=None,
+                   help="replays per trial ~ this / T (default 3000; 2000 with --stabilize)")
+    p.add_argument("--max-replays", type=int, default=None, help="default 20; 4 with --stabilize")
+    p.add_argument("--min-replays", type=int, default=None, help="default 3; 1 with --stabilize")
+    p.add_argument("--stabilize", action="store_true",
+                   help="clock-stabilised mode: idle cool-down before every variant's timed replays, short trials")
+    p.add_argument("--cooldown-s", type=float, default=0.25, help="--stabilize: host sleep before each timed burst")
+    p.add_argument("--clock-tol-mhz", type=float, default=30.0,
+                   help="matched-clock window around the row's reference clock (H200 DVFS steps are 15 MHz)")
+    p.add_argument("--min-matched", type=int, default=5, help="fewest matched paired trials for a verdict")
+    p.add_argument("--alpha", type=float, default=0.05, help="sign-test level for a 'pass'")
     p.add_argument("--profile", default=None, help="xstage.profiles name/path for the model prediction")
     p.add_argument("--out", default="results/h200/fa4_a2a")
-    p.add_argument("--tag", default=None, help="output file stem (default bench_<world>)")
-    p.add_argument("--plot", default=None, help="only draw the figure from this JSON")
-    return p.parse_args(argv)
+    p.add_argument("--tag", default=None, help="output file stem (default bench_<world>[_stabilized])")
+    p.add_argument("--plot", default=None, help="only draw the figure (and tables) from this JSON")
+    p.add_argument("--reanalyse", action="store_true",
+                   help="with --plot: recompute paired/matched-clock statistics and verdicts (CPU)")
+    args = p.parse_args(argv)
+    defaults = {"target_trial_us": (2000.0, 3000.0), "max_replays": (4, 20), "min_replays": (1, 3)}
+    for name, (stab, plain) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, stab if args.stabilize else plain)
+    if args.min_replays < 1 or args.max_replays < args.min_replays:
+        p.error("need 1 <= --min-replays <= --max-replays")
+    if args.trials < 1 or args.cooldown_s < 0 or args.clock_tol_mhz < 0:
+        p.error("--trials >= 1, --cooldown-s >= 0 and --clock-tol-mhz >= 0 required")
+    return args
 
 
 # ----------------------------------------------------------------------------- timing
+
+
+class _Sync:
+    """What the timing loop needs from the world: a barrier and (multi-process) agreement.
+
+    Single process (loopback/host): nothing to agree on; multi-process (torch-symm): every rank
+    must replay the same graphs the same number of times (NCCL graphs would hang otherwise), so
+    replay counts are agreed by an all-reduce MAX, and trials start barrier-aligned.
+    """
+
+    def __init__(self, world=None, dist=None):
+        self.world = world
+        self.multi = world is not None and len(world.local_ranks) < world.world_size
+        self.dist = dist
+
+    def barrier(self):
+        if self.multi:
+            self.world.barrier()
+
+    def agree_max(self, values: dict) -> dict:
+        if not self.multi:
+            return values
+        import torch
+
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.world.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=getattr(self.world, "group", None))
+        return {k: type(values[k])(v) for k, v in zip(keys, t.tolist())}
 
 
 def _capture(fn):
@@ -86,40 +158,65 @@ def _capture(fn):
     return g
 
 
-def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int):
-    """Median-of-trials per-call time of each fn (dict name -> Timing), interleaved + rotated."""
-    import torch
-    from xstage.timing import Timing
+def replays_for(est_us: float, target_us: float, min_replays: int, max_replays: int) -> int:
+    """Replays per trial: about ``target_us`` of work, clamped to [min_replays, max_replays]."""
+    return int(max(min_replays, min(max_replays, math.ceil(target_us / max(est_us, 1.0)))))
 
+
+def rotated(names, t):
+    """Trial t's variant order: the list rotated by t (every variant leads equally often)."""
+    k = t % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int, *, min_replays: int = 3,
+                     cooldown_s: float = 0.0, sync: _Sync = None):
+    """Per-call time of each fn, interleaved + rotated over ``trials``.
+
+    Returns (samples_us, replays, clocks_after, clocks_before): dicts name -> list per trial
+    (clocks_before only when ``cooldown_s`` > 0, i.e. stabilised).  Each trial of each variant is
+    [optional barrier + cool-down] -> event -> ``replays`` graph replays -> event -> sync ->
+    clock read -> [world barrier: remote visibility once after the replays, Section 5.1].
+    """
+    import torch
+
+    sync = sync or _Sync()
     graphs = {k: _capture(f) for k, f in fns.items()}
-    # Size each variant's trial from one untimed replay burst.
-    replays = {}
-    for k, g in graphs.items():
+    est = {}
+    for k, g in graphs.items():  # size each variant's trial from one untimed burst
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(3):
             g.replay()
         b.record()
         b.synchronize()
-        est = a.elapsed_time(b) * 1e3 / 3
-        replays[k] = int(max(3, min(max_replays, math.ceil(target_us / max(est, 1.0)))))
+        est[k] = a.elapsed_time(b) * 1e3 / 3
+        sync.barrier()
+    replays = sync.agree_max({k: replays_for(est[k], target_us, min_replays, max_replays) for k in graphs})
     samples = {k: [] for k in graphs}
-    clocks = {k: [] for k in graphs}  # SM clock (MHz) read right after each trial: DVFS shows up here
+    clocks = {k: [] for k in graphs}  # SM clock (MHz) right after each trial: DVFS shows up here
+    clocks_before = {k: [] for k in graphs}
     names = list(graphs)
     for t in range(trials):
-        order = names[t % len(names):] + names[: t % len(names)]
-        for k in order:
+        for k in rotated(names, t):
             g, n = graphs[k], replays[k]
+            if cooldown_s > 0:
+                torch.cuda.synchronize()
+                sync.barrier()
+                time.sleep(cooldown_s)
+                clocks_before[k].append(_sm_clock_mhz())
+            sync.barrier()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(n):
                 g.replay()
             b.record()
             b.synchronize()
-            samples[k].append(a.elapsed_time(b) * 1e3 / n)
             clocks[k].append(_sm_clock_mhz())
+            samples[k].append(a.elapsed_time(b) * 1e3 / n)
+            sync.barrier()
     del graphs
-    return {k: Timing(v) for k, v in samples.items()}, replays, clocks
+    return samples, replays, clocks, (clocks_before if cooldown_s > 0 else None)
 
 
 def _sm_clock_mhz():
@@ -132,12 +229,119 @@ def _sm_clock_mhz():
         return None
 
 
+# ----------------------------------------------------------------------------- statistics (CPU-testable)
+
+
 def paired_stats(timings: dict, a: str, b: str) -> dict:
     """Per-trial differences a - b (same trial, rotated order): robust to slow drift that moves
-    both medians. Returns the median difference and the fraction of trials with a > b."""
-    sa, sb = timings[a].samples_us, timings[b].samples_us
+    both medians. Returns the median difference and the fraction of trials with a > b.
+    ``timings``: name -> object with ``samples_us`` (xstage.timing.Timing) or a list of samples."""
+    sa, sb = _samples(timings[a]), _samples(timings[b])
     d = sorted(x - y for x, y in zip(sa, sb))
-    return {"median_diff_us": d[len(d) // 2], "frac_positive": sum(x > 0 for x in d) / len(d)}
+    return {"median_diff_us": statistics.median(d), "frac_positive": sum(x > 0 for x in d) / len(d), "n": len(d)}
+
+
+def _samples(t):
+    return list(t.samples_us) if hasattr(t, "samples_us") else list(t)
+
+
+def reference_clock(clocks: dict):
+    """The row's reference SM clock: median of every reading of every variant (None if no NVML)."""
+    vals = [c for cs in clocks.values() for c in (cs or []) if c is not None]
+    return statistics.median(vals) if vals else None
+
+
+def matched_trials(clocks: dict, names, tol_mhz: float, ref=None) -> list:
+    """Indices of trials in which every variant of ``names`` ran within ``tol_mhz`` of ``ref``
+    (default: the row's reference clock).  Without clock readings every trial counts."""
+    ref = reference_clock(clocks) if ref is None else ref
+    n = min(len(clocks[k]) for k in names)
+    if ref is None:
+        return list(range(n))
+    return [i for i in range(n)
+            if all(clocks[k][i] is not None and abs(clocks[k][i] - ref) <= tol_mhz for k in names)]
+
+
+def sign_test_p(k_pos: int, n: int) -> float:
+    """One-sided sign test: P(X >= k_pos) for X ~ Binomial(n, 1/2) (ties dropped beforehand)."""
+    if n == 0:
+        return 1.0
+    return sum(math.comb(n, i) for i in range(k_pos, n + 1)) / 2 ** n
+
+
+def matched_medians(samples: dict, clocks: dict, tol_mhz: float) -> dict:
+    """Per variant: median over its own trials whose clock is within tol of the reference clock."""
+    ref = reference_clock(clocks)
+    out = {}
+    for k, s in samples.items():
+        idx = matched_trials({k: clocks[k]}, [k], tol_mhz, ref)
+        out[k] = {"median_us": statistics.median([s[i] for i in idx]) if idx else None, "n": len(idx)}
+    return out
+
+
+def acceptance(samples: dict, clocks: dict, slow: str, fast: str, tol_mhz: float, min_matched: int,
+               alpha: float = 0.05) -> dict:
+    """Is ``fast`` faster than ``slow`` on the paired, matched-clock statistic?
+
+    Trials where both variants ran within ``tol_mhz`` of the reference clock give paired
+    differences slow_i - fast_i.  Verdict: "pass" when their median is > 0 and the one-sided sign
+    test rejects "no difference" at ``alpha``; "inconclusive" with fewer than ``min_matched``
+    matched trials; "fail" otherwise (slower, or faster by less than the noise shows).
+    ``clock_matched`` is False when no clock readings exist (every trial then counts)."""
+    ref = reference_clock(clocks)
+    idx = matched_trials(clocks, [slow, fast], tol_mhz, ref)
+    d = [samples[slow][i] - samples[fast][i] for i in idx]
+    nonzero = [x for x in d if x != 0]
+    res = {"slow": slow, "fast": fast, "reference_clock_mhz": ref, "clock_tol_mhz": tol_mhz,
+           "clock_matched": ref is not None, "alpha": alpha,
+           "n_trials": min(len(samples[slow]), len(samples[fast])), "n_matched": len(d)}
+    if d:
+        res.update(median_diff_us=statistics.median(d), frac_positive=sum(x > 0 for x in d) / len(d),
+                   sign_test_p=sign_test_p(sum(x > 0 for x in nonzero), len(nonzero)))
+    if len(d) < min_matched:
+        res["verdict"] = "inconclusive"
+    else:
+        res["verdict"] = "pass" if res["median_diff_us"] > 0 and res["sign_test_p"] < alpha else "fail"
+    return res
+
+
+def analyse_row(row: dict, samples: dict, clocks: dict, tol_mhz: float, min_matched: int,
+                alpha: float = 0.05) -> dict:
+    """Medians, paired statistics, matched-clock medians and the acceptance verdicts of one row."""
+    from xstage.timing import Timing
+
+    timings = {n: Timing(v) for n, v in samples.items()}
+    med = {n: t.median_us for n, t in timings.items()}
+    row.update(timings={n: t.as_dict() for n, t in timings.items()}, median_us=med, sm_clock_mhz=clocks)
+    have_clocks = reference_clock(clocks) is not None
+    row["reference_clock_mhz"] = reference_clock(clocks)
+    row["matched_median_us"] = matched_medians(samples, clocks, tol_mhz) if have_clocks else None
+    row["acceptance"] = {}
+    for serial in SERIALS:
+        for fused in FUSED:
+            if fused in med and serial in med:
+                row[f"paired_{serial}_minus_{fused}"] = paired_stats(timings, serial, fused)
+        if "fused" in med and serial in med:
+            row["acceptance"][f"fused_lt_{serial}"] = acceptance(samples, clocks, serial, "fused", tol_mhz,
+                                                                 min_matched, alpha)
+    if "fa_only" in med:
+        t_fa = med["fa_only"]
+        if "stock" in med:
+            row["fa_only_vs_stock"] = t_fa / med["stock"]
+        if "fused_pers" in med and "fa_only_pers" in med:
+            # residual of the persistent fused kernel over its own (persistent) FA-only path
+            row["E_res_pers_vs_fa_pers_us"] = med["fused_pers"] - med["fa_only_pers"]
+        for fused in FUSED:
+            if fused in med:
+                e_res = med[fused] - t_fa
+                row[f"E_res_{fused}_us"] = e_res
+                row[f"{fused}_vs_fa"] = med[fused] / t_fa
+                if "serial" in med:
+                    row[f"H_{fused}"] = 1.0 - e_res / (med["serial"] - t_fa)
+                    row[f"speedup_{fused}"] = med["serial"] / med[fused]
+                if "serial_symm" in med:
+                    row[f"speedup_{fused}_vs_serial_symm"] = med["serial_symm"] / med[fused]
+    return row
 
 
 # ----------------------------------------------------------------------------- model
@@ -211,19 +415,88 @@ def remodel(payload, profile):
 # ----------------------------------------------------------------------------- run
 
 
+def _init_world(args):
+    """The world, this process's rank and the torch.distributed module (torch-symm only)."""
+    import torch
+
+    from xstage.world import make_world
+
+    if args.world != "torch-symm":
+        return make_world(args.world, args.P), 0, None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "LOCAL_RANK" not in os.environ:
+            raise SystemExit("--world torch-symm runs one process per GPU: start it with torchrun")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+    if dist.get_world_size() != args.P:
+        raise SystemExit(f"--P {args.P} but torchrun started {dist.get_world_size()} processes")
+    world = make_world("torch-symm", args.P)
+    return world, world.rank, dist
+
+
+def variant_fns(world, rank, q, k, v, o_local, dest, table, P):
+    """name -> zero-argument launch of that variant for ``rank`` (every variant of VARIANTS).
+
+    Single-process worlds hold every rank's buffer, so the torch-copy A2A can reach them;
+    multi-process worlds use all_to_all_single for the torch baseline.  The symmetric-memory copy
+    and the fused kernel take the same (folded) peer table, so they move the same bytes.
+    """
+    import fa4_a2a
+    from fa4_a2a.baselines import a2a_all_to_all_single, a2a_copy, a2a_symm
+    from flash_attn.cute import flash_attn_func
+
+    out = dest.local(rank)
+    if len(world.local_ranks) == world.world_size:
+        dests = [dest.local(j) for j in range(P)]
+        a2a_torch = lambda: a2a_copy(o_local, dests, rank)  # noqa: E731
+    else:
+        group = getattr(world, "group", None)
+        a2a_torch = lambda: a2a_all_to_all_single(o_local, group)  # noqa: E731
+    fa = lambda: fa4_a2a.attention_local(q, k, v, o_local)  # noqa: E731
+    symm = lambda: a2a_symm(o_local, out, table, num_ranks=P)  # noqa: E731
+    return {
+        "stock": lambda: flash_attn_func(q, k, v),
+        "fa_only": fa,
+        "fa_only_pers": lambda: fa4_a2a.attention_local(q, k, v, o_local, persistent=True),
+        "a2a_only": a2a_torch,
+        "serial": lambda: (fa(), a2a_torch()),
+        "a2a_symm": symm,
+        "serial_symm": lambda: (fa(), symm()),
+        "fused": lambda: fa4_a2a.attention_a2a(q, k, v, out, table, num_ranks=P),
+        "fused_pers": lambda: fa4_a2a.attention_a2a(q, k, v, out, table, num_ranks=P, persistent=True),
+        "fused_pers_dq": lambda: fa4_a2a.attention_a2a(q, k, v, out, table, num_ranks=P, persistent=True,
+                                                       o_staging="defer_q"),
+    }
+
+
+def _reduce_over_ranks(dist, world, samples, clocks):
+    """Multi-process: per-trial max time and min clock over ranks (every rank gets the result)."""
+    if dist is None:
+        return samples, clocks, None
+    gathered = [None] * world.world_size
+    dist.all_gather_object(gathered, {"samples": samples, "clocks": clocks}, group=getattr(world, "group", None))
+    red_s = {k: [max(g["samples"][k][i] for g in gathered) for i in range(len(samples[k]))] for k in samples}
+    red_c = {}
+    for k in clocks:
+        red_c[k] = []
+        for i in range(len(clocks[k])):
+            cs = [g["clocks"][k][i] for g in gathered]
+            red_c[k].append(None if any(c is None for c in cs) else min(cs))
+    return red_s, red_c, [g["samples"] for g in gathered]
+
+
 def run(args):
     import torch
 
-    import fa4_a2a
-    from fa4_a2a.baselines import a2a_copy
-    from flash_attn.cute import flash_attn_func
-    from xstage.world import make_world
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     P, D = args.P, args.head_dim
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    world, rank, dist = _init_world(args)
+    device = world.device
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     platform = load_platform(args.profile)
-    world = make_world(args.world, P)
+    sync = _Sync(world, dist)
     rows = []
     for H in args.heads:
         if H % P:
@@ -232,63 +505,61 @@ def run(args):
         for M in args.seqs:
             if M % P:
                 raise SystemExit(f"M={M} not divisible by P={P}")
-            g = torch.Generator(device="cuda").manual_seed(M + H)
-            q, k, v = (torch.randn(1, M, Hl, D, generator=g, device="cuda").to(dtype) for _ in range(3))
+            g = torch.Generator(device=device).manual_seed((M + H) * 64 + rank)
+            q, k, v = (torch.randn(1, M, Hl, D, generator=g, device=device).to(dtype) for _ in range(3))
             o_local = torch.empty_like(q)
             dest = world.alloc((1, M // P, H, D), dtype)
-            dests = [dest.local(j) for j in range(P)]
-            table = (dest.peer_table(0) + 0 * Hl * D * q.element_size()).contiguous()  # rank 0
-            fns = {
-                "stock": lambda: flash_attn_func(q, k, v),
-                "fa_only": lambda: fa4_a2a.attention_local(q, k, v, o_local),
-                "fa_only_pers": lambda: fa4_a2a.attention_local(q, k, v, o_local, persistent=True),
-                "a2a_only": lambda: a2a_copy(o_local, dests, 0),
-                "serial": lambda: (fa4_a2a.attention_local(q, k, v, o_local), a2a_copy(o_local, dests, 0)),
-                "fused": lambda: fa4_a2a.attention_a2a(q, k, v, dests[0], table, num_ranks=P),
-                "fused_pers": lambda: fa4_a2a.attention_a2a(q, k, v, dests[0], table, num_ranks=P, persistent=True),
-                "fused_pers_dq": lambda: fa4_a2a.attention_a2a(q, k, v, dests[0], table, num_ranks=P, persistent=True,
-                                                               o_staging="defer_q"),
-            }
+            # This rank's head offset folded into its table (fa4_a2a.interface.ulysses_peer_table).
+            table = (dest.peer_table(rank) + rank * Hl * D * q.element_size()).contiguous()
+            fns = variant_fns(world, rank, q, k, v, o_local, dest, table, P)
             fns = {n: fns[n] for n in args.variants}
             t0 = time.time()
-            timings, replays, clocks = time_interleaved(fns, args.trials, args.target_trial_us, args.max_replays)
-            med = {n: t.median_us for n, t in timings.items()}
+            samples, replays, clocks, clocks_before = time_interleaved(
+                fns, args.trials, args.target_trial_us, args.max_replays, min_replays=args.min_replays,
+                cooldown_s=args.cooldown_s if args.stabilize else 0.0, sync=sync)
+            samples, clocks, per_rank = _reduce_over_ranks(dist, world, samples, clocks)
             row = {"H": H, "H_local": Hl, "M": M, "P": P, "head_dim": D, "dtype": args.dtype,
-                   "world": args.world, "replays": replays,
-                   "timings": {n: t.as_dict() for n, t in timings.items()}, "median_us": med,
-                   "sm_clock_mhz": clocks, "wall_s": time.time() - t0}
-            for fused in FUSED:
-                if fused in med and "serial" in med:
-                    row[f"paired_serial_minus_{fused}"] = paired_stats(timings, "serial", fused)
-            if "fa_only" in med:
-                t_fa = med["fa_only"]
-                if "stock" in med:
-                    row["fa_only_vs_stock"] = t_fa / med["stock"]
-                if "fused_pers" in med and "fa_only_pers" in med:
-                    # residual of the persistent fused kernel over its own (persistent) FA-only path
-                    row["E_res_pers_vs_fa_pers_us"] = med["fused_pers"] - med["fa_only_pers"]
-                for fused in FUSED:
-                    if fused in med:
-                        e_res = med[fused] - t_fa
-                        row[f"E_res_{fused}_us"] = e_res
-                        row[f"{fused}_vs_fa"] = med[fused] / t_fa
-                        if "serial" in med:
-                            row[f"H_{fused}"] = 1.0 - e_res / (med["serial"] - t_fa)
-                            row[f"speedup_{fused}"] = med["serial"] / med[fused]
-                row["model"] = model_prediction(platform, M, Hl, t_fa, num_sms, q.element_size(), D)
+                   "world": args.world, "stabilized": args.stabilize, "replays": replays,
+                   "time_over_ranks": "max per trial" if dist is not None else f"rank {rank}",
+                   "wall_s": time.time() - t0}
+            if clocks_before is not None:
+                row["sm_clock_before_mhz"] = clocks_before
+            if per_rank is not None:
+                row["per_rank_samples_us"] = per_rank
+            analyse_row(row, samples, clocks, args.clock_tol_mhz, args.min_matched, args.alpha)
+            if "fa_only" in row["median_us"]:
+                row["model"] = model_prediction(platform, M, Hl, row["median_us"]["fa_only"], num_sms,
+                                                q.element_size(), D)
             rows.append(row)
-            print_row(row)
-            fns = timings = None  # drop the graphs' references before the next shape allocates
+            if rank == 0:
+                print_row(row)
+            fns = None  # drop the graphs' references before the next shape allocates
+            del dest
+            sync.barrier()
             torch.cuda.empty_cache()
-    return {"config": vars(args), "num_sms": num_sms, "rows": rows}
+    return {"config": vars(args), "num_sms": num_sms, "rows": rows, "rank": rank,
+            "acceptance_fused_lt_serial": acceptance_summary(rows)}
 
 
-FUSED = ("fused", "fused_pers", "fused_pers_dq")
+def acceptance_summary(rows) -> dict:
+    """Per serial baseline: pass only if every M of every head count passed."""
+    out = {}
+    for r in rows:
+        for key, a in r.get("acceptance", {}).items():
+            s = out.setdefault(key, {"all_pass": True, "clock_matched": True, "points": []})
+            s["clock_matched"] = s["clock_matched"] and a.get("clock_matched", False)
+            s["points"].append({"H": r["H"], "M": r["M"], "verdict": a["verdict"],
+                                "median_diff_us": a.get("median_diff_us"), "n_matched": a["n_matched"]})
+            s["all_pass"] = s["all_pass"] and a["verdict"] == "pass"
+    return out
+
+
 DERIVED = (
     [("fa_only_vs_stock", "{:.4f}"), ("E_res_pers_vs_fa_pers_us", "{:+.1f}")]
     + [(f"E_res_{f}_us", "{:+.1f}") for f in FUSED]
     + [(f"H_{f}", "{:.0%}") for f in FUSED]
     + [(f"speedup_{f}", "{:.3f}x") for f in FUSED]
+    + [(f"speedup_{f}_vs_serial_symm", "{:.3f}x") for f in FUSED]
     + [(f"{f}_vs_fa", "{:.4f}") for f in FUSED]
 )
 
@@ -298,7 +569,43 @@ def print_row(r):
     cols = " ".join(f"{n}={m[n]:.1f}" for n in VARIANTS if n in m)
     extra = " ".join(
         f"{k}={r[k]:+.1f}" if k.startswith("E_res") else f"{k}={r[k]:.3f}" for k, _ in DERIVED if k in r)
-    print(f"H={r['H']:3d} M={r['M']:6d} | {cols} | {extra}", flush=True)
+    verdicts = " ".join(f"{k}:{a['verdict']}({a.get('median_diff_us', float('nan')):+.1f}us,n={a['n_matched']})"
+                        for k, a in r.get("acceptance", {}).items())
+    print(f"H={r['H']:3d} M={r['M']:6d} | {cols} | {extra} | {verdicts}", flush=True)
+
+
+def acceptance_table(payload) -> str:
+    """Markdown: explicit pass/fail of T_fused < T_serial per point (paired, matched clocks)."""
+    lines = []
+    for r in payload["rows"]:
+        for key, a in r.get("acceptance", {}).items():
+            if not lines:
+                lines += ["\n### Acceptance: T_fused < T_serial (paired per trial, matched SM clock)\n",
+                          "| H | M | baseline | median(serial - fused) us | fused faster in | matched trials | "
+                          "ref clock MHz (matched) | sign-test p | verdict |",
+                          "|---|---|---|---|---|---|---|---|---|"]
+            med = a.get("median_diff_us")
+            lines.append(
+                f"| {r['H']} | {r['M']} | {a['slow']} | {'' if med is None else f'{med:+.1f}'} | "
+                f"{'' if med is None else format(a['frac_positive'], '.0%')} | {a['n_matched']}/{a['n_trials']} | "
+                f"{'not recorded' if a['reference_clock_mhz'] is None else format(a['reference_clock_mhz'], '.0f')} | "
+                f"{'' if med is None else format(a['sign_test_p'], '.3g')} | **{a['verdict'].upper()}** |")
+    for key, s in payload.get("acceptance_fused_lt_serial", {}).items():
+        lines.append(f"\n{key}: {'PASS at every point' if s['all_pass'] else 'NOT passed at every point'}"
+                     f"{'' if s.get('clock_matched', True) else ' (no clock readings: paired, not clock-matched)'}")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def reanalyse(payload, tol_mhz: float, min_matched: int, alpha: float = 0.05):
+    """Recompute statistics and verdicts of a saved JSON (CPU only; rows need per-trial samples)."""
+    for r in payload["rows"]:
+        samples = {n: t["samples_us"] for n, t in r["timings"].items()}
+        clocks = r.get("sm_clock_mhz") or {n: [None] * len(s) for n, s in samples.items()}
+        analyse_row(r, samples, clocks, tol_mhz, min_matched, alpha)
+    payload["acceptance_fused_lt_serial"] = acceptance_summary(payload["rows"])
+    payload.setdefault("reanalysed", []).append({"clock_tol_mhz": tol_mhz, "min_matched": min_matched,
+                                                 "alpha": alpha})
+    return payload
 
 
 def table3(payload):
@@ -316,6 +623,15 @@ def table3(payload):
         for key, fmt in DERIVED:
             if key in rs[0]:
                 lines.append(f"| {key} | " + " | ".join(fmt.format(r[key]) for r in rs) + " |")
+        if any(r.get("matched_median_us") for r in rs):
+            lines.append("| reference SM clock (MHz) | " + " | ".join(
+                "-" if r.get("reference_clock_mhz") is None else f"{r['reference_clock_mhz']:.0f}" for r in rs) + " |")
+            for name in ("fa_only", "serial", "serial_symm", "fused"):
+                cells = [(r.get("matched_median_us") or {}).get(name) for r in rs]
+                if any(cells):
+                    lines.append(f"| {name} @ matched clock (n) | " + " | ".join(
+                        "-" if not c or c["median_us"] is None else f"{c['median_us']:.1f} ({c['n']})"
+                        for c in cells) + " |")
         if "E_drain_us" in rs[0].get("model", {}):
             lines.append("| model E_drain (us) | " + " | ".join(f"{r['model']['E_drain_us']:.1f}" for r in rs) + " |")
             lines.append("| model E_cc (us) | " + " | ".join(f"{r['model']['E_cc_us']:.1f}" for r in rs) + " |")
@@ -324,7 +640,7 @@ def table3(payload):
             if "E_tail_us" in rs[0]["model"]:
                 lines.append("| model E_tail (us) | " + " | ".join(f"{r['model']['E_tail_us']:.1f}" for r in rs) + " |")
             lines.append("| model M*_ub | " + " | ".join(f"{r['model']['M_star_ub']:.0f}" for r in rs) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + acceptance_table(payload)
 
 
 def plot(payload, path):
@@ -378,19 +694,31 @@ def main(argv=None):
         if args.profile:
             payload = remodel(payload, args.profile)
             stem = Path(f"{stem}_{payload['rows'][0]['model']['platform']}")
+        if args.reanalyse:
+            payload = reanalyse(payload, args.clock_tol_mhz, args.min_matched, args.alpha)
+            stem = Path(f"{stem}_reanalysed")
+        if args.profile or args.reanalyse:
             Path(f"{stem}.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
         plot(payload, f"{stem}.png")
         Path(f"{stem}.md").write_text(table3(payload))
+        print(acceptance_table(payload))
         return 0
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     payload = run(args)
+    if args.world == "torch-symm":
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    if payload["rank"] != 0:
+        return 0
     from xstage.provenance import write_json
 
     out = Path(os.environ.get("OUT", "")) / args.out if os.environ.get("BENCH_TO_OUT") else Path(args.out)
-    stem = out / (args.tag or f"bench_{args.world}")
+    stem = out / (args.tag or f"bench_{args.world}{'_stabilized' if args.stabilize else ''}")
     write_json(f"{stem}.json", payload)
     md = table3(payload)
     Path(f"{stem}.md").write_text(md)

@@ -2,14 +2,13 @@
 destination buffer is checked against a float32 reference, with the buffers poisoned (NaN) before
 the launch so that a missing store cannot pass."""
 
-import math
 import random
 
 import pytest
 import torch
 
 from fa4_a2a import UlyssesAttention, attention_a2a, attention_local, ulysses_attention
-from fa4_a2a.reference import attention_fp32, head_to_seq_shards, seq_to_head_shards, ulysses_reference
+from fa4_a2a.reference import attention_fp32, seq_to_head_shards, ulysses_reference
 from xstage.world import make_world
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:Argument aux_data")]
