@@ -140,24 +140,6 @@ class _Sync:
         return {k: type(values[k])(v) for k, v in zip(keys, t.tolist())}
 
 
-def _capture(fn):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def replays_for(est_us: float, target_us: float, min_replays: int, max_replays: int) -> int:
     """Replays per trial: about ``target_us`` of work, clamped to [min_replays, max_replays]."""
     return int(max(min_replays, min(max_replays, math.ceil(target_us / max(est_us, 1.0)))))
@@ -167,6 +149,13 @@ def rotated(names, t):
     """Trial t's variant order: the list rotated by t (every variant leads equally often)."""
     k = t % len(names)
     return list(names[k:]) + list(names[:k])
+
+
+def _capture(fn):
+    """One CUDA graph of ``fn`` (xstage.timing.capture_graph); a seam the CPU tests replace."""
+    from xstage.timing import capture_graph
+
+    return capture_graph(fn, warmup=2)
 
 
 def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int, *, min_replays: int = 3,
