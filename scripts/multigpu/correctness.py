@@ -254,44 +254,38 @@ def summarize(results) -> dict:
     return out
 
 
+def _run(ctx, args) -> int:
+    t0 = time.time()
+    results = []
+    mmas = moe_mma_kinds(args.mma, args.quick)
+    for kname, fn in (("fa4", _fa), ("megamoe", lambda c, q: _moe(c, q, mmas))):
+        if kname in args.kernels:
+            part = fn(ctx, args.quick)
+            results += part
+            save_partial(args.out, args.stem, ctx.rank, part)  # survives a later hang or kill
+    gathered = ctx.gather(results)
+    ok = False
+    if ctx.is_root:
+        allres = [r for part in gathered for r in part]
+        summ = summarize(allres)
+        payload = {**mg.header(ctx, "correctness", args), "summary": summ, "results": allres,
+                   "seconds": time.time() - t0}
+        flat = [{k: v for k, v in r.items() if k != "traceback" and not isinstance(v, (list, dict))}
+                for r in allres]
+        path = mg.write_result(args.out, args.stem, payload, flat)
+        for kname in args.kernels:
+            d = summ.get(kname, {"checks": 0, "passed": 0, "failed": []})
+            print(f"{kname}: {d['passed']}/{d['checks']} checks passed")
+            for f in d["failed"][:20]:
+                print(f"  FAILED {f}")
+        print(f"wrote {path}")
+        ok = summ["all_ok"]
+    return 0 if ctx.from_root(ok) else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        ctx = mg.setup(args)
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    ok = False
-    try:
-        t0 = time.time()
-        results = []
-        mmas = moe_mma_kinds(args.mma, args.quick)
-        for kname, fn in (("fa4", _fa), ("megamoe", lambda c, q: _moe(c, q, mmas))):
-            if kname in args.kernels:
-                part = fn(ctx, args.quick)
-                results += part
-                save_partial(args.out, args.stem, ctx.rank, part)  # survives a later hang or kill
-        gathered = ctx.gather(results)
-        if ctx.is_root:
-            allres = [r for part in gathered for r in part]
-            summ = summarize(allres)
-            payload = {**mg.header(ctx, "correctness", args), "summary": summ, "results": allres,
-                       "seconds": time.time() - t0}
-            flat = [{k: v for k, v in r.items() if k != "traceback" and not isinstance(v, (list, dict))}
-                    for r in allres]
-            path = mg.write_result(args.out, args.stem, payload, flat)
-            for kname in args.kernels:
-                d = summ.get(kname, {"checks": 0, "passed": 0, "failed": []})
-                print(f"{kname}: {d['passed']}/{d['checks']} checks passed")
-                for f in d["failed"][:20]:
-                    print(f"  FAILED {f}")
-            print(f"wrote {path}")
-            ok = summ["all_ok"]
-        ok = ctx.from_root(ok)
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    finally:
-        ctx.close()
-    return 0 if ok else 1
+    return mg.run_entry(args, lambda ctx: _run(ctx, args))
 
 
 if __name__ == "__main__":

@@ -99,34 +99,30 @@ def round_trip(ctx) -> dict:
     return res
 
 
+def _run(ctx, args) -> int:
+    rep = rank_report(ctx)
+    try:
+        rep["checks"].update(round_trip(ctx))
+    except Exception as e:
+        rep["checks"]["round_trip"] = False
+        rep["round_trip_error"] = f"{type(e).__name__}: {e}"
+    reports = ctx.gather(rep)
+    ok = False
+    if ctx.is_root:
+        ok = all(all(r["checks"].values()) for r in reports)
+        payload = {**mg.header(ctx, "topology", args), "ranks": reports, "all_ok": ok,
+                   "nvlink_status": mg.run_text(["nvidia-smi", "nvlink", "--status"])}
+        path = mg.write_result(args.out, "env", payload)
+        for r in reports:
+            bad = [k for k, v in r["checks"].items() if not v]
+            print(f"rank {r['rank']}: {r['name']} sms={r['sms']} " + ("ok" if not bad else f"FAILED {bad}"))
+        print(f"wrote {path}")
+    return 0 if ctx.from_root(ok) else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        ctx = mg.setup(args)
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    ok = False
-    try:
-        rep = rank_report(ctx)
-        try:
-            rep["checks"].update(round_trip(ctx))
-        except Exception as e:
-            rep["checks"]["round_trip"] = False
-            rep["round_trip_error"] = f"{type(e).__name__}: {e}"
-        reports = ctx.gather(rep)
-        if ctx.is_root:
-            ok = all(all(r["checks"].values()) for r in reports)
-            payload = {**mg.header(ctx, "topology", args), "ranks": reports, "all_ok": ok,
-                       "nvlink_status": mg.run_text(["nvidia-smi", "nvlink", "--status"])}
-            path = mg.write_result(args.out, "env", payload)
-            for r in reports:
-                bad = [k for k, v in r["checks"].items() if not v]
-                print(f"rank {r['rank']}: {r['name']} sms={r['sms']} " + ("ok" if not bad else f"FAILED {bad}"))
-            print(f"wrote {path}")
-        ok = ctx.from_root(ok)
-    finally:
-        ctx.close()
-    return 0 if ok else 1
+    return mg.run_entry(args, lambda ctx: _run(ctx, args))
 
 
 if __name__ == "__main__":

@@ -187,28 +187,17 @@ def run(ctx, args):
             "platform": getattr(platform, "name", None), "rows": rows}, table
 
 
+def _main(ctx, args) -> None:
+    payload, table = run(ctx, args)
+    if ctx.is_root:
+        payload = {**mg.header(ctx, "fa4_a2a", args), **payload}
+        path = mg.write_result(args.out, args.stem, payload, table)
+        print(f"wrote {path} and {Path(args.out) / (args.stem + '.csv')}")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        ctx = mg.setup(args)
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    try:
-        payload, table = run(ctx, args)
-        if ctx.is_root:
-            payload = {**mg.header(ctx, "fa4_a2a", args), **payload}
-            path = mg.write_result(args.out, args.stem, payload, table)
-            print(f"wrote {path} and {Path(args.out) / (args.stem + '.csv')}")
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    except ValueError as e:  # input validation of the kernels' APIs (shape, dtype, divisibility)
-        import traceback
-
-        traceback.print_exc()
-        return mg.fail(f"{type(e).__name__}: {e}")
-    finally:
-        ctx.close()
-    return 0
+    return mg.run_entry(args, lambda ctx: _main(ctx, args))
 
 
 if __name__ == "__main__":

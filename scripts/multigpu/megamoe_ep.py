@@ -170,31 +170,20 @@ def run(ctx, args):
     return rows
 
 
+def _main(ctx, args) -> None:
+    rows = run(ctx, args)
+    if ctx.is_root:
+        summ = summarize(rows)
+        payload = {**mg.header(ctx, "megamoe", args), "rows": rows, "summary": summ}
+        flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
+        path = mg.write_result(args.out, args.stem, payload, flat)
+        print(f"wrote {path}; geomean speedup {summ.get('geomean_speedup', float('nan')):.3f}x "
+              f"(paper {mg.PAPER['megamoe_geomean']}x)")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        ctx = mg.setup(args)
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    try:
-        rows = run(ctx, args)
-        if ctx.is_root:
-            summ = summarize(rows)
-            payload = {**mg.header(ctx, "megamoe", args), "rows": rows, "summary": summ}
-            flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
-            path = mg.write_result(args.out, args.stem, payload, flat)
-            print(f"wrote {path}; geomean speedup {summ.get('geomean_speedup', float('nan')):.3f}x "
-                  f"(paper {mg.PAPER['megamoe_geomean']}x)")
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    except ValueError as e:  # input validation of the kernels' APIs (shape, dtype, divisibility)
-        import traceback
-
-        traceback.print_exc()
-        return mg.fail(f"{type(e).__name__}: {e}")
-    finally:
-        ctx.close()
-    return 0
+    return mg.run_entry(args, lambda ctx: _main(ctx, args))
 
 
 if __name__ == "__main__":

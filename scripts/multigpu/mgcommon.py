@@ -504,3 +504,26 @@ def write_result(out_dir, stem: str, payload: dict, rows: Sequence[Mapping] = ()
 def fail(msg: str, code: int = 2) -> int:
     print(f"error: {msg}", file=sys.stderr, flush=True)
     return code
+
+
+def run_entry(args, body: Callable[["Ctx"], Optional[int]]) -> int:
+    """The shared frame of every entry point: set the world up from ``args``, run
+    ``body(ctx)`` (its return value is the exit code; None means 0), turn bad world
+    arguments and the kernels' input-validation errors (ValueError) into one clear
+    error line, and always close the context (process group, barriers)."""
+    try:
+        ctx = setup(args)
+    except WorldArgsError as e:
+        return fail(str(e))
+    try:
+        rc = body(ctx)
+    except WorldArgsError as e:
+        return fail(str(e))
+    except ValueError as e:  # shape, dtype, divisibility checks of the kernels' APIs
+        import traceback
+
+        traceback.print_exc()
+        return fail(f"{type(e).__name__}: {e}")
+    finally:
+        ctx.close()
+    return 0 if rc is None else rc

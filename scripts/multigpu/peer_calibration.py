@@ -272,43 +272,37 @@ def write_named_profile(out: Path, mode_dir: Path, backend: str, P: int):
     return dst
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        ctx = mg.setup(args)
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
+def _run(ctx, args) -> None:
     out = Path(args.out)
     summary = {"modes": {}}
-    try:
-        for mode in args.modes:
-            if mode == "all-peers" and ctx.P < 3 and ctx.backend != "loopback":
-                summary["modes"][mode] = {"skipped": f"needs >= 3 ranks (P={ctx.P}): one peer == all peers"}
-                continue
-            if mode == "all-peers" and ctx.backend == "loopback":
-                summary["modes"][mode] = {"skipped": "loopback world: no peers to split over"}
-                continue
-            ctx.log(f"== peer calibration: {mode}")
-            meta = run_mode(ctx, args, mode, out / mode)
-            if ctx.is_root:
-                try:
-                    summary["modes"][mode] = {**fit_mode(out / mode, ctx.backend), "errors": sorted(meta["errors"]),
-                                              "seconds": meta["seconds"]}
-                except Exception as e:
-                    summary["modes"][mode] = {"error": f"fit failed: {e}", "traceback": traceback.format_exc()}
-                if mode == "one-peer":
-                    dst = write_named_profile(out, out / mode, ctx.backend, ctx.P)
-                    if dst is not None:
-                        summary["profile"] = str(dst)
+    for mode in args.modes:
+        if mode == "all-peers" and ctx.P < 3 and ctx.backend != "loopback":
+            summary["modes"][mode] = {"skipped": f"needs >= 3 ranks (P={ctx.P}): one peer == all peers"}
+            continue
+        if mode == "all-peers" and ctx.backend == "loopback":
+            summary["modes"][mode] = {"skipped": "loopback world: no peers to split over"}
+            continue
+        ctx.log(f"== peer calibration: {mode}")
+        meta = run_mode(ctx, args, mode, out / mode)
         if ctx.is_root:
-            mg.write_result(out, "summary", {**mg.header(ctx, "calibration", args), **summary})
-            print(json.dumps({m: {k: v for k, v in s.items() if k in ("R_GBps", "skipped", "error")}
-                              for m, s in summary["modes"].items()}, default=str))
-    except mg.WorldArgsError as e:
-        return mg.fail(str(e))
-    finally:
-        ctx.close()
-    return 0
+            try:
+                summary["modes"][mode] = {**fit_mode(out / mode, ctx.backend), "errors": sorted(meta["errors"]),
+                                          "seconds": meta["seconds"]}
+            except Exception as e:
+                summary["modes"][mode] = {"error": f"fit failed: {e}", "traceback": traceback.format_exc()}
+            if mode == "one-peer":
+                dst = write_named_profile(out, out / mode, ctx.backend, ctx.P)
+                if dst is not None:
+                    summary["profile"] = str(dst)
+    if ctx.is_root:
+        mg.write_result(out, "summary", {**mg.header(ctx, "calibration", args), **summary})
+        print(json.dumps({m: {k: v for k, v in s.items() if k in ("R_GBps", "skipped", "error")}
+                          for m, s in summary["modes"].items()}, default=str))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return mg.run_entry(args, lambda ctx: _run(ctx, args))
 
 
 if __name__ == "__main__":
