@@ -101,7 +101,9 @@ class MegaMoE:
     (Algorithm 1, ``lead`` D; default ceil(eq. 16) = ceil(block_n * num_sms / (2 I))).
     ``backend``: "fused" (the CuTe DSL kernel, CUDA only) or "torch" (same data flow with
     torch ops, any device, loopback/host worlds). Fused-kernel options: ``mma`` ("wgmma"
-    GPU-validated, "wgmma_cpasync" multistage, "fma"), ``block_m`` (64 or 128 = one or two
+    GPU-validated, "wgmma_cpasync" multistage, "tma_ws" TMA + mbarrier ring + producer warp and
+    "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A) -- both UNTESTED ON GPU,
+    "fma"), ``block_m`` (64 or 128 = one or two
     consumer warpgroups), ``block_n``, ``stages``, ``timeout_ns`` of every bounded spin,
     ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`).
     """
@@ -134,7 +136,7 @@ class MegaMoE:
         # fused kernel tile math: "wgmma" (single-stage WGMMA), "wgmma_cpasync" (multistage
         # cp.async + WGMMA) or "fma" (CUDA cores)
         self.mma = mma
-        self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync"
+        self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
         self.trace = trace  # record per-tile timelines (fused backend) into last_trace
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, 6] (kernel_sm90.TRACE_FIELDS)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)

@@ -2,7 +2,7 @@
 
 STATUS -- a *functional subset*, honestly labelled:
 
-* done, in ONE persistent kernel (one 128-thread CTA per SM at most, all resident):
+* done, in ONE persistent kernel (one CTA per SM at most, all resident):
   Dispatch row pull (16-byte loads from the source ranks' symmetric ``x`` through the
   peer table), grid barrier, a mixed Linear-1 / Linear-2 tile stream ordered by the
   scheduler (``expert_wave`` or ``interleaved`` -- a compile-time switch, the SAME step
@@ -16,16 +16,31 @@ STATUS -- a *functional subset*, honestly labelled:
   ``"wgmma"``  -- one warpgroup, WGMMA (SS) M64 x block_n, K blocks of 64 staged through
   registers into 128-B-swizzled smem, single stage (GPU-validated, ~66-75 TFLOP/s on
   DeepSeek-V4-Flash, results/h200/megamoe);
-  ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (compiles;
-  NOT yet run on a GPU);
-  ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow).
-* NOT done yet: TMA loads + mbarrier pipeline + producer warp / two consumer
-  warpgroups (planned from quack ``GemmSm90`` pieces: ``PipelineTmaAsync``,
-  ``make_tiled_tma_atom``, ``partition_fragment_ABC``); the dispatch *index* computation
+  ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (GPU tests
+  pass; not timed yet);
+  ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow);
+  ``"tma_ws"`` -- **UNTESTED ON GPU** (compiles for sm_90a, PTX checked): warp-specialized
+  mainloop. One producer warp walks the same schedule as the consumers and TMA-loads A
+  (dispatched rows / h) and B (expert weights) into a ``stages``-deep smem ring guarded by
+  mbarriers (quack ``PipelineTmaAsync``); ``block_m / 64`` consumer warpgroups run WGMMA
+  from smem with the accumulators in registers, then the same epilogues (staged through an
+  fp32 smem tile that is *not* aliased with the ring, so the producer prefetches the next
+  tile while the epilogue runs; for 256-column tiles the epilogue runs in two 128-column
+  chunks, ``epi_splits``). Tiles 128x128 (4 stages), 64x256 (4), 128x256 (3).
+  See the ``mma="tma_ws"`` section of :class:`MegaMoESm90` (roles, memory ordering of the
+  L1 -> L2 handoff, deadlock argument).
+  ``"tma_ws_mcast"`` -- **UNTESTED ON GPU** (compiles, PTX checked): ``tma_ws`` with the two
+  CTAs of a scheduler pair launched as a 2-CTA cluster. A pair always works on the same
+  row (same A tile, adjacent N blocks), so each CTA TMA-loads half of the A tile and
+  multicasts it into both CTAs' ring stage; the consumers release a stage on both CTAs'
+  empty barriers. Halves the A traffic from L2. Assumes all clusters of 2 are co-resident
+  (an H200 TPC holds 2 SMs); if not, the bounded grid barrier reports a timeout.
+* NOT done yet: ping-pong consumers (epilogue overlapped with the other warpgroup's MMA),
+  ``setmaxnreg`` register rebalancing, TMA store of h; the dispatch *index* computation
   (counting / prefix sums of the routed tokens) runs on the host
   (:func:`megamoe_interleave.reference.permute_for_rank`); the final top-k reduction runs
-  after all ranks (torch), as the loopback world requires anyway. Performance is
-  therefore well below the goal (the torch grouped GEMMs are ~7x faster).
+  after all ranks (torch), as the loopback world requires anyway. The GPU-validated
+  ``"wgmma"`` path is ~7x slower than the torch grouped GEMMs.
 
 Counter word layout (``mCounters`` int32, one per rank, in the symmetric buffer):
 ``[0]`` error word, ``[1]`` grid-barrier counter (monotonic: each call adds 2 * grid to it;
@@ -39,8 +54,10 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from cutlass.utils import LayoutEnum
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from quack import sm90_utils
+from cutlass.pipeline import Agent, CooperativeGroup, PipelineUserType
+from quack.pipeline import PipelineTmaAsync, make_pipeline_state
 from quack.activation import swiglu
 from xstage import device as xdev
 
@@ -51,12 +68,20 @@ COUNTER_BARRIER = 1
 COUNTER_L2_FULL = 2
 ERR_DEPENDENCY_TIMEOUT = xdev.ERR_SPIN_TIMEOUT
 INTERLEAVE = 8  # gate/up interleave granularity (api.transform_weights)
-MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync")
+MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast")
+WS_KINDS = ("tma_ws", "tma_ws_mcast")  # warp-specialized TMA mainloops
+MULTISTAGE_KINDS = ("wgmma_cpasync",) + WS_KINDS
+CONSUMER_BARRIER_ID = 1  # named barrier of the tma_ws consumer warpgroups (0 = __syncthreads)
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
 
 
 class MegaMoESm90:
-    """One kernel class; ``schedule`` (name + lead) is a compile-time switch."""
+    """One kernel class; ``schedule`` (name + lead) and ``mma`` are compile-time switches.
+
+    ``mma``: "wgmma" (default, GPU-validated), "wgmma_cpasync" (GPU tests pass), "fma"
+    (reference), "tma_ws" and "tma_ws_mcast" (warp-specialized TMA + mbarrier pipelines,
+    **UNTESTED ON GPU**: compiled for sm_90a and PTX-checked only). ``stages`` is the ring
+    depth of the multistage kinds; ``block_m`` 64/128 = one/two consumer warpgroups."""
 
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
@@ -65,17 +90,26 @@ class MegaMoESm90:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
             raise ValueError("stages must be >= 2")
-        self.stages = stages if mma == "wgmma_cpasync" else 1
-        if mma.startswith("wgmma"):
-            # One warpgroup per 64 rows (WGMMA M64 x block_n each), K in 64-element swizzled blocks.
+        self.stages = stages if mma in MULTISTAGE_KINDS else 1
+        if mma != "fma":
+            # One warpgroup per 64 rows (WGMMA M64 x block_n each), K in 64-element swizzled blocks;
+            # tma_ws adds one producer warpgroup (its first warp issues the TMA loads).
             if block_m not in (64, 128) or block_n not in (64, 128, 256):
-                raise ValueError("mma='wgmma*' needs block_m in {64, 128} and block_n in {64, 128, 256}")
-            if num_threads not in (None, 2 * block_m):
-                raise ValueError(f"mma='wgmma*' uses {2 * block_m} threads (one warpgroup per 64 rows)")
-            num_threads = 2 * block_m
+                raise ValueError(f"mma={mma!r} needs block_m in {{64, 128}} and block_n in {{64, 128, 256}}")
+            want = 2 * block_m + (128 if mma in WS_KINDS else 0)
+            if num_threads not in (None, want):
+                raise ValueError(f"mma={mma!r} uses {want} threads (one warpgroup per 64 rows"
+                                 + (" + a producer warpgroup)" if mma in WS_KINDS else ")"))
+            num_threads = want
             if hidden % BLOCK_K or intermediate % BLOCK_K:
-                raise ValueError(f"mma='wgmma*' needs H and I multiples of {BLOCK_K}")
+                raise ValueError(f"mma={mma!r} needs H and I multiples of {BLOCK_K}")
         num_threads = num_threads or 128
+        # Threads that run the tile math and the epilogues (tma_ws: all but the producer warpgroup).
+        self.num_mma_threads = 2 * block_m if mma in WS_KINDS else num_threads
+        self.ws = mma in WS_KINDS
+        # tma_ws_mcast: the two CTAs of a scheduler pair (same row, adjacent N blocks, so the
+        # same A tile) form a 2-CTA cluster; each loads half of A and multicasts it to both.
+        self.mcast_a = mma == "tma_ws_mcast"
         if num_threads % 128:
             raise ValueError("num_threads must be a multiple of 128")
         self.mma = mma
@@ -93,8 +127,16 @@ class MegaMoESm90:
         # Shared memory: A/B stages + an fp32 accumulator staging tile for the row-wise
         # epilogues. When that would not fit, the staging tile aliases the (drained) A/B
         # stages (multistage path only; it re-synchronizes before refilling them).
+        # (tma_ws never aliases: the producer refills the ring while the epilogue reads sC.)
         ab_bytes = self.stages * BLOCK_K * (block_m + block_n) * 2
-        c_bytes = block_m * (block_n + 4) * 4
+        # tma_ws: when the full fp32 staging tile does not fit next to the ring, the epilogue
+        # runs over epi_splits column chunks of the accumulator, each staged through a
+        # (block_m, block_n / epi_splits) tile (chunks hold whole 16-column SwiGLU groups).
+        self.epi_splits = 1
+        if mma in WS_KINDS and ab_bytes + block_m * (block_n + 4) * 4 > 220 * 1024:
+            self.epi_splits = 2
+        self.epi_cols = block_n // self.epi_splits
+        c_bytes = block_m * (self.epi_cols + 4) * 4
         self.alias_c = mma == "wgmma_cpasync" and ab_bytes + c_bytes > 200 * 1024
         need = max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes
         if need > 220 * 1024 or (self.alias_c and c_bytes > ab_bytes):
@@ -130,14 +172,14 @@ class MegaMoESm90:
         # Shared memory (used by the wgmma path; the fma path allocates it too, unused).
         self.tiled_mma = sm90_utils.make_tiled_mma(BFloat16, "K", "K", self.block_n,
                                                    atom_layout_mnk=(self.block_m // 64, 1, 1))
-        # Staged (BM|BN, BK, S) for the multistage path, plain 2-D for the single-stage path.
-        stage = self.stages if self.mma == "wgmma_cpasync" else None
+        # Staged (BM|BN, BK, S) for the multistage paths, plain 2-D for the single-stage path.
+        stage = self.stages if self.mma in MULTISTAGE_KINDS else None
         self.sA_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (self.block_m, BLOCK_K),
                                                      stage=stage)
         self.sB_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (self.block_n, BLOCK_K),
                                                      stage=stage)
         # fp32 accumulator staging for the row-wise epilogues (+4 words of padding per row).
-        self.sC_layout = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n + 4, 1))
+        self.sC_layout = cute.make_layout((self.block_m, self.epi_cols), stride=(self.epi_cols + 4, 1))
 
         c_size = 1 if self.alias_c else cute.cosize(self.sC_layout)
 
@@ -146,20 +188,57 @@ class MegaMoESm90:
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[Float32, c_size], 128]
+            # full/empty mbarriers of the tma_ws A/B ring (last: the other paths' layout is unchanged)
+            ab_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.stages], 8]
 
         self.shared_storage = SharedStorage
+        tma = (None,) * 8
+        if const_expr(self.ws):
+            tma = self.make_tma_atoms(mPoolX, mH, mW1, mW2)
+        launch = dict(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+        if const_expr(self.mcast_a):
+            launch["cluster"] = [2, 1, 1]  # CTAs 2g, 2g+1 (a scheduler pair) form one cluster
         self.kernel(
             mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowExpert,
             mExpertRowOffset, mExpertTokenOffset, mWaveRowStart, mCounters, mTrace, num_rows, num_pool,
             max_tokens, topk, barrier_base, self.tiled_mma, self.sA_layout, self.sB_layout, self.sC_layout,
-        ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
+            *tma,
+        ).launch(**launch)
+
+    def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
+        """TMA load atoms + coordinate tensors (tma_ws) for the four GEMM operands, each viewed
+        as a compact row-major 2-D matrix (the host checks contiguity): A of L1 = dispatched
+        rows ``(n_pad, H)``, A of L2 = h ``(n_pad, I)``, B of L1 = all local experts' w1 rows
+        ``(E_l * 2I, H)``, B of L2 = ``(E_l * H, I)``. A tile's A rows start at the expert's
+        first token + m_block * BM (not BM-aligned: :meth:`load_tile` offsets the coordinate
+        tensor); rows past n_pad are zero-filled by TMA."""
+        H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
+        n_pad = cute.size(mPoolX, mode=[0])
+        n_exp = cute.size(mW1, mode=[0])
+        views = (
+            (mPoolX, (n_pad, H), self.sA_layout, self.block_m),
+            (mW1, (n_exp * I2, H), self.sB_layout, self.block_n),
+            (mH, (n_pad, I), self.sA_layout, self.block_m),
+            (mW2, (n_exp * H, I), self.sB_layout, self.block_n),
+        )
+        out = []
+        for i, (t, shape, smem_layout, rows) in enumerate(views):
+            compact = cute.make_tensor(t.iterator, cute.make_layout(shape, stride=(shape[1], 1)))
+            mcast = self.mcast_a and i % 2 == 0  # A operands
+            atom, coords = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
+                compact, cute.slice_(smem_layout, (None, None, 0)), (rows, BLOCK_K),
+                num_multicast=2 if mcast else 1)
+            out += [atom, coords]
+        return tuple(out)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowExpert,
                mExpertRowOffset, mExpertTokenOffset, mWaveRowStart, mCounters, mTrace, num_rows: Int32,
                num_pool: Int32, max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma,
-               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.Layout):
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.Layout,
+               tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
@@ -174,6 +253,12 @@ class MegaMoESm90:
             sC = storage.sA.get_tensor(sC_layout, dtype=Float32)
         else:
             sC = storage.sC.get_tensor(sC_layout)
+        ab_pipe = None
+        if const_expr(self.ws):
+            if self.producer_warp(tidx):
+                for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
+                    cpasync.prefetch_descriptor(atom)
+            ab_pipe = self.make_ab_pipeline(storage.ab_mbar.data_ptr())  # all threads (inits + CTA sync)
 
         self.dispatch(mPeerX, mPoolSrc, mPoolX, num_pool, cta, nctas, tidx)
         # Dispatched rows are read by other CTAs' L1 tiles: the barrier publishes them.
@@ -182,25 +267,31 @@ class MegaMoESm90:
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_expert=mRowExpert, expert_row_offset=mExpertRowOffset,
                        wave_row_start=mWaveRowStart)
-        g = cta // 2
-        r = cta % 2
-        G = nctas // 2
-        c0, c1 = self.schedule.init(g)
-        c0 = Int32(c0)
-        c1 = Int32(c1)
-        n_tile = Int32(0)
-        while not self.schedule.done((c0, c1), grid):
-            tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
-            if tile.valid > 0:
-                if tile.phase == PHASE_L1:
-                    self.l1_tile(tile, mPoolX, mPoolWeight, mH, mW1, mExpertTokenOffset, mCounters, tidx,
-                                 sA, sB, sC, tiled_mma, mTrace, cta, n_tile)
-                else:
-                    self.l2_tile(tile, mPeerCombine, mPoolSrc, mH, mW2, mExpertTokenOffset, mCounters,
-                                 max_tokens, tidx, timeout, sA, sB, sC, tiled_mma, mTrace, cta, n_tile)
-                n_tile = n_tile + 1
-            c0 = Int32(nxt[0])
-            c1 = Int32(nxt[1])
+        if const_expr(self.ws):
+            self.warp_specialized_tiles(
+                grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
+                mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
+                max_tokens, sA, sB, sC, tiled_mma, mTrace)
+        else:
+            g = cta // 2
+            r = cta % 2
+            G = nctas // 2
+            c0, c1 = self.schedule.init(g)
+            c0 = Int32(c0)
+            c1 = Int32(c1)
+            n_tile = Int32(0)
+            while not self.schedule.done((c0, c1), grid):
+                tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+                if tile.valid > 0:
+                    if tile.phase == PHASE_L1:
+                        self.l1_tile(tile, mPoolX, mPoolWeight, mH, mW1, mExpertTokenOffset, mCounters, tidx,
+                                     sA, sB, sC, tiled_mma, mTrace, cta, n_tile)
+                    else:
+                        self.l2_tile(tile, mPeerCombine, mPoolSrc, mH, mW2, mExpertTokenOffset, mCounters,
+                                     max_tokens, tidx, timeout, sA, sB, sC, tiled_mma, mTrace, cta, n_tile)
+                    n_tile = n_tile + 1
+                c0 = Int32(nxt[0])
+                c1 = Int32(nxt[1])
 
         # Every tile of this rank is done: reset the row counters for the next call.
         self.grid_sync(mCounters, barrier_base + 2 * nctas, timeout, tidx)
@@ -255,33 +346,7 @@ class MegaMoESm90:
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
                                 self.hidden, 2 * self.intermediate, sA, sB, sC, tiled_mma, tidx)
         t2 = self.timestamp()
-        groups = self.block_n // (2 * INTERLEAVE)
-        u = tidx
-        while u < self.block_m * groups:
-            m = u // groups
-            grp = u % groups
-            tok_local = tile.m_block * self.block_m + m
-            if tok_local < count:
-                prow = tok0 + tok_local
-                n0 = tile.n_block * self.block_n + grp * 2 * INTERLEAVE
-                acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
-                if const_expr(self.mma != "fma"):
-                    for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                        acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
-                else:
-                    acc.fill(0.0)
-                    for k in cutlass.range(self.hidden, unroll=1):
-                        xv = Float32(mPoolX[prow, k])
-                        for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                            acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
-                w = mPoolWeight[prow]
-                out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
-                for j in cutlass.range_constexpr(INTERLEAVE):
-                    out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
-                col = tile.n_block * (self.block_n // 2) + grp * INTERLEAVE
-                dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
-                dst.store(out.load())
-            u = u + self.num_threads
+        self.l1_epilogue_rows(tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, tidx)
         # Publish: all threads' h stores -> CTA barrier -> one release increment.
         cute.arch.sync_threads()
         if const_expr(self.trace):
@@ -309,7 +374,20 @@ class MegaMoESm90:
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
                                 self.intermediate, self.hidden, sA, sB, sC, tiled_mma, tidx)
         t2 = self.timestamp()
-        groups = self.block_n // 8
+        self.l2_epilogue_rows(tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2, max_tokens, sC, tidx)
+        if const_expr(self.trace):
+            cute.arch.sync_threads()  # every thread's Combine stores issued
+            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
+        # No trailing barrier otherwise: the next tile's first CTA barrier orders smem reuse,
+        # and h is never overwritten within a call.
+
+    @cute.jit
+    def l1_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolX, mPoolWeight, mH, mW1, sC,
+                         tidx: Int32, col0: cutlass.Constexpr = 0):
+        """SwiGLU x routing weight of the tile's valid rows into h (bf16, 16-byte stores) for the
+        accumulator columns [col0, col0 + epi_cols), read from the fp32 staging tile sC (the fma
+        path computes them here). Run by the num_mma_threads tile-math threads."""
+        groups = self.epi_cols // (2 * INTERLEAVE)
         u = tidx
         while u < self.block_m * groups:
             m = u // groups
@@ -317,7 +395,41 @@ class MegaMoESm90:
             tok_local = tile.m_block * self.block_m + m
             if tok_local < count:
                 prow = tok0 + tok_local
-                n0 = tile.n_block * self.block_n + grp * 8
+                n0 = tile.n_block * self.block_n + col0 + grp * 2 * INTERLEAVE
+                acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
+                if const_expr(self.mma != "fma"):
+                    for j in cutlass.range_constexpr(2 * INTERLEAVE):
+                        acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
+                else:
+                    acc.fill(0.0)
+                    for k in cutlass.range(self.hidden, unroll=1):
+                        xv = Float32(mPoolX[prow, k])
+                        for j in cutlass.range_constexpr(2 * INTERLEAVE):
+                            acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
+                w = mPoolWeight[prow]
+                out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
+                for j in cutlass.range_constexpr(INTERLEAVE):
+                    out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
+                col = tile.n_block * (self.block_n // 2) + col0 // 2 + grp * INTERLEAVE
+                dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
+                dst.store(out.load())
+            u = u + self.num_mma_threads
+
+    @cute.jit
+    def l2_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolSrc, mPeerCombine, mH, mW2,
+                         max_tokens: Int32, sC, tidx: Int32, col0: cutlass.Constexpr = 0):
+        """Combine: the tile's valid output rows (bf16), columns [col0, col0 + epi_cols), go with
+        16-byte stores to their source rank's ``combine[pick, token]`` slot. Run by the
+        num_mma_threads tile-math threads."""
+        groups = self.epi_cols // 8
+        u = tidx
+        while u < self.block_m * groups:
+            m = u // groups
+            grp = u % groups
+            tok_local = tile.m_block * self.block_m + m
+            if tok_local < count:
+                prow = tok0 + tok_local
+                n0 = tile.n_block * self.block_n + col0 + grp * 8
                 acc = cute.make_rmem_tensor((8,), Float32)
                 if const_expr(self.mma != "fma"):
                     for j in cutlass.range_constexpr(8):
@@ -336,12 +448,7 @@ class MegaMoESm90:
                 pick = mPoolSrc[prow, 2]
                 offset = ((Int64(pick) * Int64(max_tokens) + Int64(tok)) * self.hidden + Int64(n0)) * 2
                 xdev.store_v4_to_peer(mPeerCombine, src, offset, words[0], words[1], words[2], words[3])
-            u = u + self.num_threads
-        if const_expr(self.trace):
-            cute.arch.sync_threads()  # every thread's Combine stores issued
-            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
-        # No trailing barrier otherwise: the next tile's first CTA barrier orders smem reuse,
-        # and h is never overwritten within a call.
+            u = u + self.num_mma_threads
 
     def timestamp(self):
         """%globaltimer when tracing, else a constant (no instruction emitted)."""
@@ -368,9 +475,9 @@ class MegaMoESm90:
 
         Rows >= a_rows (past the expert's tokens) load zeros. Simple single-stage loop:
         all threads copy one K block of A and B into swizzled smem with 16-byte loads,
-        then the warpgroup issues WGMMA (SS) and waits. (Planned: TMA + multi-stage
-        mbarrier pipeline + producer warp, as in quack's GemmSm90.)"""
-        BM, BN, NT = self.block_m, self.block_n, self.num_threads
+        then the warpgroup issues WGMMA (SS) and waits. (``mma="wgmma_cpasync"``: multistage
+        cp.async; the TMA + producer-warp pipeline is :meth:`warp_specialized_tiles`.)"""
+        BM, BN = self.block_m, self.block_n
         thr_mma = tiled_mma.get_slice(tidx)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
         acc.fill(0.0)
@@ -474,11 +581,225 @@ class MegaMoESm90:
             sm90_utils.gemm(tiled_mma, acc, tCrA, tCrB, zero_init=False, wg_wait=0)
             cute.arch.sync_threads()  # smem is overwritten by the next K block
 
+    # ------------------------------------------------ mma="tma_ws" (warp-specialized)
+    # Roles: threads [0, num_mma_threads) = block_m/64 consumer warpgroups (WGMMA + epilogues);
+    # warp num_mma_threads/32 = TMA producer; the other 3 warps of the last warpgroup only
+    # take part in Dispatch, the grid barriers and the counter reset. Producer and consumers
+    # walk the SAME static schedule independently (pure step functions, no smem broadcast)
+    # and meet only at the A/B ring's mbarriers, so the producer runs up to ``stages`` K
+    # blocks ahead -- across tile boundaries, i.e. it prefetches the next tile while the
+    # consumers run the epilogue.
+    #
+    # Deadlock freedom carries over from the scheduler's argument (scheduler.py): the only
+    # new waits are the ring's full/empty barriers between the roles of ONE CTA (tma_ws_mcast:
+    # of one 2-CTA cluster, whose CTAs walk identical tile sequences, so the pair acts as one
+    # unit in that argument). The producer blocks (bounded) on an L2 tile's row counter only
+    # after it has issued every K block of the tiles before it in this CTA's order, and the
+    # consumers finish those without further outside waits. So "the first tile whose loads
+    # are not all issued" plays the role of the CTA's head in that argument.
+    #
+    # Memory ordering of the L1 -> L2 handoff: h is written by the L1 epilogue with generic
+    # st.global and read by the L2 producer with TMA (async proxy). Writer: each thread
+    # fence.proxy.async.global after its h stores, consumer barrier, thread 0 fence.acq_rel.gpu
+    # + red.release.gpu on l2_full[row]. Reader: every producer lane ld.acquire.gpu spins on
+    # l2_full[row], then fence.proxy.async.global, then the TMA loads. The dispatched rows
+    # (generic stores, published by the grid barrier) get the same reader-side proxy fence.
+    def make_ab_pipeline(self, mbar_ptr):
+        """Full/empty mbarrier ring (quack PipelineTmaAsync): the producer's arrive carries the
+        TMA transaction bytes of one stage (A + B, whoever of the pair loaded the A halves);
+        one release arrive per consumer warp and per CTA whose stage it frees (tma_ws_mcast:
+        both CTAs of the cluster, since the peer multicasts its A half into our stage)."""
+        cluster_n = 2 if self.mcast_a else 1
+        return PipelineTmaAsync.create(
+            barrier_storage=mbar_ptr,
+            num_stages=self.stages,
+            producer_group=CooperativeGroup(Agent.Thread),
+            consumer_group=CooperativeGroup(Agent.Thread, cluster_n * (self.num_mma_threads // 32)),
+            tx_count=BLOCK_K * (self.block_m + self.block_n) * 2,
+            cta_layout_vmnk=cute.make_layout((1, 1, cluster_n, 1)),
+        )
+
+    def producer_warp(self, tidx):
+        return tidx // 32 == self.num_mma_threads // 32
+
+    def consumer_sync(self):
+        """Barrier of the consumer warpgroups only (the producer warp is elsewhere)."""
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER_ID, number_of_threads=self.num_mma_threads)
+
+    @cute.jit
+    def warp_specialized_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, timeout: Int64, ab_pipe,
+                               tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerCombine, mPoolSrc,
+                               mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
+                               max_tokens: Int32, sA, sB, sC, tiled_mma, mTrace):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == self.num_mma_threads // 32:
+            self.producer_tiles(grid, cta, nctas, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
+                                tma_b2, mB2, mExpertTokenOffset, mCounters, sA, sB)
+        if warp < self.num_mma_threads // 32:
+            self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX,
+                                mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens, sA, sB, sC, tiled_mma,
+                                mTrace)
+
+    @cute.jit
+    def producer_tiles(self, grid, cta: Int32, nctas: Int32, timeout: Int64, ab_pipe, tma_a1, mA1, tma_b1, mB1,
+                       tma_a2, mA2, tma_b2, mB2, mExpertTokenOffset, mCounters, sA, sB):
+        """Producer warp: this CTA's tiles in schedule order; per tile (after an L2 tile's
+        bounded acquire wait on its row counter) the K blocks' TMA loads into the ring."""
+        cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
+        g = cta // 2
+        r = cta % 2
+        G = nctas // 2
+        c0, c1 = self.schedule.init(g)
+        c0 = Int32(c0)
+        c1 = Int32(c1)
+        state = make_pipeline_state(PipelineUserType.Producer, self.stages)
+        while not self.schedule.done((c0, c1), grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+            if tile.valid > 0:
+                e = tile.expert
+                a_row0 = mExpertTokenOffset[e] + tile.m_block * self.block_m
+                if tile.phase == PHASE_L1:
+                    state = self.load_tile(ab_pipe, state, tma_a1, mA1, tma_b1, mB1, a_row0,
+                                           e * (2 * self.intermediate) + tile.n_block * self.block_n,
+                                           self.hidden // BLOCK_K, sA, sB)
+                else:
+                    # Every lane acquires (the TMA issue lane is elected inside cute.copy).
+                    xdev.spin_wait_ge(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(2 * self.pairs_l1),
+                                      timeout, mCounters.iterator + COUNTER_ERROR, ERR_DEPENDENCY_TIMEOUT, True,
+                                      "gpu")
+                    cute.arch.sync_warp()
+                    cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
+                    state = self.load_tile(ab_pipe, state, tma_a2, mA2, tma_b2, mB2, a_row0,
+                                           e * self.hidden + tile.n_block * self.block_n,
+                                           self.intermediate // BLOCK_K, sA, sB)
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
+        ab_pipe.producer_tail(state)  # every stage consumed before the warp moves on
+
+    @cute.jit
+    def load_tile(self, ab_pipe, state, tma_a, mA, tma_b, mB, a_row0: Int32, b_row0: Int32,
+                  num_k: cutlass.Constexpr, sA, sB):
+        """TMA loads of the tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN)."""
+        gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (self.block_m, BLOCK_K), (0, None))
+        gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, BLOCK_K), (0, None))
+        a_rank = 0
+        if const_expr(self.mcast_a):
+            a_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(2 if self.mcast_a else 1),
+                                           cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        for kt in cutlass.range(num_k, unroll=1):
+            ab_pipe.producer_acquire(state)  # stage empty; arms the full barrier with the tx bytes
+            bar = ab_pipe.producer_get_barrier(state)
+            if const_expr(self.mcast_a):  # our half of A, into both CTAs' stage (same index)
+                cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16(0b11))
+            else:
+                cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
+            ab_pipe.producer_commit(state)
+            state.advance()
+        return state
+
+    @cute.jit
+    def consumer_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, ab_pipe, mPeerCombine, mPoolSrc,
+                       mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens: Int32,
+                       sA, sB, sC, tiled_mma, mTrace):
+        """Consumer warpgroups: WGMMA over the ring's stages (accumulators in registers), then
+        the shared epilogues (L1: SwiGLU x weight -> h + release of the row counter; L2:
+        Combine stores)."""
+        BM, BN = self.block_m, self.block_n
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+        g = cta // 2
+        r = cta % 2
+        G = nctas // 2
+        c0, c1 = self.schedule.init(g)
+        c0 = Int32(c0)
+        c1 = Int32(c1)
+        state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
+        n_tile = Int32(0)
+        while not self.schedule.done((c0, c1), grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+            if tile.valid > 0:
+                t0 = self.timestamp()
+                e = tile.expert
+                tok0 = mExpertTokenOffset[e]
+                count = mExpertTokenOffset[e + 1] - tok0
+                if tile.phase == PHASE_L1:
+                    state, t1 = self.mma_tile(ab_pipe, state, tiled_mma, acc, tCrA, tCrB, self.hidden // BLOCK_K)
+                    t2 = self.timestamp()
+                    for chunk in cutlass.range_constexpr(self.epi_splits):
+                        self.stage_accumulators(acc, tCcC, sC, chunk * self.epi_cols)
+                        self.l1_epilogue_rows(tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, tidx,
+                                              chunk * self.epi_cols)
+                    # Publish h: generic stores -> proxy fence -> consumer barrier -> one release.
+                    cute.arch.fence_proxy("async.global")
+                    self.consumer_sync()
+                    if const_expr(self.trace):
+                        self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
+                    if tidx == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+                else:
+                    state, t1 = self.mma_tile(ab_pipe, state, tiled_mma, acc, tCrA, tCrB,
+                                              self.intermediate // BLOCK_K)
+                    t2 = self.timestamp()
+                    for chunk in cutlass.range_constexpr(self.epi_splits):
+                        self.stage_accumulators(acc, tCcC, sC, chunk * self.epi_cols)
+                        self.l2_epilogue_rows(tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2, max_tokens,
+                                              sC, tidx, chunk * self.epi_cols)
+                    if const_expr(self.trace):
+                        self.consumer_sync()  # every consumer thread's Combine stores issued
+                        self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
+                n_tile = n_tile + 1
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
+
+    @cute.jit
+    def mma_tile(self, ab_pipe, state, tiled_mma, acc, tCrA, tCrB, num_k: cutlass.Constexpr):
+        """acc = A_tile @ B_tile^T over num_k ring stages (as quack GemmSm90.mma, one WGMMA
+        batch in flight: stage k-1 is released once batch k has been issued and k-1 retired).
+        Returns (state, timestamp when the first stage had landed)."""
+        release = state.clone()
+        ab_pipe.consumer_wait(state)
+        t1 = self.timestamp()
+        sm90_utils.gemm_w_idx(tiled_mma, acc, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=-1)
+        state.advance()
+        for kt in cutlass.range(1, num_k, unroll=1):
+            ab_pipe.consumer_wait(state)
+            sm90_utils.gemm_w_idx(tiled_mma, acc, tCrA, tCrB, False, A_idx=state.index, B_idx=state.index,
+                                  wg_wait=1)
+            ab_pipe.consumer_release(release)
+            release.advance()
+            state.advance()
+        warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release)
+        return state, t1
+
+    @cute.jit
+    def stage_accumulators(self, acc, tCcC, sC, col0: cutlass.Constexpr):
+        """Registers -> fp32 staging tile for the row-wise epilogues (own region, never aliased
+        with the ring): accumulator columns [col0, col0 + epi_cols). The first barrier waits
+        until the previous chunk's / tile's epilogue has read sC."""
+        self.consumer_sync()
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            mm, nn = tCcC[i]
+            if const_expr(self.epi_splits == 1):
+                sC[mm, nn] = acc[i]
+            else:
+                if nn >= col0 and nn < col0 + self.epi_cols:
+                    sC[mm, nn - col0] = acc[i]
+        self.consumer_sync()
+
 
 # Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at
 # tile start, after the L1-dependency wait (L2; = start for L1), after the mainloop, after
 # the epilogue (L2: every thread's Combine stores issued; L1: h stored, before the release),
-# and the SM id.
+# and the SM id. tma_ws*: timestamps are the consumers' (thread 0); t_ready = when the tile's
+# first ring stage had landed (for L2 tiles that is after the producer's dependency wait).
 TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid")
 NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
 
@@ -531,8 +852,9 @@ def check_launch_arguments(hidden: int, intermediate: int, tensors) -> None:
             raise ValueError(f"{name} must be contiguous")
 
 
-def compile_megamoe_sm90(hidden: int, intermediate: int, schedule: Schedule, **kw):
-    """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
+def compile_megamoe_sm90(hidden: int, intermediate: int, schedule: Schedule, *, options: str = "", **kw):
+    """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed). ``options``
+    are appended to the DSL compile options (e.g. ``--keep-ptx --dump-dir=DIR``)."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
     op = MegaMoESm90(hidden, intermediate, schedule, **kw)
@@ -543,4 +865,4 @@ def compile_megamoe_sm90(hidden: int, intermediate: int, schedule: Schedule, **k
         div = 8 if dtype is BFloat16 else 1
         tensors.append(make_fake_tensor(dtype, dims, divisibility=div))
     args = (*tensors, *([Int32(0)] * NUM_SCALAR_ARGS), make_fake_stream())
-    return cute.compile(op, *args, options="--enable-tvm-ffi")
+    return cute.compile(op, *args, options=" ".join(["--enable-tvm-ffi", options]).strip())

@@ -9,8 +9,10 @@ times are for the whole world (P ranks) on one GPU. The baselines always run on 
 memory; ``--world host`` only moves the fused kernel's symmetric buffers to pinned host
 memory (Dispatch reads and Combine stores then cross PCIe).
 
-The fused kernel is currently a functional subset (single-stage WGMMA mainloop without TMA
-or a producer warp, see megamoe_interleave/kernel_sm90.py). "fused[...] api" is the whole
+Fused-kernel mainloops (``--mma``, see megamoe_interleave/kernel_sm90.py): ``wgmma``
+(single-stage, GPU-validated), ``wgmma_cpasync`` (multistage cp.async), ``tma_ws`` (TMA +
+mbarrier ring + producer warp; UNTESTED ON GPU), ``tma_ws_mcast`` (``tma_ws`` with the CTA
+pair as a 2-CTA cluster multicasting the shared A tile; UNTESTED ON GPU), ``fma``. "fused[...] api" is the whole
 MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
 "fused[...] kernels" is the device time of the fused kernels alone (CUDA events around the
 back-to-back launches of every rank).
@@ -98,7 +100,7 @@ def run_case(shape, kind, P, tokens, args, dense):
                 kernel_us.append(moe.last_kernel_us)
 
             tag = f"{sched},{args.mma},{args.block_m}x{args.block_n}" + (
-                f",s{args.stages}" if args.mma == "wgmma_cpasync" else "")
+                f",s{args.stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "")
             record(f"fused[{tag}] api", timing.bench(call, warmup=1, iters=1, trials=args.trials))
             samples = sorted(kernel_us[1:])
             record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
@@ -157,7 +159,9 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192])
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--fused-max-tokens", type=int, default=8192)
-    ap.add_argument("--mma", default="wgmma", choices=["wgmma", "wgmma_cpasync", "fma"])
+    ap.add_argument("--mma", default="wgmma", choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"],
+                    help="fused-kernel mainloop; tma_ws = TMA + mbarrier ring + producer warp, tma_ws_mcast = "
+                         "the same with the CTA pair as a 2-CTA cluster multicasting A (both UNTESTED ON GPU)")
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--stages", type=int, default=4)

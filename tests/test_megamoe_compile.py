@@ -1,4 +1,7 @@
 """CPU compile checks (sm_90a) of the MoE kernels for both schedulers."""
+import os
+import re
+
 import pytest
 
 from megamoe_interleave.scheduler import Schedule
@@ -15,7 +18,7 @@ def test_schedule_trace_compiles(schedule):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma"])
+@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_fused_kernel_compiles(schedule, mma):
     from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
@@ -57,3 +60,102 @@ def test_kernel_rejects_bad_tiling():
         MegaMoESm90(1024, 512, SCHEDULES[0], block_n=256, block_m=128, mma="wgmma_cpasync", stages=8)
     with pytest.raises(ValueError):
         MegaMoESm90(256, 128, SCHEDULES[0], mma="tf32")
+    with pytest.raises(ValueError):  # tma_ws: 4-stage 128x256 ring + (chunked) staging tile do not fit
+        MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=4)
+    with pytest.raises(ValueError):  # tma_ws needs the producer warpgroup on top of the consumers
+        MegaMoESm90(256, 128, SCHEDULES[0], block_n=64, block_m=64, num_threads=128, mma="tma_ws")
+
+
+def _ptx(compiled, dump_dir):
+    ptx = getattr(getattr(compiled, "artifacts", None), "PTX", None)
+    if ptx and not ptx.lstrip().startswith("//") and os.path.exists(ptx):
+        ptx = open(ptx).read()
+    if not ptx:
+        ptx = "\n".join(open(os.path.join(dump_dir, f)).read() for f in sorted(os.listdir(dump_dir))
+                        if f.endswith(".ptx"))
+    assert ptx, "no PTX produced"
+    return ptx
+
+
+def _compile_ptx(tmp_path, hidden, inter, schedule, **kw):
+    from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
+
+    d = tmp_path / "ptx"
+    d.mkdir()
+    c = compile_megamoe_sm90(hidden, inter, schedule, options=f"--keep-ptx --dump-dir={d}", **kw)
+    return _ptx(c, str(d))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+@pytest.mark.parametrize("block_m,block_n,stages,epi_splits", [(128, 128, 4, 1), (64, 256, 4, 2), (128, 256, 3, 2)])
+def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, epi_splits):
+    """mma='tma_ws' is a TMA + mbarrier + WGMMA kernel: 2-D bulk tensor loads of A and B for
+    both GEMMs completing on mbarriers, WGMMA of the tile's width from smem, a consumer-only
+    named barrier, no cp.async (non-bulk); every TMA load comes after a fence.proxy.async.global
+    that follows the latest acquire load (dispatched rows / h written by generic stores)."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+
+    H, I = 512, 256
+    op = MegaMoESm90(H, I, schedule, block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages)
+    assert op.num_threads == 2 * block_m + 128 and op.num_mma_threads == 2 * block_m and not op.alias_c
+    assert op.epi_splits == epi_splits
+    ptx = _compile_ptx(tmp_path, H, I, schedule, block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages)
+    tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
+    assert len(tma) >= 4  # A and B of L1 and of L2
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", ptx)
+    for pat in (r"mbarrier\.init\.shared", r"mbarrier\.arrive\.expect_tx\.shared", r"mbarrier\.try_wait\.parity\.shared",
+                r"mbarrier\.arrive\.shared", r"wgmma\.wait_group\.sync\.aligned\s+1;", r"fence\.proxy\.async\.global",
+                r"red\.release\.gpu\.global\.add", r"ld\.acquire\.gpu",
+                rf"bar\.sync\s+1, {2 * block_m};"):
+        assert re.search(pat, ptx), f"PTX lacks {pat}"
+    assert not re.search(r"cp\.async\.cg\.shared\.global", ptx)
+    last_acquire = last_fence = -1
+    n_checked = 0
+    for line_no, line in enumerate(ptx.splitlines()):
+        if "ld.acquire.gpu" in line:
+            last_acquire = line_no
+        elif "fence.proxy.async.global" in line:
+            last_fence = line_no
+        elif "cp.async.bulk.tensor" in line:
+            assert last_fence > last_acquire >= 0, f"TMA load at PTX line {line_no} without a proxy fence after the acquire"
+            n_checked += 1
+    assert n_checked >= 4
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_tma_ws_mcast_ptx(tmp_path, schedule):
+    """mma='tma_ws_mcast': the CTA pair is a 2-CTA cluster; A (shared by the pair) is loaded
+    half by each CTA with a multicast TMA, B with a plain one; consumers release stages on
+    both CTAs' empty barriers (mapa + remote arrive); cluster barrier after mbarrier init."""
+    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=128, mma="tma_ws_mcast", stages=4)
+    mcast = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
+                       r"\.multicast::cluster", ptx)
+    plain = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile", ptx)
+    assert len(mcast) == 2 and len(plain) == 2  # A of L1 and L2 multicast; B of L1 and L2 plain
+    for pat in (r"mapa\.shared::cluster", r"mbarrier\.arrive\.shared::cluster", r"barrier\.cluster\.arrive",
+                r"barrier\.cluster\.wait", r"%cluster_ctarank", r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"):
+        assert re.search(pat, ptx), f"PTX lacks {pat}"
+    last_acquire = last_fence = -1
+    for line_no, line in enumerate(ptx.splitlines()):
+        if "ld.acquire.gpu" in line:
+            last_acquire = line_no
+        elif "fence.proxy.async.global" in line:
+            last_fence = line_no
+        elif "cp.async.bulk.tensor" in line:
+            assert last_fence > last_acquire >= 0, f"TMA load at PTX line {line_no} without a proxy fence after the acquire"
+
+
+@pytest.mark.compile
+def test_wgmma_path_has_no_tma(tmp_path):
+    """Contrast for test_tma_ws_ptx: the register-staged path issues no bulk tensor copies."""
+    ptx = _compile_ptx(tmp_path, 256, 128, SCHEDULES[0], block_n=64, mma="wgmma")
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" not in ptx
+
+
+@pytest.mark.compile
+def test_tma_ws_with_trace_compiles():
+    from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
+
+    assert compile_megamoe_sm90(256, 128, SCHEDULES[0], block_n=64, mma="tma_ws", trace=True) is not None

@@ -33,13 +33,13 @@ def test_device_schedule_equals_python_reference(schedule):
         assert got == want
 
 
-def _problem(P, tokens, k, kind, mask, seed):
+def _problem(P, tokens, k, kind, mask, seed, hidden=H, inter=I):
     from megamoe_interleave.routing import make_routing
 
     g = torch.Generator().manual_seed(seed)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
-    xs = [torch.randn(t, H, generator=g).bfloat16().cuda() for t in tokens]
+    w1 = (torch.randn(E, 2 * inter, hidden, generator=g) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(E, hidden, inter, generator=g) / inter ** 0.5).bfloat16()
+    xs = [torch.randn(t, hidden, generator=g).bfloat16().cuda() for t in tokens]
     routes = [make_routing(kind, t, E, k, seed=seed * 31 + r, mask_ratio=mask, strength=2.0) for r, t in enumerate(tokens)]
     return w1.cuda(), w2.cuda(), xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
 
@@ -48,7 +48,8 @@ def _make(P, k, schedule, mma="wgmma", **kw):
     from megamoe_interleave.api import MegaMoE, make_world
 
     world = make_world(kw.pop("world", "loopback"), world_size=P, device="cuda")
-    return MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=256,
+    return MegaMoE(world, num_experts=E, hidden=kw.pop("hidden", H), intermediate=kw.pop("inter", I), topk=k,
+                   max_tokens_per_rank=256,
                    schedule=schedule, lead=kw.pop("lead", 2), block_m=kw.pop("block_m", BLOCK_M),
                    block_n=kw.pop("block_n", BLOCK_N),
                    backend="fused", experts_per_wave=kw.pop("experts_per_wave", 2), mma=mma, **kw)
@@ -74,7 +75,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma"])
+@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"])
 @pytest.mark.parametrize("P,tokens,k,kind,mask", CASES)
 def test_fused_matches_fp32_and_schedulers_bitwise(P, tokens, k, kind, mask, mma):
     from megamoe_interleave.reference import reference_moe_fp32
@@ -115,7 +116,7 @@ def test_fused_zero_token_expert_explicit():
     _check(moe.forward(xs, idx, w), refs)
 
 
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync"])
+@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast"])
 def test_fused_100_repeated_calls_reuse_buffer(mma):
     from megamoe_interleave.reference import reference_moe_fp32
 
@@ -137,18 +138,20 @@ def test_fused_100_repeated_calls_reuse_buffer(mma):
         assert torch.equal(a, b)  # deterministic across calls (counters were reset)
 
 
-def test_fused_timeout_raises():
+@pytest.mark.parametrize("mma", ["wgmma", "tma_ws", "tma_ws_mcast"])
+def test_fused_timeout_raises(mma):
     from xstage.device import DeviceError
 
-    moe = _make(1, 2, "interleaved", timeout_ns=0)
+    moe = _make(1, 2, "interleaved", mma, timeout_ns=0)
     w1, w2, xs, idx, w = _problem(1, [200], 2, "balanced", 0.0, seed=3)
     moe.load_weights(w1, w2)
     with pytest.raises(DeviceError):
         moe.forward(xs, idx, w)
 
 
+@pytest.mark.parametrize("mma", ["wgmma_cpasync", "tma_ws", "tma_ws_mcast"])
 @pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
-def test_fused_trace_follows_scheduler_and_dependencies(schedule):
+def test_fused_trace_follows_scheduler_and_dependencies(schedule, mma):
     """The executed per-CTA tile order is the Python reference order, timestamps are ordered,
     and every L2 tile became ready only after all L1 tiles of its row had finished."""
     from megamoe_interleave.api import decode_trace
@@ -157,7 +160,7 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule):
 
     P, k = 2, 6
     w1, w2, xs, idx, w = _problem(P, [150, 90], k, "skewed", 0.0, seed=21)
-    moe = _make(P, k, schedule, "wgmma_cpasync", trace=True)
+    moe = _make(P, k, schedule, mma, trace=True)
     moe.load_weights(w1, w2)
     _check(moe.forward(xs, idx, w), reference_moe_fp32(xs, idx, w, w1, w2))
     for d in range(P):
@@ -179,7 +182,8 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule):
 
 
 @pytest.mark.parametrize("mma,block_m,block_n", [("wgmma", 128, 128), ("wgmma_cpasync", 128, 128),
-                                                  ("wgmma_cpasync", 64, 128)])
+                                                  ("wgmma_cpasync", 64, 128), ("tma_ws", 128, 128),
+                                                  ("tma_ws", 64, 128), ("tma_ws_mcast", 128, 128)])
 def test_fused_larger_tiles(mma, block_m, block_n):
     """Two consumer warpgroups (128-row tiles) and 128-column tiles, both schedulers bitwise equal."""
     from megamoe_interleave.reference import reference_moe_fp32
@@ -197,7 +201,8 @@ def test_fused_larger_tiles(mma, block_m, block_n):
         assert torch.equal(a, b)
 
 
-def test_fused_host_world_remote_path():
+@pytest.mark.parametrize("mma", ["wgmma", "tma_ws"])
+def test_fused_host_world_remote_path(mma):
     """host world: symmetric x / combine in pinned host memory, so Dispatch reads and the
     Combine 16-byte stores cross PCIe; results must not change."""
     from megamoe_interleave.reference import reference_moe_fp32
@@ -206,6 +211,51 @@ def test_fused_host_world_remote_path():
     w1, w2, xs, idx, w = _problem(P, [70, 33], k, "balanced", 0.1, seed=5)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     for schedule in ("expert_wave", "interleaved"):
-        moe = _make(P, k, schedule, "wgmma", world="host")
+        moe = _make(P, k, schedule, mma, world="host")
         moe.load_weights(w1, w2)
         _check(moe.forward(xs, idx, w), refs)
+
+
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("stages", [2, 3, 7])
+def test_tma_ws_ring_depths(stages, mma):
+    """mma='tma_ws': ring depths below, between and above the K blocks of a tile (L1 has
+    H/64 = 4, L2 I/64 = 2), so stage index/phase wrap across tile and phase boundaries."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    P, k = 2, 6
+    w1, w2, xs, idx, w = _problem(P, [150, 77], k, "skewed", 0.1, seed=90 + stages)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for schedule in ("expert_wave", "interleaved"):
+        moe = _make(P, k, schedule, mma, stages=stages)
+        moe.load_weights(w1, w2)
+        outs.append(moe.forward(xs, idx, w))
+        _check(outs[-1], refs)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mma,block_m,block_n,stages", [("tma_ws", 128, 256, 3), ("tma_ws", 64, 256, 4),
+                                                         ("tma_ws_mcast", 128, 256, 3)])
+def test_tma_ws_wide_tiles_chunked_epilogue(mma, block_m, block_n, stages):
+    """mma='tma_ws' with 256-column tiles (H=512, I=256): the fp32 staging tile does not fit
+    next to the ring, so the epilogue runs over two 128-column chunks (epi_splits == 2)."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    hidden, inter = 512, 256
+    assert MegaMoESm90(hidden, inter, Schedule("interleaved", lead=2), block_m=block_m, block_n=block_n, mma=mma,
+                       stages=stages).epi_splits == 2
+    P, k = 4, 6
+    w1, w2, xs, idx, w = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=123, hidden=hidden, inter=inter)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for schedule in ("expert_wave", "interleaved"):
+        moe = _make(P, k, schedule, mma, block_m=block_m, block_n=block_n, stages=stages, hidden=hidden,
+                    inter=inter)
+        moe.load_weights(w1, w2)
+        outs.append(moe.forward(xs, idx, w))
+        _check(outs[-1], refs)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -144,7 +144,8 @@ def test_api_rejects_bad_input_before_launch():
         moe.forward(big, [balanced_routing(9, 16, 2)[0]] * 2, [balanced_routing(9, 16, 2)[1]] * 2)
 
 
-@pytest.mark.parametrize("mma,trace", [("wgmma", False), ("wgmma_cpasync", True), ("fma", False)])
+@pytest.mark.parametrize("mma,trace", [("wgmma", False), ("wgmma_cpasync", True), ("fma", False), ("tma_ws", True),
+                                       ("tma_ws_mcast", False)])
 @pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [0, 0, 0, 0]])
 def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
     """The host planning of the fused backend produces arguments that match the kernel's
