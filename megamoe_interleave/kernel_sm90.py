@@ -22,7 +22,8 @@ STATUS -- a *functional subset*, honestly labelled:
   ``"tma_ws"`` -- **UNTESTED ON GPU** (compiles for sm_90a, PTX checked): warp-specialized
   mainloop. One producer warp walks the same schedule as the consumers and TMA-loads A
   (dispatched rows / h) and B (expert weights) into a ``stages``-deep smem ring guarded by
-  mbarriers (quack ``PipelineTmaAsync``); ``block_m / 64`` consumer warpgroups run WGMMA
+  mbarriers (quack ``PipelineTmaAsync``, every wait bounded: :class:`BoundedPipelineTmaAsync`,
+  timeout -> error word -> host raises); ``block_m / 64`` consumer warpgroups run WGMMA
   from smem with the accumulators in registers, then the same epilogues (staged through an
   fp32 smem tile that is *not* aliased with the ring, so the producer prefetches the next
   tile while the epilogue runs; for 256-column tiles the epilogue runs in two 128-column
@@ -51,7 +52,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
 
 from cutlass.utils import LayoutEnum
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -67,12 +68,71 @@ COUNTER_ERROR = 0
 COUNTER_BARRIER = 1
 COUNTER_L2_FULL = 2
 ERR_DEPENDENCY_TIMEOUT = xdev.ERR_SPIN_TIMEOUT
+ERR_RING_TIMEOUT = xdev.ERR_MBARRIER_TIMEOUT  # tma_ws: a full/empty barrier of the A/B ring
 INTERLEAVE = 8  # gate/up interleave granularity (api.transform_weights)
 MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast")
 WS_KINDS = ("tma_ws", "tma_ws_mcast")  # warp-specialized TMA mainloops
 MULTISTAGE_KINDS = ("wgmma_cpasync",) + WS_KINDS
 CONSUMER_BARRIER_ID = 1  # named barrier of the tma_ws consumer warpgroups (0 = __syncthreads)
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
+
+
+class BoundedPipelineTmaAsync(PipelineTmaAsync):
+    """quack ``PipelineTmaAsync`` (the tma_ws A/B ring) whose waits are bounded.
+
+    Each wait is :func:`xstage.device.mbarrier_wait_bounded`: it gives up after ``timeout_ns``
+    of ``%globaltimer``, ORs :data:`ERR_RING_TIMEOUT` into the kernel's error word and returns
+    False. ``ok`` carries a thread's health through its waits: once one of them failed (or the
+    producer's row-counter spin did), the thread stops waiting and falls through -- arrives,
+    TMA copies and WGMMAs still run, on stale data -- so every role ends after at most one
+    timeout and the host raises ``DeviceError`` from the error word. The base class's unbounded
+    waits raise at trace time, so none can slip into the kernel."""
+
+    @staticmethod
+    def create(*args, **kwargs) -> "BoundedPipelineTmaAsync":
+        obj = PipelineTmaAsync.create(*args, **kwargs)
+        object.__setattr__(obj, "__class__", BoundedPipelineTmaAsync)  # frozen dataclass (as quack)
+        return obj
+
+    def producer_acquire(self, *args, **kwargs):
+        raise NotImplementedError("unbounded wait: use producer_acquire_bounded")
+
+    def consumer_wait(self, *args, **kwargs):
+        raise NotImplementedError("unbounded wait: use consumer_wait_bounded")
+
+    def producer_tail(self, *args, **kwargs):
+        raise NotImplementedError("unbounded wait: use producer_tail_bounded")
+
+    @cute.jit
+    def wait_bounded(self, barriers, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """Bounded wait for phase ``state.phase`` of stage ``state.index`` of ``barriers`` (the
+        full or the empty barriers); no wait once ``ok`` is False."""
+        if ok:
+            ok = xdev.mbarrier_wait_bounded(barriers.get_barrier(state.index), state.phase, timeout_ns, error_word,
+                                            ERR_RING_TIMEOUT)
+        return ok
+
+    @cute.jit
+    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """``producer_acquire``: wait until the stage is empty, then arm its full barrier with
+        the stage's transaction bytes (armed even after a timeout: the loads still complete it)."""
+        ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
+        self.sync_object_full.arrive(state.index, self.producer_mask)
+        return ok
+
+    @cute.jit
+    def consumer_wait_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """``consumer_wait``: wait until the stage's TMA bytes have landed."""
+        return self.wait_bounded(self.sync_object_full, state, ok, timeout_ns, error_word)
+
+    @cute.jit
+    def producer_tail_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """``producer_tail``: wait until every stage has been released (empty barriers arrive in
+        no guaranteed order), so no arrive is left in flight when the CTA exits."""
+        for _ in cutlass.range_constexpr(self.num_stages):
+            ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
+            state.advance()
+        return ok
 
 
 class MegaMoESm90:
@@ -122,6 +182,10 @@ class MegaMoESm90:
         self.schedule = schedule
         self.block_m, self.block_n, self.num_threads = block_m, block_n, num_threads
         self.timeout_ns = timeout_ns
+        # tma_ws ring waits: a consumer's wait for an L2 tile's first stage legitimately spans the
+        # producer's row-counter spin (bounded by timeout_ns), so the ring bound is longer; a
+        # timed-out spin is then reported alone rather than together with a ring timeout.
+        self.ring_timeout_ns = 2 * timeout_ns
         self.pairs_l1 = (2 * intermediate) // block_n // 2
         self.pairs_l2 = hidden // block_n // 2
         # Shared memory: A/B stages + an fp32 accumulator staging tile for the row-wise
@@ -598,6 +662,11 @@ class MegaMoESm90:
     # consumers finish those without further outside waits. So "the first tile whose loads
     # are not all issued" plays the role of the CTA's head in that argument.
     #
+    # No hangs: every ring wait is bounded (BoundedPipelineTmaAsync: mbarrier.try_wait.parity
+    # retried until a %globaltimer deadline of ring_timeout_ns = 2 * timeout_ns, then
+    # ERR_RING_TIMEOUT in the error word). A thread whose wait (ring or row counter) failed
+    # waits no more and falls through, so a broken run ends with DeviceError, not a hang.
+    #
     # Memory ordering of the L1 -> L2 handoff: h is written by the L1 epilogue with generic
     # st.global and read by the L2 producer with TMA (async proxy). Writer: each thread
     # fence.proxy.async.global after its h stores, consumer barrier, thread 0 fence.acq_rel.gpu
@@ -605,12 +674,13 @@ class MegaMoESm90:
     # l2_full[row], then fence.proxy.async.global, then the TMA loads. The dispatched rows
     # (generic stores, published by the grid barrier) get the same reader-side proxy fence.
     def make_ab_pipeline(self, mbar_ptr):
-        """Full/empty mbarrier ring (quack PipelineTmaAsync): the producer's arrive carries the
+        """Full/empty mbarrier ring (quack PipelineTmaAsync with bounded waits,
+        :class:`BoundedPipelineTmaAsync`): the producer's arrive carries the
         TMA transaction bytes of one stage (A + B, whoever of the pair loaded the A halves);
         one release arrive per consumer warp and per CTA whose stage it frees (tma_ws_mcast:
         both CTAs of the cluster, since the peer multicasts its A half into our stage)."""
         cluster_n = 2 if self.mcast_a else 1
-        return PipelineTmaAsync.create(
+        return BoundedPipelineTmaAsync.create(
             barrier_storage=mbar_ptr,
             num_stages=self.stages,
             producer_group=CooperativeGroup(Agent.Thread),
@@ -644,7 +714,8 @@ class MegaMoESm90:
     def producer_tiles(self, grid, cta: Int32, nctas: Int32, timeout: Int64, ab_pipe, tma_a1, mA1, tma_b1, mB1,
                        tma_a2, mA2, tma_b2, mB2, mExpertTokenOffset, mCounters, sA, sB):
         """Producer warp: this CTA's tiles in schedule order; per tile (after an L2 tile's
-        bounded acquire wait on its row counter) the K blocks' TMA loads into the ring."""
+        bounded acquire wait on its row counter) the K blocks' TMA loads into the ring. After a
+        failed wait (ring or row counter; the error word is set) this lane waits no more."""
         cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
         g = cta // 2
         r = cta % 2
@@ -653,33 +724,37 @@ class MegaMoESm90:
         c0 = Int32(c0)
         c1 = Int32(c1)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
+        ok = Boolean(True)
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
                 e = tile.expert
                 a_row0 = mExpertTokenOffset[e] + tile.m_block * self.block_m
                 if tile.phase == PHASE_L1:
-                    state = self.load_tile(ab_pipe, state, tma_a1, mA1, tma_b1, mB1, a_row0,
-                                           e * (2 * self.intermediate) + tile.n_block * self.block_n,
-                                           self.hidden // BLOCK_K, sA, sB)
+                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a_row0,
+                                               e * (2 * self.intermediate) + tile.n_block * self.block_n,
+                                               self.hidden // BLOCK_K, sA, sB)
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
-                    xdev.spin_wait_ge(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(2 * self.pairs_l1),
-                                      timeout, mCounters.iterator + COUNTER_ERROR, ERR_DEPENDENCY_TIMEOUT, True,
-                                      "gpu")
+                    if ok:
+                        ok = xdev.spin_wait_ge(mCounters.iterator + COUNTER_L2_FULL + tile.row,
+                                               Int32(2 * self.pairs_l1), timeout, mCounters.iterator + COUNTER_ERROR,
+                                               ERR_DEPENDENCY_TIMEOUT, True, "gpu")
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
-                    state = self.load_tile(ab_pipe, state, tma_a2, mA2, tma_b2, mB2, a_row0,
-                                           e * self.hidden + tile.n_block * self.block_n,
-                                           self.intermediate // BLOCK_K, sA, sB)
+                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a2, mA2, tma_b2, mB2, a_row0,
+                                               e * self.hidden + tile.n_block * self.block_n,
+                                               self.intermediate // BLOCK_K, sA, sB)
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
-        ab_pipe.producer_tail(state)  # every stage consumed before the warp moves on
+        # Every stage consumed before the warp moves on.
+        ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), mCounters.iterator + COUNTER_ERROR)
 
     @cute.jit
-    def load_tile(self, ab_pipe, state, tma_a, mA, tma_b, mB, a_row0: Int32, b_row0: Int32,
-                  num_k: cutlass.Constexpr, sA, sB):
-        """TMA loads of the tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN)."""
+    def load_tile(self, ab_pipe, state, ok: Boolean, mCounters, tma_a, mA, tma_b, mB, a_row0: Int32,
+                  b_row0: Int32, num_k: cutlass.Constexpr, sA, sB):
+        """TMA loads of the tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN).
+        Returns (state, ok): ok turns False when a bounded ring wait timed out."""
         gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (self.block_m, BLOCK_K), (0, None))
         gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, BLOCK_K), (0, None))
         a_rank = 0
@@ -690,7 +765,9 @@ class MegaMoESm90:
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
         for kt in cutlass.range(num_k, unroll=1):
-            ab_pipe.producer_acquire(state)  # stage empty; arms the full barrier with the tx bytes
+            # Stage empty (bounded wait); arms the full barrier with the tx bytes.
+            ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
+                                                  mCounters.iterator + COUNTER_ERROR)
             bar = ab_pipe.producer_get_barrier(state)
             if const_expr(self.mcast_a):  # our half of A, into both CTAs' stage (same index)
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,
@@ -700,7 +777,7 @@ class MegaMoESm90:
             cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
             ab_pipe.producer_commit(state)
             state.advance()
-        return state
+        return state, ok
 
     @cute.jit
     def consumer_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, ab_pipe, mPeerCombine, mPoolSrc,
@@ -708,7 +785,7 @@ class MegaMoESm90:
                        sA, sB, sC, tiled_mma, mTrace):
         """Consumer warpgroups: WGMMA over the ring's stages (accumulators in registers), then
         the shared epilogues (L1: SwiGLU x weight -> h + release of the row counter; L2:
-        Combine stores)."""
+        Combine stores). After a timed-out ring wait (error word set) a thread waits no more."""
         BM, BN = self.block_m, self.block_n
         thr_mma = tiled_mma.get_slice(tidx)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
@@ -720,6 +797,7 @@ class MegaMoESm90:
         c0 = Int32(c0)
         c1 = Int32(c1)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
+        ok = Boolean(True)
         n_tile = Int32(0)
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
@@ -729,7 +807,8 @@ class MegaMoESm90:
                 tok0 = mExpertTokenOffset[e]
                 count = mExpertTokenOffset[e + 1] - tok0
                 if tile.phase == PHASE_L1:
-                    state, t1 = self.mma_tile(ab_pipe, state, tiled_mma, acc, tCrA, tCrB, self.hidden // BLOCK_K)
+                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, tiled_mma, acc, tCrA, tCrB,
+                                                  self.hidden // BLOCK_K)
                     t2 = self.timestamp()
                     for chunk in cutlass.range_constexpr(self.epi_splits):
                         self.stage_accumulators(acc, tCcC, sC, chunk * self.epi_cols)
@@ -744,8 +823,8 @@ class MegaMoESm90:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
                 else:
-                    state, t1 = self.mma_tile(ab_pipe, state, tiled_mma, acc, tCrA, tCrB,
-                                              self.intermediate // BLOCK_K)
+                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, tiled_mma, acc, tCrA, tCrB,
+                                                  self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
                     for chunk in cutlass.range_constexpr(self.epi_splits):
                         self.stage_accumulators(acc, tCcC, sC, chunk * self.epi_cols)
@@ -759,17 +838,20 @@ class MegaMoESm90:
             c1 = Int32(nxt[1])
 
     @cute.jit
-    def mma_tile(self, ab_pipe, state, tiled_mma, acc, tCrA, tCrB, num_k: cutlass.Constexpr):
+    def mma_tile(self, ab_pipe, state, ok: Boolean, mCounters, tiled_mma, acc, tCrA, tCrB,
+                 num_k: cutlass.Constexpr):
         """acc = A_tile @ B_tile^T over num_k ring stages (as quack GemmSm90.mma, one WGMMA
         batch in flight: stage k-1 is released once batch k has been issued and k-1 retired).
-        Returns (state, timestamp when the first stage had landed)."""
+        Returns (state, timestamp when the first stage had landed, ok of the bounded waits)."""
+        timeout = Int64(self.ring_timeout_ns)
+        err = mCounters.iterator + COUNTER_ERROR
         release = state.clone()
-        ab_pipe.consumer_wait(state)
+        ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
         t1 = self.timestamp()
         sm90_utils.gemm_w_idx(tiled_mma, acc, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=-1)
         state.advance()
         for kt in cutlass.range(1, num_k, unroll=1):
-            ab_pipe.consumer_wait(state)
+            ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
             sm90_utils.gemm_w_idx(tiled_mma, acc, tCrA, tCrB, False, A_idx=state.index, B_idx=state.index,
                                   wg_wait=1)
             ab_pipe.consumer_release(release)
@@ -777,7 +859,7 @@ class MegaMoESm90:
             state.advance()
         warpgroup.wait_group(0)
         ab_pipe.consumer_release(release)
-        return state, t1
+        return state, t1, ok
 
     @cute.jit
     def stage_accumulators(self, acc, tCcC, sC, col0: cutlass.Constexpr):

@@ -103,3 +103,87 @@ def test_raise_on_device_error():
         xd.raise_on_device_error(torch.tensor([xd.ERR_SPIN_TIMEOUT], dtype=torch.int32), "k")
     with pytest.raises(xd.DeviceError, match="grid barrier"):
         xd.raise_on_device_error(xd.ERR_BARRIER_TIMEOUT | 8)
+
+
+@pytest.fixture(scope="module")
+def mbarrier_wait_ptx():
+    """A kernel whose only wait is one xd.mbarrier_wait_bounded on an smem mbarrier."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from xstage import device as xd
+    from xstage.cute_compile import compile_hopper, fake_stream
+
+    @cute.kernel
+    def probe(out: cute.Tensor, err: cute.Tensor, timeout: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_array(Int64, 1)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 64)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if tidx < 64:
+            cute.arch.mbarrier_arrive(mbar)
+        ok = xd.mbarrier_wait_bounded(mbar, Int32(0), timeout, err.iterator)
+        out[tidx] = Int32(ok)
+
+    @cute.jit
+    def launch(out, err, timeout: Int64, stream):
+        probe(out, err, timeout).launch(grid=[1, 1, 1], block=[128, 1, 1], stream=stream)
+
+    mk = cute.runtime.make_fake_compact_tensor
+    c = compile_hopper(launch, mk(Int32, (128,)), mk(Int32, (1,)), Int64(0), fake_stream(), keep_ptx=True)
+    assert c.ptx, "no PTX produced"
+    return c.ptx
+
+
+def _try_wait_loops(ptx):
+    """For every mbarrier.try_wait in the PTX: the lines of the innermost loop (a backward
+    branch and its target label) that contains it, or None if it is in no loop."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\$?[\w.]+):", ln))}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$?[\w.]+);", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] <= i:
+            loops.append((labels[m.group(1)], i))
+    out = []
+    for i, ln in enumerate(lines):
+        if "mbarrier.try_wait" in ln:
+            inner = [(a, b) for a, b in loops if a <= i <= b]
+            a, b = min(inner, key=lambda ab: ab[1] - ab[0]) if inner else (None, None)
+            out.append(None if a is None else lines[a:b + 1])
+    return out
+
+
+def test_mbarrier_wait_bounded_ptx(mbarrier_wait_ptx):
+    """The wait is a try_wait loop that reads %globaltimer on every trip and ORs the error code
+    into the error word on timeout; no unbounded try_wait loop (cute.arch.mbarrier_wait's
+    inline-asm LAB_WAIT loop) is emitted."""
+    from xstage import device as xd
+
+    ptx = mbarrier_wait_ptx
+    assert "LAB_WAIT" not in ptx
+    loops = _try_wait_loops(ptx)
+    assert len(loops) == 2, loops  # the fast try before the loop + the one inside it
+    assert loops[0] is None and loops[1] is not None
+    assert any("%globaltimer" in ln for ln in loops[1]), "try_wait loop without a %globaltimer read"
+    assert re.search(rf"atom(\.relaxed\.gpu)?\.global\.or\.b32\s+%r\d+, \[%rd\d+\], {xd.ERR_MBARRIER_TIMEOUT};", ptx)
+
+
+def test_raise_on_device_error_mbarrier_timeout():
+    import torch
+
+    from xstage import device as xd
+
+    assert xd.ERR_MBARRIER_TIMEOUT not in (xd.ERR_SPIN_TIMEOUT, xd.ERR_BARRIER_TIMEOUT)
+    assert xd.ERR_MBARRIER_TIMEOUT & (xd.ERR_SPIN_TIMEOUT | xd.ERR_BARRIER_TIMEOUT) == 0  # a bit of its own
+    with pytest.raises(xd.DeviceError, match=r"0x4: shared-memory mbarrier wait timed out"):
+        xd.raise_on_device_error(torch.tensor([xd.ERR_MBARRIER_TIMEOUT], dtype=torch.int32), "k")
+    with pytest.raises(xd.DeviceError) as info:
+        xd.raise_on_device_error(xd.ERR_MBARRIER_TIMEOUT | xd.ERR_SPIN_TIMEOUT | 8)
+    msg = str(info.value)
+    assert "mbarrier wait timed out" in msg and "spin-wait timed out" in msg and "unknown error bits 0x8" in msg
+    assert "grid barrier" not in msg

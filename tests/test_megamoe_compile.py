@@ -104,7 +104,7 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, epi_splits):
     tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     assert len(tma) >= 4  # A and B of L1 and of L2
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", ptx)
-    for pat in (r"mbarrier\.init\.shared", r"mbarrier\.arrive\.expect_tx\.shared", r"mbarrier\.try_wait\.parity\.shared",
+    for pat in (r"mbarrier\.init\.shared", r"mbarrier\.arrive\.expect_tx\.shared", r"mbarrier\.try_wait\.parity(\.acquire\.cta)?\.shared",
                 r"mbarrier\.arrive\.shared", r"wgmma\.wait_group\.sync\.aligned\s+1;", r"fence\.proxy\.async\.global",
                 r"red\.release\.gpu\.global\.add", r"ld\.acquire\.gpu",
                 rf"bar\.sync\s+1, {2 * block_m};"):
@@ -159,3 +159,89 @@ def test_tma_ws_with_trace_compiles():
     from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
 
     assert compile_megamoe_sm90(256, 128, SCHEDULES[0], block_n=64, mma="tma_ws", trace=True) is not None
+
+
+def _innermost_try_wait_loops(ptx):
+    """For every mbarrier.try_wait in the PTX: the lines of the innermost loop (backward branch
+    to a label) around it, or None when it is in no loop (the fast first try of a wait)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\$?[\w.]+):", ln))}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$?[\w.]+);", ln)
+        if m and m.group(1) in labels and labels[m.group(1)] <= i:
+            loops.append((labels[m.group(1)], i))
+    out = []
+    for i, ln in enumerate(lines):
+        if "mbarrier.try_wait" in ln:
+            inner = [(a, b) for a, b in loops if a <= i <= b]
+            a, b = min(inner, key=lambda ab: ab[1] - ab[0]) if inner else (None, None)
+            out.append(None if a is None else lines[a:b + 1])
+    return out
+
+
+def _check_ring_waits_bounded(ptx, min_waits):
+    """Every mbarrier wait loop reads %globaltimer inside the loop (bounded); none of
+    cute.arch.mbarrier_wait's unbounded inline-asm LAB_WAIT loops is left; the ring's error
+    code is OR-ed into the error word."""
+    from megamoe_interleave.kernel_sm90 import ERR_RING_TIMEOUT
+
+    assert "LAB_WAIT" not in ptx, "unbounded mbarrier wait loop (cute.arch.mbarrier_wait) in the PTX"
+    loops = [body for body in _innermost_try_wait_loops(ptx) if body is not None]
+    assert len(loops) >= min_waits, f"{len(loops)} bounded ring waits, expected >= {min_waits}"
+    for body in loops:
+        assert any("%globaltimer" in ln for ln in body), "mbarrier.try_wait loop without a %globaltimer read:\n" + \
+            "\n".join(body)
+    assert re.search(rf"atom(\.relaxed\.gpu)?\.global\.or\.b32\s+%r\d+, \[%rd\d+\], {ERR_RING_TIMEOUT};", ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_tma_ws_ring_waits_bounded(tmp_path, schedule, mma):
+    """No hangs: every full/empty ring wait of the tma_ws roles is a try_wait loop bounded by
+    %globaltimer that reports ERR_RING_TIMEOUT (= xstage ERR_MBARRIER_TIMEOUT) in the error word.
+    Wait sites: producer acquire in the L1 and L2 load loops, the producer tail (one per stage),
+    consumer first-stage + per-K-block waits of the L1 and L2 mainloops."""
+    stages = 4
+    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=128, mma=mma, stages=stages)
+    _check_ring_waits_bounded(ptx, min_waits=2 + stages + 4)
+
+
+def test_ring_timeout_maps_to_device_error():
+    """Host side: the ring's error bit is xstage's ERR_MBARRIER_TIMEOUT, distinct from the row-counter
+    spin and the grid barrier, and raise_on_device_error (the check in MegaMoE._run_fused) names it."""
+    from megamoe_interleave import kernel_sm90 as k
+    from xstage import device as xd
+
+    assert k.ERR_RING_TIMEOUT == xd.ERR_MBARRIER_TIMEOUT
+    assert k.ERR_RING_TIMEOUT & (k.ERR_DEPENDENCY_TIMEOUT | xd.ERR_BARRIER_TIMEOUT) == 0
+    with pytest.raises(xd.DeviceError, match="MegaMoESm90 rank 0: device error 0x4: shared-memory mbarrier wait"):
+        xd.raise_on_device_error(k.ERR_RING_TIMEOUT, "MegaMoESm90 rank 0")
+    op = k.MegaMoESm90(256, 128, SCHEDULES[0], block_n=64, mma="tma_ws", timeout_ns=1000)
+    assert op.ring_timeout_ns > op.timeout_ns  # a ring wait may span one row-counter spin
+
+
+def test_bounded_pipeline_refuses_unbounded_waits():
+    """The ring's pipeline class keeps no unbounded wait: the base class's waits raise."""
+    from megamoe_interleave.kernel_sm90 import BoundedPipelineTmaAsync
+
+    for name in ("producer_acquire", "consumer_wait", "producer_tail"):
+        with pytest.raises(NotImplementedError, match="unbounded wait"):
+            getattr(BoundedPipelineTmaAsync, name)(None, None)
+
+
+def test_ring_wait_check_rejects_unbounded_loop():
+    """The PTX check of test_tma_ws_ring_waits_bounded can fail: an unbounded try_wait loop (the
+    shape cute.arch.mbarrier_wait emits, with and without its inline-asm labels) is caught."""
+    unbounded = "\n".join([
+        "$L__BB0_7:",
+        "\tmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 %p3, [%r1], %r2;",
+        "\t@!%p3 bra $L__BB0_7;",
+        "\tatom.global.or.b32 \t%r6, [%rd4], 4;",
+    ])
+    with pytest.raises(AssertionError, match="without a %globaltimer read"):
+        _check_ring_waits_bounded(unbounded, min_waits=1)
+    with pytest.raises(AssertionError, match="LAB_WAIT"):
+        _check_ring_waits_bounded("LAB_WAIT:\n mbarrier.try_wait.parity.shared.b64 P1, [%r1], %r2, 10000000;\n"
+                                  "@P1 bra.uni DONE;\n bra.uni LAB_WAIT;\n", min_waits=0)

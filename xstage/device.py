@@ -20,6 +20,9 @@ helper                        PTX (sm_90a)
 ``red_add_relaxed``           ``red.relaxed.{gpu,sys}.global.add.s32``
 ``spin_wait_ge``              bounded acquire/relaxed poll; on timeout it
                               ``atom.or``s an error code into an error flag
+``mbarrier_wait_bounded``     ``mbarrier.try_wait.parity`` retried until a
+                              ``%globaltimer`` deadline; on timeout the same
+                              error-word protocol as ``spin_wait_ge``
 ``grid_arrive_and_wait``      one-thread-per-CTA counter barrier built on
                               ``red_add_relaxed`` + ``spin_wait_ge``
 ===========================  ===============================================
@@ -35,7 +38,9 @@ Conventions
   host checks offsets before launch).
 * Flags are ``Int32`` words addressed by a ``cute.Pointer`` (e.g.
   ``flags.iterator + i``) in global memory.
-* Every spin is bounded: ``spin_wait_ge`` gives up after ``timeout_ns`` of
+* Every spin is bounded: ``spin_wait_ge`` (global flags) and
+  ``mbarrier_wait_bounded`` (shared-memory mbarrier phases, e.g. the
+  full/empty barriers of a TMA pipeline) give up after ``timeout_ns`` of
   ``%globaltimer`` time, records ``error_code`` in an error word with an
   atomic OR and returns ``False``.  The host reads the error word after the
   kernel and raises (see :func:`raise_on_device_error`).  Kernels must not
@@ -58,6 +63,7 @@ __all__ = [
     "STORE_CACHE_HINTS",
     "ERR_SPIN_TIMEOUT",
     "ERR_BARRIER_TIMEOUT",
+    "ERR_MBARRIER_TIMEOUT",
     "peer_address",
     "store_v4",
     "store_v4_to_peer",
@@ -71,6 +77,7 @@ __all__ = [
     "red_add_relaxed",
     "atomic_or_relaxed",
     "spin_wait_ge",
+    "mbarrier_wait_bounded",
     "grid_arrive_and_wait",
     "raise_on_device_error",
     "DeviceError",
@@ -84,6 +91,7 @@ STORE_CACHE_HINTS = (None, "cs", "no_allocate")
 # several failures in one launch stay distinguishable.
 ERR_SPIN_TIMEOUT = 1
 ERR_BARRIER_TIMEOUT = 2
+ERR_MBARRIER_TIMEOUT = 4
 
 
 class DeviceError(RuntimeError):
@@ -93,6 +101,7 @@ class DeviceError(RuntimeError):
 _ERROR_NAMES = {
     ERR_SPIN_TIMEOUT: "bounded spin-wait timed out (a flag never reached its target)",
     ERR_BARRIER_TIMEOUT: "grid barrier timed out (CTAs not co-resident, or a producer stalled)",
+    ERR_MBARRIER_TIMEOUT: "shared-memory mbarrier wait timed out (a pipeline stage was never filled or released)",
 }
 
 
@@ -274,6 +283,44 @@ def spin_wait_ge(
         atomic_or_relaxed(error_word, Int32(error_code), "gpu")
         ok = Boolean(False)
     return ok
+
+
+@cute.jit
+def mbarrier_wait_bounded(
+    mbar: cute.Pointer,
+    phase: Int32,
+    timeout_ns: Int64,
+    error_word: cute.Pointer,
+    error_code: cutlass.Constexpr = ERR_MBARRIER_TIMEOUT,
+) -> Boolean:
+    """Wait for the phase of parity ``phase`` of the shared-memory mbarrier
+    ``mbar`` to complete, for at most ``timeout_ns`` (``%globaltimer``).
+
+    The bounded counterpart of ``cute.arch.mbarrier_wait`` (whose
+    ``try_wait`` retry loop never gives up), with the same acquire
+    semantics (``mbarrier.try_wait.parity``, ``.acquire.cta``).  The first
+    ``try_wait`` runs before any timer read, so an already completed phase
+    costs what it costs without the bound; each further ``try_wait`` may
+    suspend the thread for a hardware-chosen time, so the loop does not
+    poll hot.  Returns True when the phase completed.  On timeout it ORs
+    ``error_code`` into ``*error_word`` (global memory) and returns False;
+    the caller must not retry the wait, and should skip its later waits too
+    (else a broken pipeline costs one timeout per wait); the host raises
+    after the kernel (:func:`raise_on_device_error`).  Any thread may call
+    it; every lane decides on its own.
+    """
+    done = cute.arch.mbarrier_try_wait(mbar, phase)
+    timed_out = Boolean(False)
+    if not done:
+        deadline = globaltimer_ns() + timeout_ns
+        while not done and not timed_out:
+            if globaltimer_ns() > deadline:
+                timed_out = Boolean(True)
+            else:
+                done = cute.arch.mbarrier_try_wait(mbar, phase)
+    if timed_out:
+        atomic_or_relaxed(error_word, Int32(error_code), "gpu")
+    return done
 
 
 @cute.jit
