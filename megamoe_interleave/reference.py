@@ -81,7 +81,7 @@ def permute_for_rank(
     topk_idx: Sequence[torch.Tensor], topk_weights: Sequence[torch.Tensor], dst_rank: int, experts_per_rank: int
 ) -> Permutation:
     lo = dst_rank * experts_per_rank
-    keys, parts = [], []
+    parts = []
     for s, (idx, w) in enumerate(zip(topk_idx, topk_weights)):
         local = idx - lo
         hit = (idx >= 0) & (local >= 0) & (local < experts_per_rank)

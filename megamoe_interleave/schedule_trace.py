@@ -8,7 +8,6 @@ and, on a GPU, that the device order equals the Python reference bit for bit.
 """
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
