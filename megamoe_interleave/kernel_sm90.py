@@ -297,6 +297,15 @@ class MegaMoESm90:
         return tuple(out)
 
     # ---------------------------------------------------------------- device
+    def _schedule_start(self, cta, nctas):
+        """Scheduler instance of a CTA: pair id g, role r in the pair, stride G (pairs) and the
+        initial cursor (trace time: emits the same index arithmetic for every role)."""
+        g = cta // 2
+        r = cta % 2
+        G = nctas // 2
+        c0, c1 = self.schedule.init(g)
+        return g, r, G, Int32(c0), Int32(c1)
+
     @cute.kernel
     def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowExpert,
                mExpertRowOffset, mExpertTokenOffset, mWaveRowStart, mCounters, mTrace, num_rows: Int32,
@@ -337,12 +346,7 @@ class MegaMoESm90:
                 mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
                 max_tokens, sA, sB, sC, tiled_mma, mTrace)
         else:
-            g = cta // 2
-            r = cta % 2
-            G = nctas // 2
-            c0, c1 = self.schedule.init(g)
-            c0 = Int32(c0)
-            c1 = Int32(c1)
+            g, r, G, c0, c1 = self._schedule_start(cta, nctas)
             n_tile = Int32(0)
             while not self.schedule.done((c0, c1), grid):
                 tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
@@ -717,12 +721,7 @@ class MegaMoESm90:
         bounded acquire wait on its row counter) the K blocks' TMA loads into the ring. After a
         failed wait (ring or row counter; the error word is set) this lane waits no more."""
         cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
-        g = cta // 2
-        r = cta % 2
-        G = nctas // 2
-        c0, c1 = self.schedule.init(g)
-        c0 = Int32(c0)
-        c1 = Int32(c1)
+        g, r, G, c0, c1 = self._schedule_start(cta, nctas)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         ok = Boolean(True)
         while not self.schedule.done((c0, c1), grid):
@@ -790,12 +789,7 @@ class MegaMoESm90:
         thr_mma = tiled_mma.get_slice(tidx)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
-        g = cta // 2
-        r = cta % 2
-        G = nctas // 2
-        c0, c1 = self.schedule.init(g)
-        c0 = Int32(c0)
-        c1 = Int32(c1)
+        g, r, G, c0, c1 = self._schedule_start(cta, nctas)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
         n_tile = Int32(0)

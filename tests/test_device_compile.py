@@ -2,6 +2,7 @@
 import re
 
 import pytest
+from ptx_utils import try_wait_loops
 
 pytestmark = pytest.mark.compile
 
@@ -139,25 +140,6 @@ def mbarrier_wait_ptx():
     return c.ptx
 
 
-def _try_wait_loops(ptx):
-    """For every mbarrier.try_wait in the PTX: the lines of the innermost loop (a backward
-    branch and its target label) that contains it, or None if it is in no loop."""
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\$?[\w.]+):", ln))}
-    loops = []
-    for i, ln in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$?[\w.]+);", ln)
-        if m and m.group(1) in labels and labels[m.group(1)] <= i:
-            loops.append((labels[m.group(1)], i))
-    out = []
-    for i, ln in enumerate(lines):
-        if "mbarrier.try_wait" in ln:
-            inner = [(a, b) for a, b in loops if a <= i <= b]
-            a, b = min(inner, key=lambda ab: ab[1] - ab[0]) if inner else (None, None)
-            out.append(None if a is None else lines[a:b + 1])
-    return out
-
-
 def test_mbarrier_wait_bounded_ptx(mbarrier_wait_ptx):
     """The wait is a try_wait loop that reads %globaltimer on every trip and ORs the error code
     into the error word on timeout; no unbounded try_wait loop (cute.arch.mbarrier_wait's
@@ -166,7 +148,7 @@ def test_mbarrier_wait_bounded_ptx(mbarrier_wait_ptx):
 
     ptx = mbarrier_wait_ptx
     assert "LAB_WAIT" not in ptx
-    loops = _try_wait_loops(ptx)
+    loops = try_wait_loops(ptx)
     assert len(loops) == 2, loops  # the fast try before the loop + the one inside it
     assert loops[0] is None and loops[1] is not None
     assert any("%globaltimer" in ln for ln in loops[1]), "try_wait loop without a %globaltimer read"

@@ -3,6 +3,7 @@ import os
 import re
 
 import pytest
+from ptx_utils import try_wait_loops
 
 from megamoe_interleave.scheduler import Schedule
 
@@ -161,25 +162,6 @@ def test_tma_ws_with_trace_compiles():
     assert compile_megamoe_sm90(256, 128, SCHEDULES[0], block_n=64, mma="tma_ws", trace=True) is not None
 
 
-def _innermost_try_wait_loops(ptx):
-    """For every mbarrier.try_wait in the PTX: the lines of the innermost loop (backward branch
-    to a label) around it, or None when it is in no loop (the fast first try of a wait)."""
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\$?[\w.]+):", ln))}
-    loops = []
-    for i, ln in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$?[\w.]+);", ln)
-        if m and m.group(1) in labels and labels[m.group(1)] <= i:
-            loops.append((labels[m.group(1)], i))
-    out = []
-    for i, ln in enumerate(lines):
-        if "mbarrier.try_wait" in ln:
-            inner = [(a, b) for a, b in loops if a <= i <= b]
-            a, b = min(inner, key=lambda ab: ab[1] - ab[0]) if inner else (None, None)
-            out.append(None if a is None else lines[a:b + 1])
-    return out
-
-
 def _check_ring_waits_bounded(ptx, min_waits):
     """Every mbarrier wait loop reads %globaltimer inside the loop (bounded); none of
     cute.arch.mbarrier_wait's unbounded inline-asm LAB_WAIT loops is left; the ring's error
@@ -187,7 +169,7 @@ def _check_ring_waits_bounded(ptx, min_waits):
     from megamoe_interleave.kernel_sm90 import ERR_RING_TIMEOUT
 
     assert "LAB_WAIT" not in ptx, "unbounded mbarrier wait loop (cute.arch.mbarrier_wait) in the PTX"
-    loops = [body for body in _innermost_try_wait_loops(ptx) if body is not None]
+    loops = [body for body in try_wait_loops(ptx) if body is not None]
     assert len(loops) >= min_waits, f"{len(loops)} bounded ring waits, expected >= {min_waits}"
     for body in loops:
         assert any("%globaltimer" in ln for ln in body), "mbarrier.try_wait loop without a %globaltimer read:\n" + \
