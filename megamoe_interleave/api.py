@@ -13,7 +13,8 @@ same flow with torch ops so the buffer layout and the Combine slot protocol are 
 everywhere):
 
 1. each rank copies its tokens / routing into its symmetric ``x``, ``topk_idx``,
-   ``topk_weights`` and poisons its ``combine`` slots;
+   ``topk_weights`` (skipped when the caller passes views of those buffers) and, with
+   ``poison_combine``, poisons the ``combine`` slots that step 5 reads;
 2. Dispatch: rank d pulls the rows routed to its experts from every source rank's
    symmetric ``x`` (via the peer table), expert-major;
 3. L1 grouped GEMM + SwiGLU x routing weight, L2 grouped GEMM, in the scheduler's
@@ -24,8 +25,10 @@ everywhere):
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from . import reference
@@ -106,13 +109,26 @@ class MegaMoE:
     "fma"), ``block_m`` (64 or 128 = one or two
     consumer warpgroups), ``block_n``, ``stages``, ``timeout_ns`` of every bounded spin,
     ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`).
+
+    ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
+    reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
+    failed to write shows up as NaN in ``y``. Correctness tests keep it on; benchmarks
+    may turn it off (saves a k*T*H*2-byte fill per rank per call: 400 MB at
+    DeepSeek-V4-Flash, T=8192). With it off, masked picks (-1) are still excluded from
+    the reduction (where(), not poison-dependent).
+
+    Host work per fused call (single-process worlds): two device->host reads before the
+    launch (expert-id bounds of the inputs, per-expert counts of every local rank from one
+    sort), one upload of the small scheduler tables per rank, and one read of the error
+    words after the launch; the top-k reduction is queued behind the kernels before that
+    read. ``pool_x``/``h`` scratch is cached per rank and grows on demand.
     """
 
     def __init__(self, world, *, num_experts: int, hidden: int, intermediate: int, topk: int,
                  max_tokens_per_rank: int, schedule: str = "interleaved", lead: Optional[int] = None,
                  experts_per_wave: Optional[int] = None, block_m: int = 64, block_n: int = 128,
                  num_sms: int = 132, backend: str = "torch", timeout_ns: int = 2_000_000_000,
-                 mma: str = "wgmma", stages: int = 4, trace: bool = False):
+                 mma: str = "wgmma", stages: int = 4, trace: bool = False, poison_combine: bool = True):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -150,6 +166,14 @@ class MegaMoE:
         max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // block_m) + self.experts_per_rank
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
                                     num_counters=2 + max_rows)
+        self.poison_combine = poison_combine
+        # Largest pool of one rank (every pick of every source) + the block_m padding rows.
+        self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
+        self._scratch = {}  # rank -> {name: flat device tensor}, reused across calls (see _scratch_rows)
+        self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
+        self._plans = (-1, {})  # (generation, {rank: (Permutation, RowGrid)})
+        self._masked = {}  # rank -> whether any pick of its staged routing is -1
+        self._poison_pending = False
         self.w1 = {}
         self.w2 = {}
 
@@ -183,39 +207,73 @@ class MegaMoE:
         ranks = self.world.local_ranks
         self.stage_inputs(xs, idxs, ws)
         if self.backend == "fused":
-            self._run_fused()
-        else:
-            self._run_torch_dataflow()
+            return self._run_fused()
+        self._flush_poison()
+        self._run_torch_dataflow()
         self.world.barrier()
         return [self._reduce(r) for r in ranks]
 
     __call__ = forward
 
+    def _single_process(self) -> bool:
+        """Every rank lives in this process (loopback / host worlds): all ranks' work is
+        ordered by the one CUDA stream, so no host-side barrier is needed between phases."""
+        return len(self.world.local_ranks) == self.world.world_size
+
     def stage_inputs(self, xs, idxs, ws) -> None:
-        """Validate every rank's inputs, copy them into its symmetric buffers, poison the
-        Combine slots and synchronize the world (sources publish before anyone pulls)."""
+        """Validate every rank's inputs, copy them into its symmetric buffers, schedule the
+        Combine poison and synchronize the world (sources publish before anyone pulls).
+
+        Inputs that already are the leading rows of the rank's symmetric buffers (e.g.
+        ``moe.buffer.x.local(r)[:T]`` written by the caller) are not copied. The expert-id
+        range of all ranks is checked with one device sync. In multi-process worlds the
+        poison is written here, before the world barrier; in single-process worlds stream
+        order suffices, so it is deferred to just before the launch (see ``_flush_poison``)."""
         ranks = self.world.local_ranks
         if not (len(xs) == len(idxs) == len(ws) == len(ranks)):
             raise ValueError(f"need one input per local rank ({len(ranks)}), got {len(xs)}/{len(idxs)}/{len(ws)}")
         if not self.w1:
             raise RuntimeError("call load_weights() first")
         buf = self.buffer
-        for r, xr, ir, wr in zip(ranks, xs, idxs, ws):
+        for xr, ir, wr in zip(xs, idxs, ws):
             if xr.dtype != buf.dtype:
                 raise ValueError(f"x must be {buf.dtype}, got {xr.dtype}")
-            reference.check_routing(xr, ir, wr, self.num_experts)
+            reference.check_routing_shapes(xr, ir, wr)
             if xr.shape[1] != self.hidden or ir.shape[1] != self.topk:
                 raise ValueError(f"x must be [T, {self.hidden}] and topk_idx [T, {self.topk}]")
             if xr.shape[0] > buf.max_tokens:
                 raise ValueError(f"{xr.shape[0]} tokens > max_tokens_per_rank {buf.max_tokens}")
+        self._generation += 1  # the buffers change: any cached plan is stale
+        staged_idx = []
+        for r, xr, ir, wr in zip(ranks, xs, idxs, ws):
             T = xr.shape[0]
-            buf.x.local(r)[:T].copy_(xr)
-            buf.topk_idx.local(r)[:T].copy_(ir)
-            buf.topk_weights.local(r)[:T].copy_(wr)
-            buf.combine.local(r).fill_(float("nan"))  # poison: every read slot must be written
-            buf.num_tokens[r] = T
-        # Sources must have published x before any rank pulls it (kernel Dispatch).
-        self.world.barrier()
+            for dst, src in ((buf.x.local(r)[:T], xr), (buf.topk_idx.local(r)[:T], ir),
+                             (buf.topk_weights.local(r)[:T], wr)):
+                if not _same_memory(dst, src):
+                    dst.copy_(src)
+            staged_idx.append(buf.topk_idx.local(r)[:T])
+        # Expert ids in range before any launch: one read-back for every local rank.
+        bounds = reference.routing_bounds(staged_idx)
+        for b in bounds:
+            reference.check_expert_range(b, self.num_experts)
+        for r, xr, b in zip(ranks, xs, bounds):
+            buf.num_tokens[r] = xr.shape[0]
+            self._masked[r] = b is not None and b[0] < 0
+        self._poison_pending = self.poison_combine
+        if not self._single_process():
+            self._flush_poison()
+            # Sources must have published x (and everyone poisoned) before any rank pulls
+            # x or stores into a peer's combine (kernel Dispatch / Combine).
+            self.world.barrier()
+
+    def _flush_poison(self) -> None:
+        """NaN into the combine slots the reduction reads (``[:, :T]`` per local rank), once
+        per staged call when ``poison_combine``: every read slot must then be written."""
+        if not self._poison_pending:
+            return
+        for r in self.world.local_ranks:
+            self.buffer.combine.local(r)[:, : self.buffer.num_tokens[r]].fill_(float("nan"))
+        self._poison_pending = False
 
     def _run_torch_dataflow(self) -> None:
         """Dispatch + L1 + SwiGLU + L2 + Combine of every local rank with torch ops on the
@@ -228,8 +286,9 @@ class MegaMoE:
         idxs = [buf.topk_idx.local(s)[: T[s]] for s in range(P)]
         ws = [buf.topk_weights.local(s)[: T[s]] for s in range(P)]
         xs = [buf.x.local(s)[: T[s]] for s in range(P)]
+        perms = reference.permute_ranks(idxs, ws, range(P), self.experts_per_rank)
         for d in range(P):
-            perm = reference.permute_for_rank(idxs, ws, d, self.experts_per_rank)
+            perm = perms[d]
             dev = self.world.device
             rows = reference._gather_rows(xs, perm, dev)
             w1_t = _w1_t_gate_up(self.w1[d])
@@ -253,15 +312,30 @@ class MegaMoE:
 
     def plan_rank(self, d: int):
         """Host part of Dispatch for destination rank ``d``: the expert-major pool and the
-        scheduler tables (the kernel does the row pull, both GEMMs and Combine)."""
+        scheduler tables (the kernel does the row pull, both GEMMs and Combine).
+
+        The first call after :meth:`stage_inputs` plans every local rank at once (one sort,
+        one device sync); later calls for the same staged inputs return the cached plan."""
+        gen, plans = self._plans
+        if gen != self._generation or d not in plans:
+            plans = self._plan_local_ranks()
+            self._plans = (self._generation, plans)
+        if d not in plans:
+            raise ValueError(f"rank {d} is not a local rank of this process")
+        return plans[d]
+
+    def _plan_local_ranks(self):
         from .scheduler import make_row_grid
 
         idxs, ws = self._all_routing()
-        perm = reference.permute_for_rank(idxs, ws, d, self.experts_per_rank)
-        grid = make_row_grid(perm.counts.tolist(), block_m=self.block_m,
-                             n_blocks_l1=2 * self.intermediate // self.block_n,
-                             n_blocks_l2=self.hidden // self.block_n, experts_per_wave=self.experts_per_wave)
-        return perm, grid
+        perms = reference.permute_ranks(idxs, ws, self.world.local_ranks, self.experts_per_rank)
+        out = {}
+        for d, perm in perms.items():
+            grid = make_row_grid(perm.counts_host, block_m=self.block_m,
+                                 n_blocks_l1=2 * self.intermediate // self.block_n,
+                                 n_blocks_l2=self.hidden // self.block_n, experts_per_wave=self.experts_per_wave)
+            out[d] = (perm, grid)
+        return out
 
     def _all_routing(self):
         """Every source rank's routing (the host part of Dispatch needs all of them):
@@ -281,31 +355,54 @@ class MegaMoE:
         w_all = [torch.empty_like(buf.topk_weights.local(r)) for _ in range(P)]
         dist.all_gather(idx_all, buf.topk_idx.local(r))
         dist.all_gather(w_all, buf.topk_weights.local(r))
-        return ([i[: int(n)] for i, n in zip(idx_all, ts)], [w[: int(n)] for w, n in zip(w_all, ts)])
+        ns = torch.cat(ts).tolist()  # one read-back for every rank's token count
+        return ([i[:n] for i, n in zip(idx_all, ns)], [w[:n] for w, n in zip(w_all, ns)])
+
+    def _scratch_rows(self, d: int, name: str, rows: int, cols: int, dtype) -> torch.Tensor:
+        """A contiguous [rows, cols] view of rank ``d``'s cached scratch ``name`` (grown
+        by 1.25x on demand, capped at the worst-case pool, never shrunk). Stream order makes reuse
+        across calls safe: a call's kernel runs after the previous call's on the same stream."""
+        cache = self._scratch.setdefault(d, {})
+        flat = cache.get(name)
+        need = rows * cols
+        if flat is None or flat.numel() < need:
+            size = need if flat is None else min(need + need // 4, max(need, self._max_pool_rows * cols))
+            flat = torch.empty(size, dtype=dtype, device=self.world.device)
+            cache[name] = flat
+        return flat[:need].view(rows, cols)
 
     def launch_arguments(self, d: int):
         """Host planning for rank ``d``: (num_ctas, tensor args, scalar args w/o barrier_base
         and num_ctas) of :class:`kernel_sm90.MegaMoESm90`. Works on any device (CPU tests
-        check the arguments against the kernel's signature)."""
+        check the arguments against the kernel's signature).
+
+        ``pool_x`` / ``h`` are views of per-rank scratch reused across calls; the trace
+        tensor (``trace=True``) is fresh per call so ``last_trace`` survives the next call."""
         buf, dev = self.buffer, self.world.device
         i32 = dict(dtype=torch.int32, device=dev)
         perm, grid = self.plan_rank(d)
         n_pool = perm.src_rank.numel()
         if 2 + grid.num_rows > buf.counters[d].numel():
             raise ValueError(f"{grid.num_rows} scheduler rows exceed the counter workspace")
-        pool_src = torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).to(**i32).contiguous()
-        pool_w = perm.weights.to(device=dev, dtype=torch.float32).contiguous()
         if n_pool == 0:  # keep every tensor non-empty
             pool_src = torch.zeros(1, 3, **i32)
             pool_w = torch.zeros(1, dtype=torch.float32, device=dev)
+        else:
+            pool_src = torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).to(torch.int32)
+            pool_w = perm.weights.to(device=dev, dtype=torch.float32).contiguous()
         # block_m rows of padding: the multistage mainloop reads whole M tiles (rows past an
         # expert's tokens feed accumulator rows that are never stored).
-        pool_x = torch.empty(n_pool + self.block_m, self.hidden, dtype=buf.dtype, device=dev)
-        h = torch.empty(n_pool + self.block_m, self.intermediate, dtype=buf.dtype, device=dev)
-        row_expert = torch.tensor(grid.row_expert or [0], **i32)
-        exp_row_off = torch.tensor(grid.expert_row_offset, **i32)
-        exp_tok_off = torch.tensor([0] + torch.cumsum(perm.counts, 0).tolist(), **i32)
-        wave_start = torch.tensor(grid.wave_row_start, **i32)
+        pool_x = self._scratch_rows(d, "pool_x", n_pool + self.block_m, self.hidden, buf.dtype)
+        h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
+        # The four small int32 tables in one host->device copy (pinned, asynchronous).
+        exp_tok_off = [0, *itertools.accumulate(perm.counts_host)]
+        parts = [grid.row_expert or [0], grid.expert_row_offset, exp_tok_off, grid.wave_row_start]
+        lens = [len(p) for p in parts]
+        host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int32, count=sum(lens)))
+        if dev.type == "cuda":
+            host = host.pin_memory()  # caching host allocator: safe to reuse once the copy is done
+        tables = host.to(dev, non_blocking=True).split(lens)
+        row_expert, exp_row_off, exp_tok_off, wave_start = tables
         # Persistent grid: at most one CTA per SM so every CTA is resident (the
         # dependency waits and grid barriers rely on it); even for the CTA pairs.
         num_ctas = max(2, min(self.num_sms - self.num_sms % 2,
@@ -316,7 +413,7 @@ class MegaMoE:
             trace = torch.full((num_ctas, per_cta, 6), -1, dtype=torch.int64, device=dev)
             self.last_trace[d] = trace
         else:
-            trace = torch.zeros(1, 1, 6, dtype=torch.int64, device=dev)
+            trace = self._scratch_rows(d, "no_trace", 1, 6, torch.int64).view(1, 1, 6)  # unused by the kernel
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
                    self.w1[d], self.w2[d], row_expert, exp_row_off, exp_tok_off, wave_start, buf.counters[d],
                    trace)
@@ -325,15 +422,19 @@ class MegaMoE:
         check_launch_arguments(self.hidden, self.intermediate, tensors)
         return num_ctas, tensors, (grid.num_rows, n_pool, buf.max_tokens, self.topk)
 
-    def _run_fused(self) -> None:
+    def _run_fused(self) -> List[torch.Tensor]:
+        """Plan, launch every local rank's kernel, reduce; returns y per local rank."""
         dev = self.world.device
         if dev.type != "cuda":
             raise RuntimeError("backend='fused' needs a CUDA device")
         kernel = self._kernel()
         if not hasattr(self, "_barrier_base"):
             self._barrier_base = {r: 0 for r in self.world.local_ranks}
+        ranks = self.world.local_ranks
+        self.plan_rank(ranks[0])  # every local rank's plan: the one planning sync
+        self._flush_poison()  # queued now: the fill overlaps the host work below
         launches = []
-        for d in self.world.local_ranks:  # host planning of every rank first ...
+        for d in ranks:  # host planning of every rank first ...
             num_ctas, tensors, scalars = self.launch_arguments(d)
             launches.append((d, num_ctas, tensors + scalars))
         # ... then every rank's kernel back to back, timed with CUDA events (kernel-only time).
@@ -347,25 +448,39 @@ class MegaMoE:
             if self._barrier_base[d] > 2 ** 30:  # keep the int32 barrier counter far from overflow
                 args[12][1:2].zero_()  # stream-ordered after this call's kernel
                 self._barrier_base[d] = 0
-        torch.cuda.synchronize(dev)
+        buf = self.buffer
+        single = self._single_process()
+        # Single process: the reductions are stream-ordered after every rank's kernel, so they
+        # are queued before the error read-back (no idle gap); on error their output is dropped.
+        ys = [self._reduce(r) for r in ranks] if single else None
+        words = buf.counters[ranks[0]][:1] if len(ranks) == 1 else torch.cat([buf.counters[d][:1] for d in ranks])
+        errors = words.tolist()  # the one post-launch sync (waits for kernels and reductions)
         self.last_kernel_us = start.elapsed_time(end) * 1e3
         from xstage.device import raise_on_device_error
 
-        buf = self.buffer
-        for d in self.world.local_ranks:
-            if int(buf.counters[d][0].item()) != 0:
+        for d, code in zip(ranks, errors):
+            if code != 0:
                 # The counter state is unusable after a timeout: reset it, then raise.
-                err = buf.counters[d][0:1].clone()
-                for r in self.world.local_ranks:
+                for r in ranks:
                     buf.counters[r].zero_()
                     self._barrier_base[r] = 0
-                raise_on_device_error(err, f"MegaMoESm90 rank {d}")
+                raise_on_device_error(code, f"MegaMoESm90 rank {d}")
+        if not single:
+            self.world.barrier()  # every peer's Combine stores into our slots are complete
+            ys = [self._reduce(r) for r in ranks]
+        return ys
 
     def _reduce(self, r: int) -> torch.Tensor:
         T = self.buffer.num_tokens[r]
         combine = self.buffer.combine.local(r)[:, :T]
         idx = self.buffer.topk_idx.local(r)[:T]
-        return reference.weighted_combine(combine, idx)
+        return reference.weighted_combine(combine, idx, any_masked=self._masked.get(r, True))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same view of the same memory (a copy would be a no-op)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
 
 
 def _w1_t_gate_up(w1_il: torch.Tensor) -> torch.Tensor:

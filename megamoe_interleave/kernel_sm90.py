@@ -145,7 +145,7 @@ class MegaMoESm90:
 
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
-                 mma: str = "fma", stages: int = 4, trace: bool = False):
+                 mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -167,6 +167,11 @@ class MegaMoESm90:
         # Threads that run the tile math and the epilogues (tma_ws: all but the producer warpgroup).
         self.num_mma_threads = 2 * block_m if mma in WS_KINDS else num_threads
         self.ws = mma in WS_KINDS
+        # tma_ws with 128-row tiles: m-blocks with <= 64 valid rows (an expert's last block)
+        # run as 64-row tiles with N split over the two consumer warpgroups (None = on).
+        if split_tail and not (self.ws and block_m == 128):
+            raise ValueError("split_tail needs mma in tma_ws* and block_m=128")
+        self.split_tail = (self.ws and block_m == 128) if split_tail is None else bool(split_tail)
         # tma_ws_mcast: the two CTAs of a scheduler pair (same row, adjacent N blocks, so the
         # same A tile) form a 2-CTA cluster; each loads half of A and multicasts it to both.
         self.mcast_a = mma == "tma_ws_mcast"
@@ -200,6 +205,8 @@ class MegaMoESm90:
         if mma in WS_KINDS and ab_bytes + block_m * (block_n + 4) * 4 > 220 * 1024:
             self.epi_splits = 2
         self.epi_cols = block_n // self.epi_splits
+        # (tma_ws unrolls the row loops: (block_m * groups) / (2 * block_m) whole iterations)
+        assert self.epi_cols % 32 == 0
         c_bytes = block_m * (self.epi_cols + 4) * 4
         self.alias_c = mma == "wgmma_cpasync" and ab_bytes + c_bytes > 200 * 1024
         need = max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes
@@ -254,6 +261,10 @@ class MegaMoESm90:
             sC: cute.struct.Align[cute.struct.MemRange[Float32, c_size], 128]
             # full/empty mbarriers of the tma_ws A/B ring (last: the other paths' layout is unchanged)
             ab_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.stages], 8]
+            # tma_ws epilogues: per-row routing weight (L1) / Combine destination address (L2),
+            # loaded while the tile's mainloop runs (see consumer_tiles)
+            row_w: cute.struct.Align[cute.struct.MemRange[Float32, self.block_m], 16]
+            row_addr: cute.struct.Align[cute.struct.MemRange[Int64, self.block_m], 16]
 
         self.shared_storage = SharedStorage
         tma = (None,) * 8
@@ -326,6 +337,8 @@ class MegaMoESm90:
             sC = storage.sA.get_tensor(sC_layout, dtype=Float32)
         else:
             sC = storage.sC.get_tensor(sC_layout)
+        sRowW = storage.row_w.get_tensor(cute.make_layout(self.block_m))
+        sRowAddr = storage.row_addr.get_tensor(cute.make_layout(self.block_m))
         ab_pipe = None
         if const_expr(self.ws):
             if self.producer_warp(tidx):
@@ -344,7 +357,7 @@ class MegaMoESm90:
             self.warp_specialized_tiles(
                 grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
                 mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
-                max_tokens, sA, sB, sC, tiled_mma, mTrace)
+                max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace)
         else:
             g, r, G, c0, c1 = self._schedule_start(cta, nctas)
             n_tile = Int32(0)
@@ -451,72 +464,108 @@ class MegaMoESm90:
 
     @cute.jit
     def l1_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolX, mPoolWeight, mH, mW1, sC,
-                         tidx: Int32, col0: cutlass.Constexpr = 0):
+                         tidx: Int32, col0: cutlass.Constexpr = 0, sRowW=None):
         """SwiGLU x routing weight of the tile's valid rows into h (bf16, 16-byte stores) for the
         accumulator columns [col0, col0 + epi_cols), read from the fp32 staging tile sC (the fma
-        path computes them here). Run by the num_mma_threads tile-math threads."""
+        path computes them here). Run by the num_mma_threads tile-math threads; with ``sRowW``
+        (tma_ws: the rows' weights staged in shared memory) the row loop is unrolled."""
         groups = self.epi_cols // (2 * INTERLEAVE)
-        u = tidx
-        while u < self.block_m * groups:
-            m = u // groups
-            grp = u % groups
-            tok_local = tile.m_block * self.block_m + m
-            if tok_local < count:
-                prow = tok0 + tok_local
-                n0 = tile.n_block * self.block_n + col0 + grp * 2 * INTERLEAVE
-                acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
-                if const_expr(self.mma != "fma"):
+        if const_expr(sRowW is not None):
+            for it in cutlass.range_constexpr(self.block_m * groups // self.num_mma_threads):
+                self.l1_epilogue_item(tidx + it * self.num_mma_threads, groups, tile, e, tok0, count, mPoolX,
+                                      mPoolWeight, mH, mW1, sC, col0, sRowW)
+        else:
+            u = tidx
+            while u < self.block_m * groups:
+                self.l1_epilogue_item(u, groups, tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, col0,
+                                      sRowW)
+                u = u + self.num_mma_threads
+
+    @cute.jit
+    def l1_epilogue_item(self, u: Int32, groups: cutlass.Constexpr, tile, e: Int32, tok0: Int32, count: Int32,
+                         mPoolX, mPoolWeight, mH, mW1, sC, col0: cutlass.Constexpr, sRowW):
+        """One (row, 16-column SwiGLU group) of :meth:`l1_epilogue_rows`."""
+        m = u // groups
+        grp = u % groups
+        tok_local = tile.m_block * self.block_m + m
+        if tok_local < count:
+            prow = tok0 + tok_local
+            n0 = tile.n_block * self.block_n + col0 + grp * 2 * INTERLEAVE
+            acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
+            if const_expr(self.mma != "fma"):
+                for j in cutlass.range_constexpr(2 * INTERLEAVE):
+                    acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
+            else:
+                acc.fill(0.0)
+                for k in cutlass.range(self.hidden, unroll=1):
+                    xv = Float32(mPoolX[prow, k])
                     for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                        acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
-                else:
-                    acc.fill(0.0)
-                    for k in cutlass.range(self.hidden, unroll=1):
-                        xv = Float32(mPoolX[prow, k])
-                        for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                            acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
+                        acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
+            w = Float32(0.0)
+            if const_expr(sRowW is not None):
+                w = sRowW[m]
+            else:
                 w = mPoolWeight[prow]
-                out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
-                for j in cutlass.range_constexpr(INTERLEAVE):
-                    out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
-                col = tile.n_block * (self.block_n // 2) + col0 // 2 + grp * INTERLEAVE
-                dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
-                dst.store(out.load())
-            u = u + self.num_mma_threads
+            out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
+            for j in cutlass.range_constexpr(INTERLEAVE):
+                out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
+            col = tile.n_block * (self.block_n // 2) + col0 // 2 + grp * INTERLEAVE
+            dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
+            dst.store(out.load())
+
+    def combine_row_offset(self, tok, pick, max_tokens):
+        """Byte offset of ``combine[pick, tok, 0]`` in a rank's symmetric combine buffer."""
+        return (Int64(pick) * Int64(max_tokens) + Int64(tok)) * (self.hidden * 2)
 
     @cute.jit
     def l2_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolSrc, mPeerCombine, mH, mW2,
-                         max_tokens: Int32, sC, tidx: Int32, col0: cutlass.Constexpr = 0):
+                         max_tokens: Int32, sC, tidx: Int32, col0: cutlass.Constexpr = 0, sRowAddr=None):
         """Combine: the tile's valid output rows (bf16), columns [col0, col0 + epi_cols), go with
         16-byte stores to their source rank's ``combine[pick, token]`` slot. Run by the
-        num_mma_threads tile-math threads."""
+        num_mma_threads tile-math threads; with ``sRowAddr`` (tma_ws: the rows' destination
+        addresses staged in shared memory) the row loop is unrolled."""
         groups = self.epi_cols // 8
-        u = tidx
-        while u < self.block_m * groups:
-            m = u // groups
-            grp = u % groups
-            tok_local = tile.m_block * self.block_m + m
-            if tok_local < count:
-                prow = tok0 + tok_local
-                n0 = tile.n_block * self.block_n + col0 + grp * 8
-                acc = cute.make_rmem_tensor((8,), Float32)
-                if const_expr(self.mma != "fma"):
+        if const_expr(sRowAddr is not None):
+            for it in cutlass.range_constexpr(self.block_m * groups // self.num_mma_threads):
+                self.l2_epilogue_item(tidx + it * self.num_mma_threads, groups, tile, e, tok0, count, mPoolSrc,
+                                      mPeerCombine, mH, mW2, max_tokens, sC, col0, sRowAddr)
+        else:
+            u = tidx
+            while u < self.block_m * groups:
+                self.l2_epilogue_item(u, groups, tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2,
+                                      max_tokens, sC, col0, sRowAddr)
+                u = u + self.num_mma_threads
+
+    @cute.jit
+    def l2_epilogue_item(self, u: Int32, groups: cutlass.Constexpr, tile, e: Int32, tok0: Int32, count: Int32,
+                         mPoolSrc, mPeerCombine, mH, mW2, max_tokens: Int32, sC, col0: cutlass.Constexpr,
+                         sRowAddr):
+        """One (row, 8-column group) of :meth:`l2_epilogue_rows`: one 16-byte remote store."""
+        m = u // groups
+        grp = u % groups
+        tok_local = tile.m_block * self.block_m + m
+        if tok_local < count:
+            prow = tok0 + tok_local
+            n0 = tile.n_block * self.block_n + col0 + grp * 8
+            acc = cute.make_rmem_tensor((8,), Float32)
+            if const_expr(self.mma != "fma"):
+                for j in cutlass.range_constexpr(8):
+                    acc[j] = sC[m, grp * 8 + j]
+            else:
+                acc.fill(0.0)
+                for k in cutlass.range(self.intermediate, unroll=1):
+                    hv = Float32(mH[prow, k])
                     for j in cutlass.range_constexpr(8):
-                        acc[j] = sC[m, grp * 8 + j]
-                else:
-                    acc.fill(0.0)
-                    for k in cutlass.range(self.intermediate, unroll=1):
-                        hv = Float32(mH[prow, k])
-                        for j in cutlass.range_constexpr(8):
-                            acc[j] = acc[j] + hv * Float32(mW2[e, n0 + j, k])
-                out = cute.make_rmem_tensor((8,), BFloat16)
-                out.store(acc.load().to(BFloat16))
-                words = cute.recast_tensor(out, Int32)
-                src = mPoolSrc[prow, 0]
-                tok = mPoolSrc[prow, 1]
-                pick = mPoolSrc[prow, 2]
-                offset = ((Int64(pick) * Int64(max_tokens) + Int64(tok)) * self.hidden + Int64(n0)) * 2
-                xdev.store_v4_to_peer(mPeerCombine, src, offset, words[0], words[1], words[2], words[3])
-            u = u + self.num_mma_threads
+                        acc[j] = acc[j] + hv * Float32(mW2[e, n0 + j, k])
+            out = cute.make_rmem_tensor((8,), BFloat16)
+            out.store(acc.load().to(BFloat16))
+            words = cute.recast_tensor(out, Int32)
+            if const_expr(sRowAddr is not None):
+                xdev.store_v4(sRowAddr[m] + Int64(n0) * 2, words[0], words[1], words[2], words[3])
+            else:
+                offset = self.combine_row_offset(mPoolSrc[prow, 1], mPoolSrc[prow, 2], max_tokens) + Int64(n0) * 2
+                xdev.store_v4_to_peer(mPeerCombine, mPoolSrc[prow, 0], offset, words[0], words[1], words[2],
+                                      words[3])
 
     def timestamp(self):
         """%globaltimer when tracing, else a constant (no instruction emitted)."""
@@ -704,15 +753,15 @@ class MegaMoESm90:
     def warp_specialized_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, timeout: Int64, ab_pipe,
                                tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerCombine, mPoolSrc,
                                mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
-                               max_tokens: Int32, sA, sB, sC, tiled_mma, mTrace):
+                               max_tokens: Int32, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == self.num_mma_threads // 32:
             self.producer_tiles(grid, cta, nctas, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
                                 tma_b2, mB2, mExpertTokenOffset, mCounters, sA, sB)
         if warp < self.num_mma_threads // 32:
             self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX,
-                                mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens, sA, sB, sC, tiled_mma,
-                                mTrace)
+                                mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens, sA, sB, sC, sRowW,
+                                sRowAddr, tiled_mma, mTrace)
 
     @cute.jit
     def producer_tiles(self, grid, cta: Int32, nctas: Int32, timeout: Int64, ab_pipe, tma_a1, mA1, tma_b1, mB1,
@@ -781,14 +830,17 @@ class MegaMoESm90:
     @cute.jit
     def consumer_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, ab_pipe, mPeerCombine, mPoolSrc,
                        mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens: Int32,
-                       sA, sB, sC, tiled_mma, mTrace):
+                       sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace):
         """Consumer warpgroups: WGMMA over the ring's stages (accumulators in registers), then
         the shared epilogues (L1: SwiGLU x weight -> h + release of the row counter; L2:
-        Combine stores). After a timed-out ring wait (error word set) a thread waits no more."""
+        Combine stores). After a timed-out ring wait (error word set) a thread waits no more.
+
+        The epilogues' per-row metadata (routing weight; Combine source rank, token, pick) is
+        loaded by one thread per row at the start of the tile, so its global-load latency hides
+        under the mainloop; :meth:`stage_accumulators` publishes it to shared memory (L2: as
+        the final peer address) and the unrolled row loops read it from there."""
         BM, BN = self.block_m, self.block_n
-        thr_mma = tiled_mma.get_slice(tidx)
-        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+        frags = self.consumer_fragments(tiled_mma, tidx, sA, sB)
         g, r, G, c0, c1 = self._schedule_start(cta, nctas)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
@@ -800,14 +852,26 @@ class MegaMoESm90:
                 e = tile.expert
                 tok0 = mExpertTokenOffset[e]
                 count = mExpertTokenOffset[e + 1] - tok0
+                # This thread's row of the tile (tidx < BM) and its metadata, in flight during the mainloop.
+                my_row = tok0 + tile.m_block * BM + tidx
+                my_valid = (tidx < BM) & (tile.m_block * BM + tidx < count)
+                # split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split
+                # over the two consumer warpgroups (half the WGMMA work; same ring stages).
+                half = Boolean(False)
+                if const_expr(self.split_tail):
+                    half = count - tile.m_block * BM <= 64
                 if tile.phase == PHASE_L1:
-                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, tiled_mma, acc, tCrA, tCrB,
+                    w_row = Float32(0.0)
+                    if my_valid:
+                        w_row = mPoolWeight[my_row]
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
                                                   self.hidden // BLOCK_K)
                     t2 = self.timestamp()
                     for chunk in cutlass.range_constexpr(self.epi_splits):
-                        self.stage_accumulators(acc, tCcC, sC, chunk * self.epi_cols)
+                        self.stage_accumulators(frags, half, sC, chunk * self.epi_cols, sRowW, w_row, tidx,
+                                                chunk == 0)
                         self.l1_epilogue_rows(tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, tidx,
-                                              chunk * self.epi_cols)
+                                              chunk * self.epi_cols, sRowW)
                     # Publish h: generic stores -> proxy fence -> consumer barrier -> one release.
                     cute.arch.fence_proxy("async.global")
                     self.consumer_sync()
@@ -817,19 +881,59 @@ class MegaMoESm90:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
                 else:
-                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, tiled_mma, acc, tCrA, tCrB,
+                    src, tok, pick = Int32(0), Int32(0), Int32(0)
+                    if my_valid:
+                        src, tok, pick = mPoolSrc[my_row, 0], mPoolSrc[my_row, 1], mPoolSrc[my_row, 2]
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
                                                   self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
+                    addr = Int64(0)
+                    if my_valid:
+                        addr = xdev.peer_address(mPeerCombine, src, self.combine_row_offset(tok, pick, max_tokens))
                     for chunk in cutlass.range_constexpr(self.epi_splits):
-                        self.stage_accumulators(acc, tCcC, sC, chunk * self.epi_cols)
+                        self.stage_accumulators(frags, half, sC, chunk * self.epi_cols, sRowAddr, addr, tidx,
+                                                chunk == 0)
                         self.l2_epilogue_rows(tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2, max_tokens,
-                                              sC, tidx, chunk * self.epi_cols)
+                                              sC, tidx, chunk * self.epi_cols, sRowAddr)
                     if const_expr(self.trace):
                         self.consumer_sync()  # every consumer thread's Combine stores issued
                         self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
                 n_tile = n_tile + 1
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
+
+    def consumer_fragments(self, tiled_mma, tidx, sA, sB):
+        """This thread's WGMMA fragments: ``full`` = (tiled_mma, acc, tCrA, tCrB, tCcC) of the
+        BM x BN tile (one warpgroup per 64 rows); with split_tail also ``half``: the 64 x BN tile
+        of the ring stages' first 64 A rows, one warpgroup per BN/2 columns, whose accumulator
+        is a view of the first half of ``acc``'s registers (so no extra registers)."""
+        BM, BN = self.block_m, self.block_n
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
+        full = (tiled_mma, acc, tCrA, tCrB, thr_mma.partition_C(cute.make_identity_tensor((BM, BN))))
+        half = None
+        if const_expr(self.split_tail):
+            tiled_mma_h = sm90_utils.make_tiled_mma(BFloat16, "K", "K", BN // 2, atom_layout_mnk=(1, 2, 1))
+            thr_mma_h = tiled_mma_h.get_slice(tidx)
+            sA_h = cute.local_tile(sA, (64, BLOCK_K, self.stages), (0, 0, 0))
+            acc_h_own, tCrA_h, tCrB_h = sm90_utils.partition_fragment_ABC(thr_mma_h, (64, BN, BLOCK_K), sA_h, sB)
+            acc_h = cute.make_tensor(acc.iterator, acc_h_own.layout)
+            half = (tiled_mma_h, acc_h, tCrA_h, tCrB_h, thr_mma_h.partition_C(cute.make_identity_tensor((64, BN))))
+        return full, half
+
+    @cute.jit
+    def tile_mma(self, ab_pipe, state, ok: Boolean, mCounters, frags, half: Boolean, num_k: cutlass.Constexpr):
+        """:meth:`mma_tile` with the full or (split_tail, ``half``) the 64-row fragments."""
+        full_f, half_f = frags
+        t1 = Int64(0)
+        if const_expr(self.split_tail):
+            if half:
+                state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, *half_f[:4], num_k)
+            else:
+                state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, *full_f[:4], num_k)
+        else:
+            state, t1, ok = self.mma_tile(ab_pipe, state, ok, mCounters, *full_f[:4], num_k)
+        return state, t1, ok
 
     @cute.jit
     def mma_tile(self, ab_pipe, state, ok: Boolean, mCounters, tiled_mma, acc, tCrA, tCrB,
@@ -856,11 +960,29 @@ class MegaMoESm90:
         return state, t1, ok
 
     @cute.jit
-    def stage_accumulators(self, acc, tCcC, sC, col0: cutlass.Constexpr):
+    def stage_accumulators(self, frags, half: Boolean, sC, col0: cutlass.Constexpr, sRowMeta, row_meta,
+                           tidx: Int32, first_chunk: cutlass.Constexpr):
         """Registers -> fp32 staging tile for the row-wise epilogues (own region, never aliased
-        with the ring): accumulator columns [col0, col0 + epi_cols). The first barrier waits
-        until the previous chunk's / tile's epilogue has read sC."""
+        with the ring): accumulator columns [col0, col0 + epi_cols); on the first chunk, threads
+        tidx < BM also publish their row's epilogue metadata ``row_meta`` to ``sRowMeta``. The
+        first barrier waits until the previous chunk's / tile's epilogue has read sC and sRowMeta."""
         self.consumer_sync()
+        if const_expr(first_chunk):
+            if tidx < self.block_m:
+                sRowMeta[tidx] = row_meta
+        full_f, half_f = frags
+        if const_expr(self.split_tail):
+            if half:
+                self.store_accumulator_chunk(half_f[1], half_f[4], sC, col0)
+            else:
+                self.store_accumulator_chunk(full_f[1], full_f[4], sC, col0)
+        else:
+            self.store_accumulator_chunk(full_f[1], full_f[4], sC, col0)
+        self.consumer_sync()
+
+    @cute.jit
+    def store_accumulator_chunk(self, acc, tCcC, sC, col0: cutlass.Constexpr):
+        """acc -> sC for the accumulator columns [col0, col0 + epi_cols) (tCcC: their tile coordinates)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             mm, nn = tCcC[i]
             if const_expr(self.epi_splits == 1):
@@ -868,7 +990,6 @@ class MegaMoESm90:
             else:
                 if nn >= col0 and nn < col0 + self.epi_cols:
                     sC[mm, nn - col0] = acc[i]
-        self.consumer_sync()
 
 
 # Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at

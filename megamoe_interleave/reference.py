@@ -14,21 +14,41 @@ expert parallelism over P ranks, rank r owns global experts ``[r*E_l, (r+1)*E_l)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 
-def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+def check_routing_shapes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """Shape checks of one rank's inputs (no device sync)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"topk_idx must be [T={x.shape[0]}, k], got {tuple(topk_idx.shape)}")
     if topk_weights.shape != topk_idx.shape:
         raise ValueError(f"topk_weights {tuple(topk_weights.shape)} != topk_idx {tuple(topk_idx.shape)}")
-    if topk_idx.numel() and (int(topk_idx.max()) >= num_experts or int(topk_idx.min()) < -1):
-        raise ValueError(f"topk_idx entries must be in [-1, {num_experts})")
+
+
+def routing_bounds(topk_idx: Sequence[torch.Tensor]) -> List[Optional[Tuple[int, int]]]:
+    """``(min, max)`` expert id of every routing tensor (``None`` when empty), read back
+    with one device->host copy for all of them (the tensors must share a device)."""
+    nonempty = [i for i in topk_idx if i.numel()]
+    if not nonempty:
+        return [None] * len(topk_idx)
+    flat = torch.stack([torch.stack(torch.aminmax(i)) for i in nonempty]).tolist()
+    it = iter(flat)
+    return [tuple(next(it)) if i.numel() else None for i in topk_idx]
+
+
+def check_expert_range(bounds: Optional[Tuple[int, int]], num_experts: int) -> None:
+    if bounds is not None and (bounds[1] >= num_experts or bounds[0] < -1):
+        raise ValueError(f"topk_idx entries must be in [-1, {num_experts}), got [{bounds[0]}, {bounds[1]}]")
+
+
+def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> None:
+    check_routing_shapes(x, topk_idx, topk_weights)
+    check_expert_range(routing_bounds([topk_idx])[0], num_experts)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -67,7 +87,9 @@ class Permutation:
 
     Row i of the pool came from ``(src_rank[i], src_token[i], src_pick[i])`` and is
     processed by local expert ``expert[i]``; ``counts[e]`` rows per local expert.
-    Within an expert, rows are ordered by (source rank, token, pick): deterministic."""
+    Within an expert, rows are ordered by (source rank, token, pick): deterministic.
+    ``counts_host``: ``counts`` as a Python list (already read back by the permutation,
+    so planners need no second device sync)."""
 
     src_rank: torch.Tensor
     src_token: torch.Tensor
@@ -75,28 +97,69 @@ class Permutation:
     expert: torch.Tensor
     counts: torch.Tensor  # [E_local] int64
     weights: torch.Tensor  # [rows] float32
+    counts_host: Optional[List[int]] = None
+
+
+def permute_ranks(
+    topk_idx: Sequence[torch.Tensor], topk_weights: Sequence[torch.Tensor], dst_ranks: Sequence[int],
+    experts_per_rank: int,
+) -> Dict[int, Permutation]:
+    """:func:`permute_for_rank` for several destination ranks at once: one stable sort of
+    every (source, token, pick) slot by global expert and ONE device->host read (the
+    per-expert counts) for all of them; each rank's arrays are views of one slice.
+
+    All sources share ``k`` (``topk_idx[s]`` is ``[T_s, k]``) and a device."""
+    dst_ranks = sorted(set(int(d) for d in dst_ranks))
+    if not dst_ranks or not topk_idx:
+        return {}
+    el = experts_per_rank
+    k = topk_idx[0].shape[1]
+    sizes = [int(i.numel()) for i in topk_idx]
+    if len(topk_idx) == 1:
+        idx, w = topk_idx[0].reshape(-1), topk_weights[0].reshape(-1)
+    else:
+        idx = torch.cat([i.reshape(-1) for i in topk_idx])
+        w = torch.cat([x.reshape(-1) for x in topk_weights])
+    lo, n_e = dst_ranks[0] * el, (dst_ranks[-1] + 1 - dst_ranks[0]) * el
+    local = idx - lo
+    # Experts of the ranks asked for get keys 0..n_e-1, everything else (masked picks,
+    # other ranks' experts) the sentinel n_e, sorted last. A stable sort keeps the flat
+    # (source, token, pick) order inside an expert.
+    key = torch.where((local >= 0) & (local < n_e), local, n_e)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=n_e + 1)
+    counts_host = counts.tolist()  # the one device sync
+    n_sel = sum(counts_host[:n_e])
+    sel = order[:n_sel]
+    e_sel = key[sel]
+    w_sel = w[sel].float()
+    pick = sel % k
+    if len(set(sizes)) == 1 and sizes[0]:  # equal token counts: the source is a division
+        src, pos = sel // sizes[0], sel % sizes[0]
+    else:
+        src, start, base = torch.zeros_like(sel), torch.zeros_like(sel), 0
+        for s, n in enumerate(sizes[:-1]):
+            base += n
+            ge = sel >= base
+            src += ge
+            start = torch.where(ge, base, start)
+        pos = sel - start
+    tok = pos // k
+    out = {}
+    for d in dst_ranks:
+        e0 = (d - dst_ranks[0]) * el
+        a = sum(counts_host[:e0])
+        b = a + sum(counts_host[e0:e0 + el])
+        expert = e_sel[a:b] if e0 == 0 else e_sel[a:b] - e0
+        out[d] = Permutation(src[a:b], tok[a:b], pick[a:b], expert, counts[e0:e0 + el], w_sel[a:b],
+                             counts_host[e0:e0 + el])
+    return out
 
 
 def permute_for_rank(
     topk_idx: Sequence[torch.Tensor], topk_weights: Sequence[torch.Tensor], dst_rank: int, experts_per_rank: int
 ) -> Permutation:
-    lo = dst_rank * experts_per_rank
-    parts = []
-    for s, (idx, w) in enumerate(zip(topk_idx, topk_weights)):
-        local = idx - lo
-        hit = (idx >= 0) & (local >= 0) & (local < experts_per_rank)
-        tok, pick = hit.nonzero(as_tuple=True)
-        e = local[tok, pick]
-        parts.append((torch.full_like(tok, s), tok, pick, e, w[tok, pick].float()))
-    src = torch.cat([p[0] for p in parts])
-    tok = torch.cat([p[1] for p in parts])
-    pick = torch.cat([p[2] for p in parts])
-    e = torch.cat([p[3] for p in parts])
-    wt = torch.cat([p[4] for p in parts])
-    # Expert-major, then source rank, token, pick (nonzero is already token/pick-major).
-    order = torch.sort(e * len(topk_idx) + src, stable=True).indices
-    counts = torch.bincount(e, minlength=experts_per_rank)
-    return Permutation(src[order], tok[order], pick[order], e[order], counts, wt[order])
+    return permute_ranks(topk_idx, topk_weights, [dst_rank], experts_per_rank)[dst_rank]
 
 
 def grouped_mm(a: torch.Tensor, b_t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -124,13 +187,19 @@ def unfused_expert_compute(
     return grouped_mm(a, w2_t, counts)
 
 
-def weighted_combine(combine: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+def weighted_combine(combine: torch.Tensor, topk_idx: torch.Tensor, *, any_masked: Optional[bool] = None) -> torch.Tensor:
     """``y[t] = sum over valid picks j of combine[j, t]`` (fp32 accumulate, bf16 out);
-    ``combine`` [k, T, H] holds the already weighted expert outputs."""
+    ``combine`` [k, T, H] holds the already weighted expert outputs.
+
+    ``any_masked=False`` (the caller knows no pick is -1, e.g. from
+    :func:`routing_bounds`) skips the mask: one read of ``combine``. Otherwise masked
+    slots are excluded with where(), not a multiply: they are never written and may hold
+    poison (NaN) or stale data. Both accumulate in fp32 without an fp32 copy of ``combine``."""
     k, T, H = combine.shape
+    if any_masked is False:
+        return combine.sum(0, dtype=torch.float32).to(combine.dtype)
     valid = (topk_idx[:T] >= 0).t()[:, :, None]  # [k, T, 1]
-    # where(), not a multiply: masked slots are never written and may hold poison (NaN).
-    return torch.where(valid, combine.float(), 0.0).sum(0).to(combine.dtype)
+    return torch.where(valid, combine, 0.0).sum(0, dtype=torch.float32).to(combine.dtype)
 
 
 def unfused_pipeline(

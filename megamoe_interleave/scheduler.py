@@ -51,6 +51,7 @@ tiles of row p; :func:`interleaved_step` therefore requires D >= 1.)
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
@@ -146,11 +147,10 @@ def make_row_grid(
     m_blocks = [(int(c) + block_m - 1) // block_m for c in tokens_per_expert]
     if any(c < 0 for c in tokens_per_expert):
         raise ValueError("negative token count")
-    offsets = [0]
-    for mb in m_blocks:
-        offsets.append(offsets[-1] + mb)
+    # (itertools: this runs on the host before every fused launch)
+    offsets = [0, *itertools.accumulate(m_blocks)]
     num_rows = offsets[-1]
-    row_expert = [e for e in range(num_experts) for _ in range(m_blocks[e])]
+    row_expert = list(itertools.chain.from_iterable(itertools.repeat(e, mb) for e, mb in enumerate(m_blocks)))
     epw = experts_per_wave or default_experts_per_wave(num_experts)
     num_waves = (num_experts + epw - 1) // epw if num_experts else 0
     wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]

@@ -15,7 +15,9 @@ mbarrier ring + producer warp; UNTESTED ON GPU), ``tma_ws_mcast`` (``tma_ws`` wi
 pair as a 2-CTA cluster multicasting the shared A tile; UNTESTED ON GPU), ``fma``. "fused[...] api" is the whole
 MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
 "fused[...] kernels" is the device time of the fused kernels alone (CUDA events around the
-back-to-back launches of every rank).
+back-to-back launches of every rank). ``--api-poison`` picks whether the "api" rows NaN-poison the
+Combine slots before each call (MegaMoE(poison_combine=...), the correctness-test setting, default
+on): "api" = poison on, "api,no-poison" = poison off (one k*T*H bf16 fill per rank less per call).
 
     python scripts/bench_megamoe.py --shape deepseek-v4-flash --P 1 8 --tokens 8192 --out results/h200/megamoe
 """
@@ -90,20 +92,25 @@ def run_case(shape, kind, P, tokens, args, dense):
 
     if tokens <= args.fused_max_tokens:
         for sched in ("expert_wave", "interleaved"):
-            world = make_world(args.world, world_size=P, device="cuda")
-            moe = MegaMoE(world, **moe_kwargs(sched))
-            moe.load_weights(w1, w2)
-            kernel_us = []
-
-            def call():
-                moe.forward(xs, idx, wts)
-                kernel_us.append(moe.last_kernel_us)
-
             tag = f"{sched},{args.mma},{args.block_m}x{args.block_n}" + (
                 f",s{args.stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "")
-            record(f"fused[{tag}] api", timing.bench(call, warmup=1, iters=1, trials=args.trials))
-            samples = sorted(kernel_us[1:])
-            record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
+            poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
+            for i, poison in enumerate(poisons):
+                world = make_world(args.world, world_size=P, device="cuda")
+                moe = MegaMoE(world, poison_combine=poison, **moe_kwargs(sched))
+                moe.load_weights(w1, w2)
+                kernel_us = []
+
+                def call():
+                    moe.forward(xs, idx, wts)
+                    kernel_us.append(moe.last_kernel_us)
+
+                label = "api" if poison else "api,no-poison"
+                record(f"fused[{tag}] {label}", timing.bench(call, warmup=1, iters=1, trials=args.trials))
+                if i == 0:
+                    samples = sorted(kernel_us[1:])
+                    record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
+                del moe, world
             if args.trace:
                 trace_summaries.append(trace_one_call(moe_kwargs(sched), w1, w2, xs, idx, wts, P, tag, shape, kind,
                                                       tokens, args))
@@ -165,6 +172,9 @@ def main():
     ap.add_argument("--block-m", type=int, default=64)
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--api-poison", default="both", choices=["on", "off", "both"],
+                    help="NaN-poison the Combine slots before each timed api call (MegaMoE poison_combine): "
+                         "'on' = rows 'api', 'off' = rows 'api,no-poison', 'both' = both rows")
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also record one per-tile timeline per schedule")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
