@@ -105,10 +105,11 @@ class MegaMoE:
     ``backend``: "fused" (the CuTe DSL kernel, CUDA only) or "torch" (same data flow with
     torch ops, any device, loopback/host worlds). Fused-kernel options: ``mma`` ("wgmma"
     GPU-validated, "wgmma_cpasync" multistage, "tma_ws" TMA + mbarrier ring + producer warp and
-    "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A) -- both UNTESTED ON GPU,
-    "fma"), ``block_m`` (64 or 128 = one or two
+    "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A; both GPU-validated, the
+    fast paths), "fma"), ``block_m`` (64 or 128 = one or two
     consumer warpgroups), ``block_n``, ``stages``, ``timeout_ns`` of every bounded spin,
-    ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`).
+    ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`),
+    ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -128,7 +129,8 @@ class MegaMoE:
                  max_tokens_per_rank: int, schedule: str = "interleaved", lead: Optional[int] = None,
                  experts_per_wave: Optional[int] = None, block_m: int = 64, block_n: int = 128,
                  num_sms: int = 132, backend: str = "torch", timeout_ns: int = 2_000_000_000,
-                 mma: str = "wgmma", stages: int = 4, trace: bool = False, poison_combine: bool = True):
+                 mma: str = "wgmma", stages: int = 4, trace: bool = False, poison_combine: bool = True,
+                 split_tail: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -154,6 +156,7 @@ class MegaMoE:
         self.mma = mma
         self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
         self.trace = trace  # record per-tile timelines (fused backend) into last_trace
+        self.split_tail = split_tail  # tma_ws* with block_m=128: None = on (kernel_sm90.MegaMoESm90)
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, 6] (kernel_sm90.TRACE_FIELDS)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
@@ -300,14 +303,14 @@ class MegaMoE:
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
     def _kernel(self):
         key = (self.hidden, self.intermediate, self.schedule, self.block_m, self.block_n, self.timeout_ns, self.mma,
-               self.stages, self.trace)
+               self.stages, self.trace, self.split_tail)
         if key not in _COMPILED:
             from .kernel_sm90 import compile_megamoe_sm90
 
             _COMPILED[key] = compile_megamoe_sm90(self.hidden, self.intermediate, self.schedule,
                                                   block_m=self.block_m, block_n=self.block_n,
                                                   timeout_ns=self.timeout_ns, mma=self.mma, stages=self.stages,
-                                                  trace=self.trace)
+                                                  trace=self.trace, split_tail=self.split_tail)
         return _COMPILED[key]
 
     def plan_rank(self, d: int):

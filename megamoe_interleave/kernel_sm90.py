@@ -74,6 +74,10 @@ MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast")
 WS_KINDS = ("tma_ws", "tma_ws_mcast")  # warp-specialized TMA mainloops
 MULTISTAGE_KINDS = ("wgmma_cpasync",) + WS_KINDS
 CONSUMER_BARRIER_ID = 1  # named barrier of the tma_ws consumer warpgroups (0 = __syncthreads)
+EPI_FULL_BARRIER_ID = 2  # tma_ws: staged output tile ready (consumers -> epilogue warps)
+EPI_EMPTY_BARRIER_ID = 3  # tma_ws: staging tile free + row metadata in smem (epilogue warps -> consumers)
+EPI_BARRIER_ID = 4  # tma_ws: the epilogue warps among themselves
+NUM_EPI_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup run the epilogues
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
 
 
@@ -193,21 +197,14 @@ class MegaMoESm90:
         self.ring_timeout_ns = 2 * timeout_ns
         self.pairs_l1 = (2 * intermediate) // block_n // 2
         self.pairs_l2 = hidden // block_n // 2
-        # Shared memory: A/B stages + an fp32 accumulator staging tile for the row-wise
-        # epilogues. When that would not fit, the staging tile aliases the (drained) A/B
-        # stages (multistage path only; it re-synchronizes before refilling them).
-        # (tma_ws never aliases: the producer refills the ring while the epilogue reads sC.)
+        # Shared memory: A/B stages + a staging tile for the epilogues. Non-ws paths: an fp32
+        # accumulator tile for the row-wise epilogues; when that would not fit, it aliases the
+        # (drained) A/B stages (multistage path only; it re-synchronizes before refilling them).
+        # tma_ws: the tile's bf16 *output* (L1: SwiGLU applied in registers, BN/2 columns; L2:
+        # BN columns), never aliased with the ring, handed to the epilogue warps (see
+        # consumer_tiles / epilogue_tiles). Rows padded by 4 words: conflict-free staging.
         ab_bytes = self.stages * BLOCK_K * (block_m + block_n) * 2
-        # tma_ws: when the full fp32 staging tile does not fit next to the ring, the epilogue
-        # runs over epi_splits column chunks of the accumulator, each staged through a
-        # (block_m, block_n / epi_splits) tile (chunks hold whole 16-column SwiGLU groups).
-        self.epi_splits = 1
-        if mma in WS_KINDS and ab_bytes + block_m * (block_n + 4) * 4 > 220 * 1024:
-            self.epi_splits = 2
-        self.epi_cols = block_n // self.epi_splits
-        # (tma_ws unrolls the row loops: (block_m * groups) / (2 * block_m) whole iterations)
-        assert self.epi_cols % 32 == 0
-        c_bytes = block_m * (self.epi_cols + 4) * 4
+        c_bytes = block_m * ((block_n // 2 if self.ws else block_n) + 4) * 4
         self.alias_c = mma == "wgmma_cpasync" and ab_bytes + c_bytes > 200 * 1024
         need = max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes
         if need > 220 * 1024 or (self.alias_c and c_bytes > ab_bytes):
@@ -250,7 +247,9 @@ class MegaMoESm90:
         self.sB_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (self.block_n, BLOCK_K),
                                                      stage=stage)
         # fp32 accumulator staging for the row-wise epilogues (+4 words of padding per row).
-        self.sC_layout = cute.make_layout((self.block_m, self.epi_cols), stride=(self.epi_cols + 4, 1))
+        # tma_ws: the same region holds the bf16 output tile as 32-bit words (L2 view here).
+        c_cols = self.block_n // 2 if self.ws else self.block_n
+        self.sC_layout = cute.make_layout((self.block_m, c_cols), stride=(c_cols + 4, 1))
 
         c_size = 1 if self.alias_c else cute.cosize(self.sC_layout)
 
@@ -336,7 +335,7 @@ class MegaMoESm90:
             # fp32 staging tile may span both ranges.
             sC = storage.sA.get_tensor(sC_layout, dtype=Float32)
         else:
-            sC = storage.sC.get_tensor(sC_layout)
+            sC = storage.sC.get_tensor(sC_layout, dtype=Int32 if self.ws else Float32)
         sRowW = storage.row_w.get_tensor(cute.make_layout(self.block_m))
         sRowAddr = storage.row_addr.get_tensor(cute.make_layout(self.block_m))
         ab_pipe = None
@@ -464,54 +463,37 @@ class MegaMoESm90:
 
     @cute.jit
     def l1_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolX, mPoolWeight, mH, mW1, sC,
-                         tidx: Int32, col0: cutlass.Constexpr = 0, sRowW=None):
+                         tidx: Int32):
         """SwiGLU x routing weight of the tile's valid rows into h (bf16, 16-byte stores) for the
-        accumulator columns [col0, col0 + epi_cols), read from the fp32 staging tile sC (the fma
-        path computes them here). Run by the num_mma_threads tile-math threads; with ``sRowW``
-        (tma_ws: the rows' weights staged in shared memory) the row loop is unrolled."""
-        groups = self.epi_cols // (2 * INTERLEAVE)
-        if const_expr(sRowW is not None):
-            for it in cutlass.range_constexpr(self.block_m * groups // self.num_mma_threads):
-                self.l1_epilogue_item(tidx + it * self.num_mma_threads, groups, tile, e, tok0, count, mPoolX,
-                                      mPoolWeight, mH, mW1, sC, col0, sRowW)
-        else:
-            u = tidx
-            while u < self.block_m * groups:
-                self.l1_epilogue_item(u, groups, tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, col0,
-                                      sRowW)
-                u = u + self.num_mma_threads
-
-    @cute.jit
-    def l1_epilogue_item(self, u: Int32, groups: cutlass.Constexpr, tile, e: Int32, tok0: Int32, count: Int32,
-                         mPoolX, mPoolWeight, mH, mW1, sC, col0: cutlass.Constexpr, sRowW):
-        """One (row, 16-column SwiGLU group) of :meth:`l1_epilogue_rows`."""
-        m = u // groups
-        grp = u % groups
-        tok_local = tile.m_block * self.block_m + m
-        if tok_local < count:
-            prow = tok0 + tok_local
-            n0 = tile.n_block * self.block_n + col0 + grp * 2 * INTERLEAVE
-            acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
-            if const_expr(self.mma != "fma"):
-                for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                    acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
-            else:
-                acc.fill(0.0)
-                for k in cutlass.range(self.hidden, unroll=1):
-                    xv = Float32(mPoolX[prow, k])
+        accumulator tile, read from the fp32 staging tile sC (the fma
+        path computes them here). Run by the num_mma_threads tile-math threads."""
+        groups = self.block_n // (2 * INTERLEAVE)
+        u = tidx
+        while u < self.block_m * groups:
+            m = u // groups
+            grp = u % groups
+            tok_local = tile.m_block * self.block_m + m
+            if tok_local < count:
+                prow = tok0 + tok_local
+                n0 = tile.n_block * self.block_n + grp * 2 * INTERLEAVE
+                acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
+                if const_expr(self.mma != "fma"):
                     for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                        acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
-            w = Float32(0.0)
-            if const_expr(sRowW is not None):
-                w = sRowW[m]
-            else:
+                        acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
+                else:
+                    acc.fill(0.0)
+                    for k in cutlass.range(self.hidden, unroll=1):
+                        xv = Float32(mPoolX[prow, k])
+                        for j in cutlass.range_constexpr(2 * INTERLEAVE):
+                            acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
                 w = mPoolWeight[prow]
-            out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
-            for j in cutlass.range_constexpr(INTERLEAVE):
-                out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
-            col = tile.n_block * (self.block_n // 2) + col0 // 2 + grp * INTERLEAVE
-            dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
-            dst.store(out.load())
+                out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
+                for j in cutlass.range_constexpr(INTERLEAVE):
+                    out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
+                col = tile.n_block * (self.block_n // 2) + grp * INTERLEAVE
+                dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
+                dst.store(out.load())
+            u = u + self.num_mma_threads
 
     def combine_row_offset(self, tok, pick, max_tokens):
         """Byte offset of ``combine[pick, tok, 0]`` in a rank's symmetric combine buffer."""
@@ -519,53 +501,38 @@ class MegaMoESm90:
 
     @cute.jit
     def l2_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolSrc, mPeerCombine, mH, mW2,
-                         max_tokens: Int32, sC, tidx: Int32, col0: cutlass.Constexpr = 0, sRowAddr=None):
-        """Combine: the tile's valid output rows (bf16), columns [col0, col0 + epi_cols), go with
+                         max_tokens: Int32, sC, tidx: Int32):
+        """Combine: the tile's valid output rows (bf16) go with
         16-byte stores to their source rank's ``combine[pick, token]`` slot. Run by the
-        num_mma_threads tile-math threads; with ``sRowAddr`` (tma_ws: the rows' destination
-        addresses staged in shared memory) the row loop is unrolled."""
-        groups = self.epi_cols // 8
-        if const_expr(sRowAddr is not None):
-            for it in cutlass.range_constexpr(self.block_m * groups // self.num_mma_threads):
-                self.l2_epilogue_item(tidx + it * self.num_mma_threads, groups, tile, e, tok0, count, mPoolSrc,
-                                      mPeerCombine, mH, mW2, max_tokens, sC, col0, sRowAddr)
-        else:
-            u = tidx
-            while u < self.block_m * groups:
-                self.l2_epilogue_item(u, groups, tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2,
-                                      max_tokens, sC, col0, sRowAddr)
-                u = u + self.num_mma_threads
-
-    @cute.jit
-    def l2_epilogue_item(self, u: Int32, groups: cutlass.Constexpr, tile, e: Int32, tok0: Int32, count: Int32,
-                         mPoolSrc, mPeerCombine, mH, mW2, max_tokens: Int32, sC, col0: cutlass.Constexpr,
-                         sRowAddr):
-        """One (row, 8-column group) of :meth:`l2_epilogue_rows`: one 16-byte remote store."""
-        m = u // groups
-        grp = u % groups
-        tok_local = tile.m_block * self.block_m + m
-        if tok_local < count:
-            prow = tok0 + tok_local
-            n0 = tile.n_block * self.block_n + col0 + grp * 8
-            acc = cute.make_rmem_tensor((8,), Float32)
-            if const_expr(self.mma != "fma"):
-                for j in cutlass.range_constexpr(8):
-                    acc[j] = sC[m, grp * 8 + j]
-            else:
-                acc.fill(0.0)
-                for k in cutlass.range(self.intermediate, unroll=1):
-                    hv = Float32(mH[prow, k])
+        num_mma_threads tile-math threads."""
+        groups = self.block_n // 8
+        u = tidx
+        while u < self.block_m * groups:
+            m = u // groups
+            grp = u % groups
+            tok_local = tile.m_block * self.block_m + m
+            if tok_local < count:
+                prow = tok0 + tok_local
+                n0 = tile.n_block * self.block_n + grp * 8
+                acc = cute.make_rmem_tensor((8,), Float32)
+                if const_expr(self.mma != "fma"):
                     for j in cutlass.range_constexpr(8):
-                        acc[j] = acc[j] + hv * Float32(mW2[e, n0 + j, k])
-            out = cute.make_rmem_tensor((8,), BFloat16)
-            out.store(acc.load().to(BFloat16))
-            words = cute.recast_tensor(out, Int32)
-            if const_expr(sRowAddr is not None):
-                xdev.store_v4(sRowAddr[m] + Int64(n0) * 2, words[0], words[1], words[2], words[3])
-            else:
-                offset = self.combine_row_offset(mPoolSrc[prow, 1], mPoolSrc[prow, 2], max_tokens) + Int64(n0) * 2
-                xdev.store_v4_to_peer(mPeerCombine, mPoolSrc[prow, 0], offset, words[0], words[1], words[2],
-                                      words[3])
+                        acc[j] = sC[m, grp * 8 + j]
+                else:
+                    acc.fill(0.0)
+                    for k in cutlass.range(self.intermediate, unroll=1):
+                        hv = Float32(mH[prow, k])
+                        for j in cutlass.range_constexpr(8):
+                            acc[j] = acc[j] + hv * Float32(mW2[e, n0 + j, k])
+                out = cute.make_rmem_tensor((8,), BFloat16)
+                out.store(acc.load().to(BFloat16))
+                words = cute.recast_tensor(out, Int32)
+                src = mPoolSrc[prow, 0]
+                tok = mPoolSrc[prow, 1]
+                pick = mPoolSrc[prow, 2]
+                offset = self.combine_row_offset(tok, pick, max_tokens) + Int64(n0) * 2
+                xdev.store_v4_to_peer(mPeerCombine, src, offset, words[0], words[1], words[2], words[3])
+            u = u + self.num_mma_threads
 
     def timestamp(self):
         """%globaltimer when tracing, else a constant (no instruction emitted)."""
@@ -749,6 +716,18 @@ class MegaMoESm90:
         """Barrier of the consumer warpgroups only (the producer warp is elsewhere)."""
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER_ID, number_of_threads=self.num_mma_threads)
 
+    # Consumer <-> epilogue-warp handoff of the staged output tile (named barriers, both sides
+    # run the same tile sequence so every barrier phase completes; no spin, nothing to bound):
+    # EMPTY: epilogue warps arrive when the staging tile is free and the tile's row metadata is
+    # in shared memory, consumers sync before staging; FULL: consumers arrive after staging,
+    # epilogue warps sync before reading it.
+    def handoff_threads(self):
+        return self.num_mma_threads + NUM_EPI_THREADS
+
+    def epi_sync(self):
+        """Barrier of the epilogue warps only."""
+        cute.arch.barrier(barrier_id=EPI_BARRIER_ID, number_of_threads=NUM_EPI_THREADS)
+
     @cute.jit
     def warp_specialized_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, timeout: Int64, ab_pipe,
                                tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerCombine, mPoolSrc,
@@ -758,6 +737,9 @@ class MegaMoESm90:
         if warp == self.num_mma_threads // 32:
             self.producer_tiles(grid, cta, nctas, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
                                 tma_b2, mB2, mExpertTokenOffset, mCounters, sA, sB)
+        if warp > self.num_mma_threads // 32:
+            self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
+                                mPoolWeight, mH, mExpertTokenOffset, mCounters, max_tokens, sC, sRowW, sRowAddr)
         if warp < self.num_mma_threads // 32:
             self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX,
                                 mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens, sA, sB, sC, sRowW,
@@ -832,73 +814,107 @@ class MegaMoESm90:
                        mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens: Int32,
                        sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace):
         """Consumer warpgroups: WGMMA over the ring's stages (accumulators in registers), then
-        the shared epilogues (L1: SwiGLU x weight -> h + release of the row counter; L2:
-        Combine stores). After a timed-out ring wait (error word set) a thread waits no more.
-
-        The epilogues' per-row metadata (routing weight; Combine source rank, token, pick) is
-        loaded by one thread per row at the start of the tile, so its global-load latency hides
-        under the mainloop; :meth:`stage_accumulators` publishes it to shared memory (L2: as
-        the final peer address) and the unrolled row loops read it from there."""
-        BM, BN = self.block_m, self.block_n
+        hand the tile to the epilogue warps: wait until the staging tile is free (EMPTY), write
+        the bf16 output into it (L1: SwiGLU x routing weight computed in registers; L2: the
+        rounded accumulators), arrive on FULL and go straight to the next tile's mainloop
+        while the epilogue warps store it (h / Combine remote stores). After a timed-out ring
+        wait (error word set) a thread waits no more (and still takes part in the handoff)."""
         frags = self.consumer_fragments(tiled_mma, tidx, sA, sB)
         g, r, G, c0, c1 = self._schedule_start(cta, nctas)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
         n_tile = Int32(0)
+        sO_l1 = self.output_view_l1(sC)
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
                 t0 = self.timestamp()
-                e = tile.expert
-                tok0 = mExpertTokenOffset[e]
-                count = mExpertTokenOffset[e + 1] - tok0
-                # This thread's row of the tile (tidx < BM) and its metadata, in flight during the mainloop.
-                my_row = tok0 + tile.m_block * BM + tidx
-                my_valid = (tidx < BM) & (tile.m_block * BM + tidx < count)
+                count = mExpertTokenOffset[tile.expert + 1] - mExpertTokenOffset[tile.expert]
                 # split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split
                 # over the two consumer warpgroups (half the WGMMA work; same ring stages).
                 half = Boolean(False)
                 if const_expr(self.split_tail):
-                    half = count - tile.m_block * BM <= 64
+                    half = count - tile.m_block * self.block_m <= 64
+                t1 = Int64(0)
+                t2 = Int64(0)
                 if tile.phase == PHASE_L1:
-                    w_row = Float32(0.0)
-                    if my_valid:
-                        w_row = mPoolWeight[my_row]
-                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
-                                                  self.hidden // BLOCK_K)
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half, self.hidden // BLOCK_K)
                     t2 = self.timestamp()
-                    for chunk in cutlass.range_constexpr(self.epi_splits):
-                        self.stage_accumulators(frags, half, sC, chunk * self.epi_cols, sRowW, w_row, tidx,
-                                                chunk == 0)
-                        self.l1_epilogue_rows(tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, tidx,
-                                              chunk * self.epi_cols, sRowW)
-                    # Publish h: generic stores -> proxy fence -> consumer barrier -> one release.
-                    cute.arch.fence_proxy("async.global")
-                    self.consumer_sync()
-                    if const_expr(self.trace):
-                        self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
-                    if tidx == 0:
-                        cute.arch.fence_acq_rel_gpu()
-                        xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+                    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
+                    self.stage_output(frags, half, sO_l1, sRowW, True)
                 else:
-                    src, tok, pick = Int32(0), Int32(0), Int32(0)
-                    if my_valid:
-                        src, tok, pick = mPoolSrc[my_row, 0], mPoolSrc[my_row, 1], mPoolSrc[my_row, 2]
                     state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
                                                   self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
-                    addr = Int64(0)
-                    if my_valid:
-                        addr = xdev.peer_address(mPeerCombine, src, self.combine_row_offset(tok, pick, max_tokens))
-                    for chunk in cutlass.range_constexpr(self.epi_splits):
-                        self.stage_accumulators(frags, half, sC, chunk * self.epi_cols, sRowAddr, addr, tidx,
-                                                chunk == 0)
-                        self.l2_epilogue_rows(tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2, max_tokens,
-                                              sC, tidx, chunk * self.epi_cols, sRowAddr)
-                    if const_expr(self.trace):
-                        self.consumer_sync()  # every consumer thread's Combine stores issued
-                        self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
+                    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
+                    self.stage_output(frags, half, sC, sRowW, False)
+                cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
+                if const_expr(self.trace):
+                    self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
                 n_tile = n_tile + 1
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
+
+    def output_view_l1(self, sO):
+        """L1 view of the staging tile: BM x BN/2 bf16 (h columns) as 32-bit words, rows padded by 4."""
+        cols = self.block_n // 4
+        return cute.make_tensor(sO.iterator, cute.make_layout((self.block_m, cols), stride=(cols + 4, 1)))
+
+    @cute.jit
+    def epilogue_tiles(self, grid, cta: Int32, nctas: Int32, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight,
+                       mH, mExpertTokenOffset, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr):
+        """Epilogue warps (the producer warpgroup's other NUM_EPI_THREADS threads, ``et`` = index
+        among them): per tile of the same schedule, (1) the rows' metadata into shared memory
+        (L1: routing weight, used by the consumers' SwiGLU; L2: the Combine destination
+        address ``peer[src] + combine[pick, tok]``), arrive EMPTY; (2) sync FULL, copy the staged
+        bf16 rows out with 16-byte stores: L1 into h, then publish h (proxy fence, barrier,
+        one release increment of the row counter); L2 straight into the source ranks'
+        Combine slots (the X-Stage remote stores, issued while the consumers already run the
+        next mainloop)."""
+        g, r, G, c0, c1 = self._schedule_start(cta, nctas)
+        sO_l1 = self.output_view_l1(sO)
+        while not self.schedule.done((c0, c1), grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+            if tile.valid > 0:
+                row0 = mExpertTokenOffset[tile.expert] + tile.m_block * self.block_m
+                rows = cutlass.min(mExpertTokenOffset[tile.expert + 1] - row0, self.block_m)
+                m = et
+                while m < rows:
+                    if tile.phase == PHASE_L1:
+                        sRowW[m] = mPoolWeight[row0 + m]
+                    else:
+                        sRowAddr[m] = xdev.peer_address(
+                            mPeerCombine, mPoolSrc[row0 + m, 0],
+                            self.combine_row_offset(mPoolSrc[row0 + m, 1], mPoolSrc[row0 + m, 2], max_tokens))
+                    m = m + NUM_EPI_THREADS
+                cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
+                cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
+                if tile.phase == PHASE_L1:
+                    chunks = self.block_n // 16  # 16-byte chunks of a row's BN/2 h columns
+                    h_base = Int64(mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
+                    u = et
+                    while u < rows * chunks:
+                        m, c = u // chunks, u % chunks
+                        w = sO_l1[m, None]
+                        xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
+                                      w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3])
+                        u = u + NUM_EPI_THREADS
+                    # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
+                    cute.arch.fence_proxy("async.global")
+                    self.epi_sync()
+                    if et == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+                else:
+                    chunks = self.block_n // 8  # 16-byte chunks of a row's BN output columns
+                    u = et
+                    while u < rows * chunks:
+                        m, c = u // chunks, u % chunks
+                        w = sO[m, None]
+                        xdev.store_v4(sRowAddr[m] + Int64(tile.n_block * self.block_n + c * 8) * 2,
+                                      w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3])
+                        u = u + NUM_EPI_THREADS
+                    self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
 
@@ -960,36 +976,42 @@ class MegaMoESm90:
         return state, t1, ok
 
     @cute.jit
-    def stage_accumulators(self, frags, half: Boolean, sC, col0: cutlass.Constexpr, sRowMeta, row_meta,
-                           tidx: Int32, first_chunk: cutlass.Constexpr):
-        """Registers -> fp32 staging tile for the row-wise epilogues (own region, never aliased
-        with the ring): accumulator columns [col0, col0 + epi_cols); on the first chunk, threads
-        tidx < BM also publish their row's epilogue metadata ``row_meta`` to ``sRowMeta``. The
-        first barrier waits until the previous chunk's / tile's epilogue has read sC and sRowMeta."""
-        self.consumer_sync()
-        if const_expr(first_chunk):
-            if tidx < self.block_m:
-                sRowMeta[tidx] = row_meta
+    def stage_output(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr):
+        """Accumulators -> bf16 output tile in shared memory, as 32-bit words of column pairs
+        (full or, split_tail, the 64-row fragments)."""
         full_f, half_f = frags
         if const_expr(self.split_tail):
             if half:
-                self.store_accumulator_chunk(half_f[1], half_f[4], sC, col0)
+                self.stage_fragment(half_f[1], half_f[4], sO, sRowW, swiglu_l1)
             else:
-                self.store_accumulator_chunk(full_f[1], full_f[4], sC, col0)
+                self.stage_fragment(full_f[1], full_f[4], sO, sRowW, swiglu_l1)
         else:
-            self.store_accumulator_chunk(full_f[1], full_f[4], sC, col0)
-        self.consumer_sync()
+            self.stage_fragment(full_f[1], full_f[4], sO, sRowW, swiglu_l1)
 
     @cute.jit
-    def store_accumulator_chunk(self, acc, tCcC, sC, col0: cutlass.Constexpr):
-        """acc -> sC for the accumulator columns [col0, col0 + epi_cols) (tCcC: their tile coordinates)."""
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            mm, nn = tCcC[i]
-            if const_expr(self.epi_splits == 1):
-                sC[mm, nn] = acc[i]
-            else:
-                if nn >= col0 and nn < col0 + self.epi_cols:
-                    sC[mm, nn - col0] = acc[i]
+    def stage_fragment(self, acc, tCcC, sO, sRowW, swiglu_l1: cutlass.Constexpr):
+        """WGMMA accumulator fragment ((2, 2, BN/8), 1, 1): element v0 + 2 v1 + 4 j holds row
+        r + 8 v1, column 8 j + 2 q + v0 (tCcC gives (row, column)), so a thread owns column
+        pairs. L1 (``swiglu_l1``): gate/up interleaved by 8 columns, so fragment j = 2 jj
+        (gate) and j = 2 jj + 1 (up) hold matching columns: h = SwiGLU(gate, up) x weight in
+        fp32 registers, bf16, h column 8 jj + 2 q + v0. L2: the accumulators rounded to bf16."""
+        pair = cute.make_rmem_tensor((2,), BFloat16)
+        word = cute.recast_tensor(pair, Int32)
+        if const_expr(swiglu_l1):
+            for jj in cutlass.range_constexpr(cute.size(acc) // 8):
+                for v1 in cutlass.range_constexpr(2):
+                    i = 8 * jj + 2 * v1  # gate element (v0 = 0); up = i + 4
+                    mm, nn = tCcC[i]
+                    w = sRowW[mm]
+                    for v0 in cutlass.range_constexpr(2):
+                        pair[v0] = BFloat16(swiglu(acc[i + v0], acc[i + 4 + v0]) * w)
+                    sO[mm, ((nn // 16) * 8 + nn % 8) // 2] = word[0]
+        else:
+            for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+                mm, nn = tCcC[i]
+                for v0 in cutlass.range_constexpr(2):
+                    pair[v0] = BFloat16(acc[i + v0])
+                sO[mm, nn // 2] = word[0]
 
 
 # Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at

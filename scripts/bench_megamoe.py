@@ -88,12 +88,13 @@ def run_case(shape, kind, P, tokens, args, dense):
     def moe_kwargs(sched):
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
                     backend="fused", block_m=args.block_m, block_n=args.block_n, mma=args.mma,
-                    stages=args.stages)
+                    stages=args.stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
     if tokens <= args.fused_max_tokens:
         for sched in ("expert_wave", "interleaved"):
             tag = f"{sched},{args.mma},{args.block_m}x{args.block_n}" + (
-                f",s{args.stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "")
+                f",s{args.stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "") + (
+                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "")
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             for i, poison in enumerate(poisons):
                 world = make_world(args.world, world_size=P, device="cuda")
@@ -175,6 +176,8 @@ def main():
     ap.add_argument("--api-poison", default="both", choices=["on", "off", "both"],
                     help="NaN-poison the Combine slots before each timed api call (MegaMoE poison_combine): "
                          "'on' = rows 'api', 'off' = rows 'api,no-poison', 'both' = both rows")
+    ap.add_argument("--split-tail", default="auto", choices=["auto", "on", "off"],
+                    help="tma_ws* with --block-m 128: run m-blocks of <= 64 rows as 64-row tiles (auto = on)")
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also record one per-tile timeline per schedule")
     ap.add_argument("--tag", default="", help="suffix of the output file names")

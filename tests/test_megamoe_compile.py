@@ -89,18 +89,19 @@ def _compile_ptx(tmp_path, hidden, inter, schedule, **kw):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("block_m,block_n,stages,epi_splits", [(128, 128, 4, 1), (64, 256, 4, 2), (128, 256, 3, 2)])
-def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, epi_splits):
+@pytest.mark.parametrize("block_m,block_n,stages", [(128, 128, 4), (64, 256, 4), (128, 256, 3)])
+def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages):
     """mma='tma_ws' is a TMA + mbarrier + WGMMA kernel: 2-D bulk tensor loads of A and B for
-    both GEMMs completing on mbarriers, WGMMA of the tile's width from smem, a consumer-only
-    named barrier, no cp.async (non-bulk); every TMA load comes after a fence.proxy.async.global
-    that follows the latest acquire load (dispatched rows / h written by generic stores)."""
+    both GEMMs completing on mbarriers, WGMMA of the tile's width from smem, no cp.async
+    (non-bulk); every TMA load comes after a fence.proxy.async.global that follows the latest
+    acquire load (dispatched rows / h written by generic stores). The epilogue handoff: the
+    consumers sync on EMPTY and arrive on FULL, the epilogue warps (96 threads) the reverse,
+    plus their own barrier; the only 16-byte global stores are the epilogue warps' (h, Combine)."""
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
 
     H, I = 512, 256
     op = MegaMoESm90(H, I, schedule, block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages)
     assert op.num_threads == 2 * block_m + 128 and op.num_mma_threads == 2 * block_m and not op.alias_c
-    assert op.epi_splits == epi_splits
     ptx = _compile_ptx(tmp_path, H, I, schedule, block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages)
     tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     assert len(tma) >= 4  # A and B of L1 and of L2
@@ -108,9 +109,12 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, epi_splits):
     for pat in (r"mbarrier\.init\.shared", r"mbarrier\.arrive\.expect_tx\.shared", r"mbarrier\.try_wait\.parity(\.acquire\.cta)?\.shared",
                 r"mbarrier\.arrive\.shared", r"wgmma\.wait_group\.sync\.aligned\s+1;", r"fence\.proxy\.async\.global",
                 r"red\.release\.gpu\.global\.add", r"ld\.acquire\.gpu",
-                rf"bar\.sync\s+1, {2 * block_m};"):
+                rf"bar\.sync\s+3, {2 * block_m + 96};", rf"bar\.arrive\s+2, {2 * block_m + 96};",
+                rf"bar\.sync\s+2, {2 * block_m + 96};", rf"bar\.arrive\s+3, {2 * block_m + 96};",
+                r"bar\.sync\s+4, 96;"):
         assert re.search(pat, ptx), f"PTX lacks {pat}"
     assert not re.search(r"cp\.async\.cg\.shared\.global", ptx)
+    assert len(re.findall(r"st\.global\.v4", ptx)) == 2
     last_acquire = last_fence = -1
     n_checked = 0
     for line_no, line in enumerate(ptx.splitlines()):

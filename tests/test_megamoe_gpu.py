@@ -238,15 +238,12 @@ def test_tma_ws_ring_depths(stages, mma):
 
 @pytest.mark.parametrize("mma,block_m,block_n,stages", [("tma_ws", 128, 256, 3), ("tma_ws", 64, 256, 4),
                                                          ("tma_ws_mcast", 128, 256, 3)])
-def test_tma_ws_wide_tiles_chunked_epilogue(mma, block_m, block_n, stages):
-    """mma='tma_ws' with 256-column tiles (H=512, I=256): the fp32 staging tile does not fit
-    next to the ring, so the epilogue runs over two 128-column chunks (epi_splits == 2)."""
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
+    """mma='tma_ws' with 256-column tiles (H=512, I=256): the bf16 output staging tile next to
+    a 3-4 stage ring; 128-row tiles with experts of 65/130 rows also exercise split_tail."""
     from megamoe_interleave.reference import reference_moe_fp32
 
     hidden, inter = 512, 256
-    assert MegaMoESm90(hidden, inter, Schedule("interleaved", lead=2), block_m=block_m, block_n=block_n, mma=mma,
-                       stages=stages).epi_splits == 2
     P, k = 4, 6
     w1, w2, xs, idx, w = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=123, hidden=hidden, inter=inter)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
@@ -257,5 +254,30 @@ def test_tma_ws_wide_tiles_chunked_epilogue(mma, block_m, block_n, stages):
         moe.load_weights(w1, w2)
         outs.append(moe.forward(xs, idx, w))
         _check(outs[-1], refs)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
+def test_split_tail_on_off_bitwise(mma):
+    """split_tail (<= 64-row m-blocks as 64-row N-split tiles) changes no bit of y: the same
+    K-order WGMMA accumulation per element, only the warpgroup tiling differs. Experts with
+    1..64 and 65..128 rows in their last m-block are both present."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    P, k = 2, 6
+    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=31)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for split in (True, False):
+        moe = _make(P, k, "interleaved", mma, block_m=128, block_n=128, split_tail=split)
+        moe.load_weights(w1, w2)
+        outs.append(moe.forward(xs, idx, w))
+        _check(outs[-1], refs)
+        tails = set()
+        for d in range(P):
+            perm, _ = moe.plan_rank(d)
+            tails |= {(c - 1) % 128 < 64 for c in perm.counts.tolist() if c > 0}
+        assert tails == {True, False}, "need experts whose last m-block has <= 64 and > 64 rows"
     for a, b in zip(*outs):
         assert torch.equal(a, b)
