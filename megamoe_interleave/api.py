@@ -60,6 +60,23 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
     return torch.stack([g, u], dim=2).reshape(E, two_i, H).contiguous(), w2.contiguous()
 
 
+def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_n=None, stages=None):
+    """Tile defaults (each ``None`` is filled in): the warp-specialized kinds use 128-row tiles
+    and the widest N tile the CTA pairs allow (256 when H and 2I are multiples of 512; 3 ring
+    stages then fit next to the output staging tile, else 4) -- the fastest configuration
+    measured on the H200 (results/h200/megamoe); the other kinds keep 64 x 128, 4 stages."""
+    ws = mma in ("tma_ws", "tma_ws_mcast")
+    if block_m is None:
+        block_m = 128 if ws else 64
+    if block_n is None:
+        block_n = 128
+        if ws:
+            block_n = next((n for n in (256, 128, 64) if hidden % (2 * n) == 0 and intermediate % n == 0), 64)
+    if stages is None:
+        stages = 3 if ws and block_m == 128 and block_n == 256 else 4
+    return block_m, block_n, stages
+
+
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
     """Inverse of the w1 part of :func:`transform_weights`."""
     E, two_i, H = w1_il.shape
@@ -106,8 +123,9 @@ class MegaMoE:
     torch ops, any device, loopback/host worlds). Fused-kernel options: ``mma`` ("wgmma"
     GPU-validated, "wgmma_cpasync" multistage, "tma_ws" TMA + mbarrier ring + producer warp and
     "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A; both GPU-validated, the
-    fast paths), "fma"), ``block_m`` (64 or 128 = one or two
-    consumer warpgroups), ``block_n``, ``stages``, ``timeout_ns`` of every bounded spin,
+    fast paths), "fma"; default "tma_ws_mcast"), ``block_m`` (64 or 128 = one or two
+    consumer warpgroups), ``block_n``, ``stages`` (``None``: :func:`default_tiles`),
+    ``timeout_ns`` of every bounded spin,
     ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`),
     ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on).
 
@@ -127,11 +145,12 @@ class MegaMoE:
 
     def __init__(self, world, *, num_experts: int, hidden: int, intermediate: int, topk: int,
                  max_tokens_per_rank: int, schedule: str = "interleaved", lead: Optional[int] = None,
-                 experts_per_wave: Optional[int] = None, block_m: int = 64, block_n: int = 128,
-                 num_sms: int = 132, backend: str = "torch", timeout_ns: int = 2_000_000_000,
-                 mma: str = "wgmma", stages: int = 4, trace: bool = False, poison_combine: bool = True,
-                 split_tail: Optional[bool] = None):
+                 experts_per_wave: Optional[int] = None, block_m: Optional[int] = None,
+                 block_n: Optional[int] = None, num_sms: int = 132, backend: str = "torch",
+                 timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast", stages: Optional[int] = None,
+                 trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None):
         P = world.world_size
+        block_m, block_n, stages = default_tiles(mma, hidden, intermediate, block_m, block_n, stages)
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
         if schedule not in SCHEDULES:
@@ -151,8 +170,7 @@ class MegaMoE:
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns
-        # fused kernel tile math: "wgmma" (single-stage WGMMA), "wgmma_cpasync" (multistage
-        # cp.async + WGMMA) or "fma" (CUDA cores)
+        # fused kernel tile math (kernel_sm90.MMA_KINDS); default the fastest measured on the H200
         self.mma = mma
         self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
         self.trace = trace  # record per-tile timelines (fused backend) into last_trace
@@ -163,7 +181,7 @@ class MegaMoE:
             from .kernel_sm90 import MegaMoESm90
 
             MegaMoESm90(hidden, intermediate, self.schedule, block_m=block_m, block_n=block_n, mma=mma, stages=stages,
-                        trace=trace)
+                        trace=trace, split_tail=split_tail)
         # Worst-case scheduler rows of one rank: every pick of every source lands here, plus
         # one partial M block per local expert.
         max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // block_m) + self.experts_per_rank

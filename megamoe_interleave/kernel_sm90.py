@@ -13,35 +13,38 @@ STATUS -- a *functional subset*, honestly labelled:
   the source rank's ``combine[pick, token]`` slot (Combine), in-kernel counter reset,
   optional per-tile ``%globaltimer`` trace (``trace=True``).
 * tile math, compile-time ``mma``:
-  ``"wgmma"``  -- one warpgroup, WGMMA (SS) M64 x block_n, K blocks of 64 staged through
-  registers into 128-B-swizzled smem, single stage (GPU-validated, ~66-75 TFLOP/s on
-  DeepSeek-V4-Flash, results/h200/megamoe);
-  ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (GPU tests
-  pass; not timed yet);
-  ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow);
-  ``"tma_ws"`` -- **UNTESTED ON GPU** (compiles for sm_90a, PTX checked): warp-specialized
-  mainloop. One producer warp walks the same schedule as the consumers and TMA-loads A
-  (dispatched rows / h) and B (expert weights) into a ``stages``-deep smem ring guarded by
-  mbarriers (quack ``PipelineTmaAsync``, every wait bounded: :class:`BoundedPipelineTmaAsync`,
-  timeout -> error word -> host raises); ``block_m / 64`` consumer warpgroups run WGMMA
-  from smem with the accumulators in registers, then the same epilogues (staged through an
-  fp32 smem tile that is *not* aliased with the ring, so the producer prefetches the next
-  tile while the epilogue runs; for 256-column tiles the epilogue runs in two 128-column
-  chunks, ``epi_splits``). Tiles 128x128 (4 stages), 64x256 (4), 128x256 (3).
-  See the ``mma="tma_ws"`` section of :class:`MegaMoESm90` (roles, memory ordering of the
-  L1 -> L2 handoff, deadlock argument).
-  ``"tma_ws_mcast"`` -- **UNTESTED ON GPU** (compiles, PTX checked): ``tma_ws`` with the two
-  CTAs of a scheduler pair launched as a 2-CTA cluster. A pair always works on the same
-  row (same A tile, adjacent N blocks), so each CTA TMA-loads half of the A tile and
-  multicasts it into both CTAs' ring stage; the consumers release a stage on both CTAs'
-  empty barriers. Halves the A traffic from L2. Assumes all clusters of 2 are co-resident
-  (an H200 TPC holds 2 SMs); if not, the bounded grid barrier reports a timeout.
-* NOT done yet: ping-pong consumers (epilogue overlapped with the other warpgroup's MMA),
-  ``setmaxnreg`` register rebalancing, TMA store of h; the dispatch *index* computation
-  (counting / prefix sums of the routed tokens) runs on the host
-  (:func:`megamoe_interleave.reference.permute_for_rank`); the final top-k reduction runs
-  after all ranks (torch), as the loopback world requires anyway. The GPU-validated
-  ``"wgmma"`` path is ~7x slower than the torch grouped GEMMs.
+  ``"tma_ws_mcast"`` (the API default, fastest) and ``"tma_ws"`` -- warp-specialized, GPU-validated
+  (79/79 GPU tests of tests/test_megamoe_gpu.py + test_megamoe_host_overhead.py on the H200).
+  Warp roles: ``block_m / 64`` consumer warpgroups, one producer warpgroup whose first warp
+  walks the same schedule and TMA-loads A (dispatched rows / h) and B (expert weights) into
+  a ``stages``-deep smem ring guarded by mbarriers (quack ``PipelineTmaAsync``, every wait
+  bounded: :class:`BoundedPipelineTmaAsync`, timeout -> error word -> host raises), and
+  whose other three warps are **epilogue warps**. The consumers run WGMMA from smem with
+  the accumulators in registers, apply SwiGLU x routing weight in registers (L1; gate/up
+  interleaved by 8 columns, so each thread holds matching pairs), write the bf16 output tile
+  into a staging tile next to the ring and go on with the next tile's mainloop; the
+  epilogue warps copy the staged rows out with 16-byte stores (h, or the Combine remote
+  stores to the source ranks) and publish h (proxy fence + release of the row counter).
+  ``split_tail`` runs an m-block with <= 64 valid rows as a 64 x block_n tile, N split over
+  the two consumer warpgroups. ``"tma_ws_mcast"`` launches the two CTAs of a scheduler pair
+  (same row, adjacent N blocks) as a 2-CTA cluster: each TMA-loads half of the shared A tile
+  and multicasts it into both CTAs' stage; consumers release a stage on both CTAs' empty
+  barriers. Assumes all clusters of 2 are co-resident (an H200 TPC holds 2 SMs); if not,
+  the bounded grid barrier reports a timeout. Tiles 128x256 (3 stages, default), 128x128 (4),
+  64x256 (4).
+  ``"wgmma"`` -- one warpgroup, WGMMA (SS) M64 x block_n, K blocks of 64 staged through
+  registers into 128-B-swizzled smem, single stage (GPU-validated, ~66-75 TFLOP/s);
+  ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (GPU tests pass);
+  ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow).
+  Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, results/h200/megamoe): tma_ws_mcast
+  5.94-6.17 ms per call at P = 1 (0.86x the speed of the two torch grouped GEMMs alone,
+  1.7-1.8x faster than the unfused pipeline), 32.6-34.8 ms at loopback P = 8 (0.93-0.99x,
+  2.4-2.5x).
+* NOT done yet: dispatch overlapped with the first L1 tiles (a grid barrier separates
+  them: ~0.5 ms at P = 1), B-operand multicast across m-blocks, ``setmaxnreg`` register
+  rebalancing; the dispatch *index* computation (counting / prefix sums of the routed tokens)
+  runs on the host (:func:`megamoe_interleave.reference.permute_ranks`); the final top-k
+  reduction runs after all ranks (torch), as the loopback world requires anyway.
 
 Counter word layout (``mCounters`` int32, one per rank, in the symmetric buffer):
 ``[0]`` error word, ``[1]`` grid-barrier counter (monotonic: each call adds 2 * grid to it;
@@ -142,10 +145,11 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
 class MegaMoESm90:
     """One kernel class; ``schedule`` (name + lead) and ``mma`` are compile-time switches.
 
-    ``mma``: "wgmma" (default, GPU-validated), "wgmma_cpasync" (GPU tests pass), "fma"
-    (reference), "tma_ws" and "tma_ws_mcast" (warp-specialized TMA + mbarrier pipelines,
-    **UNTESTED ON GPU**: compiled for sm_90a and PTX-checked only). ``stages`` is the ring
-    depth of the multistage kinds; ``block_m`` 64/128 = one/two consumer warpgroups."""
+    ``mma``: "tma_ws" / "tma_ws_mcast" (warp-specialized TMA + mbarrier pipelines with
+    epilogue warps; the fast paths), "wgmma" (single stage), "wgmma_cpasync", "fma"
+    (reference); all GPU-validated. ``stages`` is the ring depth of the multistage kinds;
+    ``block_m`` 64/128 = one/two consumer warpgroups; ``split_tail`` (tma_ws*, block_m=128;
+    None = on): m-blocks with <= 64 valid rows run as 64-row N-split tiles."""
 
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
@@ -666,18 +670,23 @@ class MegaMoESm90:
             cute.arch.sync_threads()  # smem is overwritten by the next K block
 
     # ------------------------------------------------ mma="tma_ws" (warp-specialized)
-    # Roles: threads [0, num_mma_threads) = block_m/64 consumer warpgroups (WGMMA + epilogues);
-    # warp num_mma_threads/32 = TMA producer; the other 3 warps of the last warpgroup only
-    # take part in Dispatch, the grid barriers and the counter reset. Producer and consumers
-    # walk the SAME static schedule independently (pure step functions, no smem broadcast)
-    # and meet only at the A/B ring's mbarriers, so the producer runs up to ``stages`` K
-    # blocks ahead -- across tile boundaries, i.e. it prefetches the next tile while the
-    # consumers run the epilogue.
+    # Roles: threads [0, num_mma_threads) = block_m/64 consumer warpgroups (WGMMA, SwiGLU,
+    # output staging); warp num_mma_threads/32 = TMA producer; the other 3 warps of the last
+    # warpgroup = epilogue warps (row metadata, h / Combine stores, h publication). All walk
+    # the SAME static schedule independently (pure step functions, no smem broadcast).
+    # Producer and consumers meet only at the A/B ring's mbarriers, so the producer runs up
+    # to ``stages`` K blocks ahead, across tile boundaries. Consumers and epilogue warps meet
+    # at two named barriers per tile (EMPTY: staging tile free + metadata ready; FULL: tile
+    # staged), so the epilogue warps' stores of tile i overlap the consumers' mainloop of
+    # tile i + 1 (one staging buffer: the consumers wait only if the epilogue of tile i is
+    # still running when the mainloop of tile i + 1 ends).
     #
     # Deadlock freedom carries over from the scheduler's argument (scheduler.py): the only
     # new waits are the ring's full/empty barriers between the roles of ONE CTA (tma_ws_mcast:
     # of one 2-CTA cluster, whose CTAs walk identical tile sequences, so the pair acts as one
-    # unit in that argument). The producer blocks (bounded) on an L2 tile's row counter only
+    # unit in that argument). The named-barrier handoff adds no outside wait: consumers and
+    # epilogue warps execute one EMPTY and one FULL barrier per valid tile of the same
+    # sequence, so every barrier phase completes. The producer blocks (bounded) on an L2 tile's row counter only
     # after it has issued every K block of the tiles before it in this CTA's order, and the
     # consumers finish those without further outside waits. So "the first tile whose loads
     # are not all issued" plays the role of the CTA's head in that argument.
@@ -687,10 +696,10 @@ class MegaMoESm90:
     # ERR_RING_TIMEOUT in the error word). A thread whose wait (ring or row counter) failed
     # waits no more and falls through, so a broken run ends with DeviceError, not a hang.
     #
-    # Memory ordering of the L1 -> L2 handoff: h is written by the L1 epilogue with generic
-    # st.global and read by the L2 producer with TMA (async proxy). Writer: each thread
-    # fence.proxy.async.global after its h stores, consumer barrier, thread 0 fence.acq_rel.gpu
-    # + red.release.gpu on l2_full[row]. Reader: every producer lane ld.acquire.gpu spins on
+    # Memory ordering of the L1 -> L2 handoff: h is written by the epilogue warps with generic
+    # st.global and read by the L2 producer with TMA (async proxy). Writer: each epilogue
+    # thread fence.proxy.async.global after its h stores, epilogue-warp barrier, one thread
+    # fence.acq_rel.gpu + red.release.gpu on l2_full[row]. Reader: every producer lane ld.acquire.gpu spins on
     # l2_full[row], then fence.proxy.async.global, then the TMA loads. The dispatched rows
     # (generic stores, published by the grid barrier) get the same reader-side proxy fence.
     def make_ab_pipeline(self, mbar_ptr):

@@ -10,9 +10,10 @@ memory; ``--world host`` only moves the fused kernel's symmetric buffers to pinn
 memory (Dispatch reads and Combine stores then cross PCIe).
 
 Fused-kernel mainloops (``--mma``, see megamoe_interleave/kernel_sm90.py): ``wgmma``
-(single-stage, GPU-validated), ``wgmma_cpasync`` (multistage cp.async), ``tma_ws`` (TMA +
-mbarrier ring + producer warp; UNTESTED ON GPU), ``tma_ws_mcast`` (``tma_ws`` with the CTA
-pair as a 2-CTA cluster multicasting the shared A tile; UNTESTED ON GPU), ``fma``. "fused[...] api" is the whole
+(single-stage), ``wgmma_cpasync`` (multistage cp.async), ``tma_ws`` (TMA + mbarrier ring +
+producer warp + epilogue warps), ``tma_ws_mcast`` (``tma_ws`` with the CTA pair as a 2-CTA
+cluster multicasting the shared A tile; the default and fastest), ``fma``; all GPU-validated.
+Tile defaults: megamoe_interleave.api.default_tiles (128 x 256, 3 stages for DeepSeek-V4-Flash). "fused[...] api" is the whole
 MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
 "fused[...] kernels" is the device time of the fused kernels alone (CUDA events around the
 back-to-back launches of every rank). ``--api-poison`` picks whether the "api" rows NaN-poison the
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megamoe_interleave.api import MegaMoE, decode_trace, make_world  # noqa: E402
+from megamoe_interleave.api import MegaMoE, decode_trace, default_tiles, make_world  # noqa: E402
 from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline  # noqa: E402
 from megamoe_interleave.routing import make_routing  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
@@ -85,15 +86,17 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
+    bm, bn, stages = default_tiles(args.mma, H, I, args.block_m, args.block_n, args.stages)
+
     def moe_kwargs(sched):
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
-                    backend="fused", block_m=args.block_m, block_n=args.block_n, mma=args.mma,
-                    stages=args.stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
+                    backend="fused", block_m=bm, block_n=bn, mma=args.mma,
+                    stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
     if tokens <= args.fused_max_tokens:
         for sched in ("expert_wave", "interleaved"):
-            tag = f"{sched},{args.mma},{args.block_m}x{args.block_n}" + (
-                f",s{args.stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "") + (
+            tag = f"{sched},{args.mma},{bm}x{bn}" + (
+                f",s{stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "") + (
                 f",split_tail={args.split_tail}" if args.split_tail != "auto" else "")
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             for i, poison in enumerate(poisons):
@@ -167,12 +170,12 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192])
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--fused-max-tokens", type=int, default=8192)
-    ap.add_argument("--mma", default="wgmma", choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"],
-                    help="fused-kernel mainloop; tma_ws = TMA + mbarrier ring + producer warp, tma_ws_mcast = "
-                         "the same with the CTA pair as a 2-CTA cluster multicasting A (both UNTESTED ON GPU)")
-    ap.add_argument("--block-m", type=int, default=64)
-    ap.add_argument("--block-n", type=int, default=128)
-    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--mma", default="tma_ws_mcast", choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"],
+                    help="fused-kernel mainloop; tma_ws = TMA + mbarrier ring + producer warp + epilogue warps, "
+                         "tma_ws_mcast = the same with the CTA pair as a 2-CTA cluster multicasting A")
+    ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
+    ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
+    ap.add_argument("--stages", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--api-poison", default="both", choices=["on", "off", "both"],
                     help="NaN-poison the Combine slots before each timed api call (MegaMoE poison_combine): "
                          "'on' = rows 'api', 'off' = rows 'api,no-poison', 'both' = both rows")

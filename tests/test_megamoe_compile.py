@@ -130,17 +130,20 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_tma_ws_mcast_ptx(tmp_path, schedule):
+@pytest.mark.parametrize("block_n,stages", [(128, 4), (256, 3)])  # (256, 3): the API default tiles
+def test_tma_ws_mcast_ptx(tmp_path, schedule, block_n, stages):
     """mma='tma_ws_mcast': the CTA pair is a 2-CTA cluster; A (shared by the pair) is loaded
     half by each CTA with a multicast TMA, B with a plain one; consumers release stages on
-    both CTAs' empty barriers (mapa + remote arrive); cluster barrier after mbarrier init."""
-    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=128, mma="tma_ws_mcast", stages=4)
+    both CTAs' empty barriers (mapa + remote arrive); cluster barrier after mbarrier init;
+    split_tail's 64-row N-split WGMMA next to the full-width one."""
+    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=block_n, mma="tma_ws_mcast", stages=stages)
     mcast = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
                        r"\.multicast::cluster", ptx)
     plain = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile", ptx)
     assert len(mcast) == 2 and len(plain) == 2  # A of L1 and L2 multicast; B of L1 and L2 plain
     for pat in (r"mapa\.shared::cluster", r"mbarrier\.arrive\.shared::cluster", r"barrier\.cluster\.arrive",
-                r"barrier\.cluster\.wait", r"%cluster_ctarank", r"wgmma\.mma_async\.sync\.aligned\.m64n128k16"):
+                r"barrier\.cluster\.wait", r"%cluster_ctarank", rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16",
+                rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n // 2}k16"):
         assert re.search(pat, ptx), f"PTX lacks {pat}"
     last_acquire = last_fence = -1
     for line_no, line in enumerate(ptx.splitlines()):

@@ -55,14 +55,16 @@ def git_commit(repo: str | Path | None = None) -> str | None:
 
 
 def _commit() -> str | None:
-    """git_commit(), else the HEAD recorded in .xstage_commit (a tree copied without history)."""
+    """git_commit(), unless .xstage_commit (written by the post-commit hook, travels with the
+    working tree) names another commit: a copied tree whose .git is an older snapshot (the
+    GPU host) then reports the recorded commit. Without git history: the recorded commit."""
     sha = git_commit()
-    if sha:
-        return sha
     f = Path(__file__).resolve().parent.parent / ".xstage_commit"
-    if f.is_file():
-        return f.read_text().strip() + " (from .xstage_commit; working tree may differ)"
-    return None
+    recorded = f.read_text().strip() if f.is_file() else ""
+    if recorded and (not sha or not sha.startswith(recorded)):
+        stale = f"; git HEAD {sha} is stale" if sha else ""
+        return recorded + f" (from .xstage_commit; working tree may differ{stale})"
+    return sha
 
 
 def _nvidia_smi() -> dict[str, Any]:

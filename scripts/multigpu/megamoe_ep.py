@@ -43,11 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--strength", type=float, default=1.0, help="skewed routing strength")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help=f"tokens per rank (default {DEFAULT_TOKENS}; {QUICK_TOKENS} with --quick)")
-    p.add_argument("--mma", default="wgmma",
+    p.add_argument("--mma", default="tma_ws_mcast",
                    help="fused-kernel tile math (MegaMoE's mma: wgmma, wgmma_cpasync, fma, ...; validated by MegaMoE)")
-    p.add_argument("--block-m", type=int, default=64)
-    p.add_argument("--block-n", type=int, default=128)
-    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--block-m", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
+    p.add_argument("--block-n", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
+    p.add_argument("--stages", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
     p.add_argument("--lead", type=int, default=None, help="interleave lead D (default: eq. 16)")
     p.add_argument("--stem", default="ep", help="output file stem")
     args = p.parse_args(argv)
@@ -155,7 +155,7 @@ def run(ctx, args):
                     if ctx.is_root:
                         row = {"shape": shape.name, "routing": kind, "tokens_per_rank": T, "schedule": sched,
                                "P": P, "world": ctx.backend, "lead": moe.lead, "mma": args.mma,
-                               "block": f"{args.block_m}x{args.block_n}", "routing_imbalance_local": imb,
+                               "block": f"{moes[sched].block_m}x{moes[sched].block_n}", "routing_imbalance_local": imb,
                                "kernel_median_us": red_k["kernel"]["median_us"],
                                "kernel_p10_us": red_k["kernel"]["p10_us"], "kernel_p90_us": red_k["kernel"]["p90_us"],
                                "kernel_rank_spread": red_k["kernel"]["rank_spread"],

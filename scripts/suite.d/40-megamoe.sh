@@ -1,6 +1,9 @@
 # MegaMoE fused kernel vs grouped GEMMs and the unfused pipeline, both schedules (issue 5):
-# the validated single-stage WGMMA path, then the TMA warp-specialized mainloop.
+# the default mainloop (tma_ws_mcast, 128x256 tiles, 3 stages on DeepSeek-V4-Flash) with the
+# baselines and a per-tile trace, then split_tail off and the unicast tma_ws for comparison.
 source "$(dirname "$0")/../_env.sh"
-"$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --out "$XSTAGE_RESULTS/megamoe"
-"$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --mma tma_ws --block-m 128 --block-n 256 --stages 3 \
-  --skip-baselines --tag _tma_ws_128x256 --out "$XSTAGE_RESULTS/megamoe"
+"$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --trace --out "$XSTAGE_RESULTS/megamoe"
+"$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --split-tail off --skip-baselines --api-poison off \
+  --tag _split_tail_off --out "$XSTAGE_RESULTS/megamoe"
+"$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --mma tma_ws --skip-baselines --api-poison off \
+  --tag _tma_ws --out "$XSTAGE_RESULTS/megamoe"
