@@ -7,3 +7,5 @@ source "$(dirname "$0")/../_env.sh"
   --tag _split_tail_off --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --mma tma_ws --skip-baselines --api-poison off \
   --tag _tma_ws --out "$XSTAGE_RESULTS/megamoe"
+# Host-side cost of MegaMoE.forward around the kernels (phases + torch.profiler tables).
+"$PY" scripts/profile_megamoe_api.py --P 1 --tokens 8192 --out "$XSTAGE_RESULTS/megamoe"
