@@ -96,7 +96,7 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages):
     (non-bulk); every TMA load comes after a fence.proxy.async.global that follows the latest
     acquire load (dispatched rows / h written by generic stores). The epilogue handoff: the
     consumers sync on EMPTY and arrive on FULL, the epilogue warps (96 threads) the reverse,
-    plus their own barrier; the only 16-byte global stores are the epilogue warps' (h, Combine)."""
+    plus their own barrier; the 16-byte global stores are the epilogue warps' (h, Combine) and Dispatch's."""
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
 
     H, I = 512, 256
@@ -114,7 +114,12 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages):
                 r"bar\.sync\s+4, 96;"):
         assert re.search(pat, ptx), f"PTX lacks {pat}"
     assert not re.search(r"cp\.async\.cg\.shared\.global", ptx)
-    assert len(re.findall(r"st\.global\.v4", ptx)) == 2
+    from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
+
+    # 16-byte stores: the epilogue warps' two (h, Combine) + Dispatch's unrolled row copy,
+    # whose loads are 16-byte too (a scalar fallback would multiply the copy's instructions)
+    assert len(re.findall(r"st\.global\.v4", ptx)) == 2 + DISPATCH_UNROLL
+    assert len(re.findall(r"ld\.global\.v4", ptx)) == DISPATCH_UNROLL
     last_acquire = last_fence = -1
     n_checked = 0
     for line_no, line in enumerate(ptx.splitlines()):
