@@ -433,14 +433,18 @@ class MegaMoESm90:
                     dst_t.store(buf[None, j].load())
             i0 = i0 + stride
 
+    def expert_rows(self, tile, mExpertTokenOffset):
+        """(first pool row, row count) of the tile's expert."""
+        tok0 = mExpertTokenOffset[tile.expert]
+        return tok0, mExpertTokenOffset[tile.expert + 1] - tok0
+
     @cute.jit
     def l1_tile(self, tile, mPoolX, mPoolWeight, mH, mW1, mExpertTokenOffset, mCounters, tidx: Int32,
                 sA, sB, sC, tiled_mma, mTrace, cta: Int32, n_tile: Int32):
         """L1 tile: block_n interleaved gate/up columns -> block_n/2 SwiGLU columns of h."""
         t0 = self.timestamp()
         e = tile.expert
-        tok0 = mExpertTokenOffset[e]
-        count = mExpertTokenOffset[e + 1] - tok0
+        tok0, count = self.expert_rows(tile, mExpertTokenOffset)
         if const_expr(self.mma != "fma"):
             self.mainloop_wgmma(mPoolX, mW1, e, tok0 + tile.m_block * self.block_m,
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
@@ -467,8 +471,7 @@ class MegaMoESm90:
         cute.arch.sync_threads()
         t1 = self.timestamp()
         e = tile.expert
-        tok0 = mExpertTokenOffset[e]
-        count = mExpertTokenOffset[e + 1] - tok0
+        tok0, count = self.expert_rows(tile, mExpertTokenOffset)
         if const_expr(self.mma != "fma"):
             self.mainloop_wgmma(mH, mW2, e, tok0 + tile.m_block * self.block_m,
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
@@ -854,7 +857,7 @@ class MegaMoESm90:
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
                 t0 = self.timestamp()
-                count = mExpertTokenOffset[tile.expert + 1] - mExpertTokenOffset[tile.expert]
+                _, count = self.expert_rows(tile, mExpertTokenOffset)
                 # split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split
                 # over the two consumer warpgroups (half the WGMMA work; same ring stages).
                 half = Boolean(False)
@@ -901,8 +904,9 @@ class MegaMoESm90:
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
-                row0 = mExpertTokenOffset[tile.expert] + tile.m_block * self.block_m
-                rows = cutlass.min(mExpertTokenOffset[tile.expert + 1] - row0, self.block_m)
+                tok0, count = self.expert_rows(tile, mExpertTokenOffset)
+                row0 = tok0 + tile.m_block * self.block_m
+                rows = cutlass.min(count - tile.m_block * self.block_m, self.block_m)
                 m = et
                 while m < rows:
                     if tile.phase == PHASE_L1:

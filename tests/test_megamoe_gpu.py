@@ -55,6 +55,22 @@ def _make(P, k, schedule, mma="wgmma", **kw):
                    backend="fused", experts_per_wave=kw.pop("experts_per_wave", 2), mma=mma, **kw)
 
 
+def _check_both_schedules(problem, P, k, mma, **kw):
+    """Both schedulers' fused outputs match the fp32 reference and are bitwise equal."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    w1, w2, xs, idx, w = problem
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for schedule in ("expert_wave", "interleaved"):
+        moe = _make(P, k, schedule, mma, **kw)
+        moe.load_weights(w1, w2)
+        outs.append(moe.forward(xs, idx, w))
+        _check(outs[-1], refs)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def _check(ys, refs):
     for y, ref in zip(ys, refs):
         assert y.shape == ref.shape
@@ -78,20 +94,11 @@ CASES = [
 @pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"])
 @pytest.mark.parametrize("P,tokens,k,kind,mask", CASES)
 def test_fused_matches_fp32_and_schedulers_bitwise(P, tokens, k, kind, mask, mma):
-    from megamoe_interleave.reference import reference_moe_fp32
     from megamoe_interleave.routing import expert_load
 
-    w1, w2, xs, idx, w = _problem(P, tokens, k, kind, mask, seed=P * 7 + k)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    load = expert_load(torch.cat(idx).cpu(), E)
-    outs = {}
-    for schedule in ("expert_wave", "interleaved"):
-        moe = _make(P, k, schedule, mma)
-        moe.load_weights(w1, w2)
-        outs[schedule] = moe.forward(xs, idx, w)
-        _check(outs[schedule], refs)
-    for a, b in zip(outs["expert_wave"], outs["interleaved"]):
-        assert torch.equal(a, b)
+    problem = _problem(P, tokens, k, kind, mask, seed=P * 7 + k)
+    load = expert_load(torch.cat(problem[3]).cpu(), E)
+    _check_both_schedules(problem, P, k, mma)
     assert (load % BLOCK_M != 0).any()  # partial M blocks are exercised in every case
 
 
@@ -186,19 +193,9 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule, mma):
                                                   ("tma_ws", 64, 128), ("tma_ws_mcast", 128, 128)])
 def test_fused_larger_tiles(mma, block_m, block_n):
     """Two consumer warpgroups (128-row tiles) and 128-column tiles, both schedulers bitwise equal."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     P, k = 4, 6
-    w1, w2, xs, idx, w = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=77)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for schedule in ("expert_wave", "interleaved"):
-        moe = _make(P, k, schedule, mma, block_m=block_m, block_n=block_n)
-        moe.load_weights(w1, w2)
-        outs.append(moe.forward(xs, idx, w))
-        _check(outs[-1], refs)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    problem = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=77)
+    _check_both_schedules(problem, P, k, mma, block_m=block_m, block_n=block_n)
 
 
 @pytest.mark.parametrize("mma", ["wgmma", "tma_ws"])
@@ -221,19 +218,9 @@ def test_fused_host_world_remote_path(mma):
 def test_tma_ws_ring_depths(stages, mma):
     """mma='tma_ws': ring depths below, between and above the K blocks of a tile (L1 has
     H/64 = 4, L2 I/64 = 2), so stage index/phase wrap across tile and phase boundaries."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     P, k = 2, 6
-    w1, w2, xs, idx, w = _problem(P, [150, 77], k, "skewed", 0.1, seed=90 + stages)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for schedule in ("expert_wave", "interleaved"):
-        moe = _make(P, k, schedule, mma, stages=stages)
-        moe.load_weights(w1, w2)
-        outs.append(moe.forward(xs, idx, w))
-        _check(outs[-1], refs)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    problem = _problem(P, [150, 77], k, "skewed", 0.1, seed=90 + stages)
+    _check_both_schedules(problem, P, k, mma, stages=stages)
 
 
 @pytest.mark.parametrize("mma,block_m,block_n,stages", [("tma_ws", 128, 256, 3), ("tma_ws", 64, 256, 4),
@@ -241,21 +228,11 @@ def test_tma_ws_ring_depths(stages, mma):
 def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
     """mma='tma_ws' with 256-column tiles (H=512, I=256): the bf16 output staging tile next to
     a 3-4 stage ring; 128-row tiles with experts of 65/130 rows also exercise split_tail."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     hidden, inter = 512, 256
     P, k = 4, 6
-    w1, w2, xs, idx, w = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=123, hidden=hidden, inter=inter)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for schedule in ("expert_wave", "interleaved"):
-        moe = _make(P, k, schedule, mma, block_m=block_m, block_n=block_n, stages=stages, hidden=hidden,
-                    inter=inter)
-        moe.load_weights(w1, w2)
-        outs.append(moe.forward(xs, idx, w))
-        _check(outs[-1], refs)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    problem = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=123, hidden=hidden, inter=inter)
+    _check_both_schedules(problem, P, k, mma, block_m=block_m, block_n=block_n, stages=stages, hidden=hidden,
+                          inter=inter)
 
 
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
