@@ -83,6 +83,7 @@ EPI_BARRIER_ID = 4  # tma_ws: the epilogue warps among themselves
 DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the Dispatch row pull
 NUM_EPI_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup run the epilogues
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
+DRAIN_SLACK_NS = 10_000_000  # tma_ws_mcast exit drain: beyond the peer's ring bound, for TMA in flight
 
 
 class BoundedPipelineTmaAsync(PipelineTmaAsync):
@@ -141,6 +142,20 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
             ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
             state.advance()
         return ok
+
+    @cute.jit
+    def producer_drain_bounded(self, state, drain_ns: Int64, error_word: cute.Pointer):
+        """After :meth:`producer_tail_bounded` (``state`` advanced past the tail): wait until the
+        last armed phase of every stage's full barrier has completed, i.e. every TMA byte bound
+        for this CTA's shared memory (its own and the cluster peer's multicast) has landed. On
+        the healthy path the consumers already waited for these phases, so each check passes at
+        once; after a timeout the consumers fell through, and without this a CTA could exit
+        while a peer's multicast still writes into its shared memory (a launch failure instead
+        of ``DeviceError``). Runs even when ``ok`` is False, with its own bound."""
+        for _ in cutlass.range_constexpr(self.num_stages):
+            xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
+                                       error_word, ERR_RING_TIMEOUT)
+            state.advance()
 
 
 class MegaMoESm90:
@@ -378,6 +393,12 @@ class MegaMoESm90:
                 c0 = Int32(nxt[0])
                 c1 = Int32(nxt[1])
 
+        if const_expr(self.mcast_a):
+            # Neither CTA of the pair exits while the other may still multicast into its shared
+            # memory or arrive on its barriers (the producers drained their full barriers above).
+            # Unbounded but hang-free: every wait before it is bounded, so both CTAs reach it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         # Every tile of this rank is done: reset the row counters for the next call.
         self.grid_sync(mCounters, barrier_base + 2 * nctas, timeout, tidx)
         i = cta * self.num_threads + tidx
@@ -807,6 +828,11 @@ class MegaMoESm90:
             c1 = Int32(nxt[1])
         # Every stage consumed before the warp moves on.
         ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), mCounters.iterator + COUNTER_ERROR)
+        if const_expr(self.mcast_a):
+            # The peer issues the same loads (identical tile sequence, copies issued even after
+            # a failed wait) but may still sit in one bounded wait of its own: hence the bound.
+            ab_pipe.producer_drain_bounded(state, Int64(self.ring_timeout_ns + DRAIN_SLACK_NS),
+                                           mCounters.iterator + COUNTER_ERROR)
 
     @cute.jit
     def load_tile(self, ab_pipe, state, ok: Boolean, mCounters, tma_a, mA, tma_b, mB, a_row0: Int32,
