@@ -83,7 +83,7 @@ EPI_BARRIER_ID = 4  # tma_ws: the epilogue warps among themselves
 DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the Dispatch row pull
 NUM_EPI_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup run the epilogues
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
-DRAIN_SLACK_NS = 10_000_000  # tma_ws_mcast exit drain: beyond the peer's ring bound, for TMA in flight
+DRAIN_SLACK_NS = 10_000_000  # tma_ws producer waits for loads to land: beyond the peer's ring bound
 
 
 class BoundedPipelineTmaAsync(PipelineTmaAsync):
@@ -122,10 +122,20 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
         return ok
 
     @cute.jit
-    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer,
+                                 drain_ns: Int64) -> Boolean:
         """``producer_acquire``: wait until the stage is empty, then arm its full barrier with
-        the stage's transaction bytes (armed even after a timeout: the loads still complete it)."""
-        ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
+        the stage's transaction bytes. After a failed wait (``ok`` False) the consumers no longer
+        release stages in step, so the producer instead waits (bounded by ``drain_ns``) until the
+        stage's previous load has landed -- the full barrier's previous phase, whose parity is the
+        producer state's phase -- and never arms a phase twice or lets the transaction count
+        run away; the loads still complete it (both CTAs of a pair issue every load)."""
+        if ok:
+            ok = xdev.mbarrier_wait_bounded(self.sync_object_empty.get_barrier(state.index), state.phase, timeout_ns,
+                                            error_word, ERR_RING_TIMEOUT)
+        else:
+            xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
+                                       error_word, ERR_RING_TIMEOUT)
         self.sync_object_full.arrive(state.index, self.producer_mask)
         return ok
 
@@ -145,13 +155,14 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
 
     @cute.jit
     def producer_drain_bounded(self, state, drain_ns: Int64, error_word: cute.Pointer):
-        """After :meth:`producer_tail_bounded` (``state`` advanced past the tail): wait until the
-        last armed phase of every stage's full barrier has completed, i.e. every TMA byte bound
-        for this CTA's shared memory (its own and the cluster peer's multicast) has landed. On
-        the healthy path the consumers already waited for these phases, so each check passes at
-        once; after a timeout the consumers fell through, and without this a CTA could exit
-        while a peer's multicast still writes into its shared memory (a launch failure instead
-        of ``DeviceError``). Runs even when ``ok`` is False, with its own bound."""
+        """Wait until the last armed phase of every stage's full barrier has completed, i.e.
+        every TMA byte bound for this CTA's shared memory (its own loads and the cluster peer's
+        multicast) has landed. ``state``: the producer's state after its last load (consumed
+        here: pass a clone); at a stage's next, never issued, position the producer phase bit
+        equals the parity of that stage's last armed full phase. On the healthy path the consumers already waited for these
+        phases, so each check passes at once; after a timeout they fell through, and without
+        this a CTA could exit with loads still landing in its shared memory. Runs even when
+        ``ok`` is False, with its own bound."""
         for _ in cutlass.range_constexpr(self.num_stages):
             xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
                                        error_word, ERR_RING_TIMEOUT)
@@ -758,6 +769,11 @@ class MegaMoESm90:
             cta_layout_vmnk=cute.make_layout((1, 1, cluster_n, 1)),
         )
 
+    def drain_ns(self):
+        """Bound of the producer's waits for loads to land (error path, exit drain): the peer's
+        ring bound plus slack for TMA in flight."""
+        return Int64(self.ring_timeout_ns + DRAIN_SLACK_NS)
+
     def producer_warp(self, tidx):
         return tidx // 32 == self.num_mma_threads // 32
 
@@ -826,13 +842,11 @@ class MegaMoESm90:
                                                self.intermediate // BLOCK_K, sA, sB)
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
-        # Every stage consumed before the warp moves on.
+        # Every load landed (the peer issues the same loads -- identical tile sequence, loads
+        # issued even after a failed wait -- but may still sit in one bounded wait of its own:
+        # hence the bound), then every stage consumed, before the warp moves on.
+        ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), mCounters.iterator + COUNTER_ERROR)
         ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), mCounters.iterator + COUNTER_ERROR)
-        if const_expr(self.mcast_a):
-            # The peer issues the same loads (identical tile sequence, copies issued even after
-            # a failed wait) but may still sit in one bounded wait of its own: hence the bound.
-            ab_pipe.producer_drain_bounded(state, Int64(self.ring_timeout_ns + DRAIN_SLACK_NS),
-                                           mCounters.iterator + COUNTER_ERROR)
 
     @cute.jit
     def load_tile(self, ab_pipe, state, ok: Boolean, mCounters, tma_a, mA, tma_b, mB, a_row0: Int32,
@@ -851,7 +865,7 @@ class MegaMoESm90:
         for kt in cutlass.range(num_k, unroll=1):
             # Stage empty (bounded wait); arms the full barrier with the tx bytes.
             ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
-                                                  mCounters.iterator + COUNTER_ERROR)
+                                                  mCounters.iterator + COUNTER_ERROR, self.drain_ns())
             bar = ab_pipe.producer_get_barrier(state)
             if const_expr(self.mcast_a):  # our half of A, into both CTAs' stage (same index)
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,

@@ -198,11 +198,11 @@ def test_tma_ws_ring_waits_bounded(tmp_path, schedule, mma):
     """No hangs: every full/empty ring wait of the tma_ws roles is a try_wait loop bounded by
     %globaltimer that reports ERR_RING_TIMEOUT (= xstage ERR_MBARRIER_TIMEOUT) in the error word.
     Wait sites: producer acquire in the L1 and L2 load loops, the producer tail (one per stage),
-    consumer first-stage + per-K-block waits of the L1 and L2 mainloops; tma_ws_mcast also the
-    exit drain of the full barriers (one per stage)."""
+    consumer first-stage + per-K-block waits of the L1 and L2 mainloops, the producer's
+    error-path waits for the previous load (L1, L2) and its exit drain (one per stage)."""
     stages = 4
     ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=128, mma=mma, stages=stages)
-    _check_ring_waits_bounded(ptx, min_waits=2 + stages * (2 if mma == "tma_ws_mcast" else 1) + 4)
+    _check_ring_waits_bounded(ptx, min_waits=2 + 2 * stages + 4 + 2)
 
 
 def test_ring_timeout_maps_to_device_error():
