@@ -60,12 +60,16 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
     return torch.stack([g, u], dim=2).reshape(E, two_i, H).contiguous(), w2.contiguous()
 
 
+# kernel_sm90.WS_KINDS (that module needs the CuTe DSL; a compile test checks they agree)
+WS_KINDS = ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")
+
+
 def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_n=None, stages=None):
     """Tile defaults (each ``None`` is filled in): the warp-specialized kinds use 128-row tiles
     and the widest N tile the CTA pairs allow (256 when H and 2I are multiples of 512; 3 ring
     stages then fit next to the output staging tile, else 4) -- the fastest configuration
     measured on the H200 (results/h200/megamoe); the other kinds keep 64 x 128, 4 stages."""
-    ws = mma in ("tma_ws", "tma_ws_mcast")
+    ws = mma in WS_KINDS
     if block_m is None:
         block_m = 128 if ws else 64
     if block_n is None:
@@ -123,7 +127,8 @@ class MegaMoE:
     torch ops, any device, loopback/host worlds). Fused-kernel options: ``mma`` ("wgmma"
     GPU-validated, "wgmma_cpasync" multistage, "tma_ws" TMA + mbarrier ring + producer warp and
     "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A; both GPU-validated, the
-    fast paths), "fma"; default "tma_ws_mcast"), ``block_m`` (64 or 128 = one or two
+    fast paths), "tma_ws_mcast_b" (CTA pairs split M and multicast B, the expert's weights),
+    "fma"; default "tma_ws_mcast"), ``block_m`` (64 or 128 = one or two
     consumer warpgroups), ``block_n``, ``stages`` (``None``: :func:`default_tiles`),
     ``timeout_ns`` of every bounded spin,
     ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`),
@@ -354,7 +359,8 @@ class MegaMoE:
         for d, perm in perms.items():
             grid = make_row_grid(perm.counts_host, block_m=self.block_m,
                                  n_blocks_l1=2 * self.intermediate // self.block_n,
-                                 n_blocks_l2=self.hidden // self.block_n, experts_per_wave=self.experts_per_wave)
+                                 n_blocks_l2=self.hidden // self.block_n, experts_per_wave=self.experts_per_wave,
+                                 pair_splits_m=self.mma == "tma_ws_mcast_b")
             out[d] = (perm, grid)
         return out
 

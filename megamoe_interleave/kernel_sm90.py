@@ -73,8 +73,8 @@ COUNTER_L2_FULL = 2
 ERR_DEPENDENCY_TIMEOUT = xdev.ERR_SPIN_TIMEOUT
 ERR_RING_TIMEOUT = xdev.ERR_MBARRIER_TIMEOUT  # tma_ws: a full/empty barrier of the A/B ring
 INTERLEAVE = 8  # gate/up interleave granularity (api.transform_weights)
-MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast")
-WS_KINDS = ("tma_ws", "tma_ws_mcast")  # warp-specialized TMA mainloops
+MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")
+WS_KINDS = ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")  # warp-specialized TMA mainloops
 MULTISTAGE_KINDS = ("wgmma_cpasync",) + WS_KINDS
 CONSUMER_BARRIER_ID = 1  # named barrier of the tma_ws consumer warpgroups (0 = __syncthreads)
 EPI_FULL_BARRIER_ID = 2  # tma_ws: staged output tile ready (consumers -> epilogue warps)
@@ -209,7 +209,12 @@ class MegaMoESm90:
         self.split_tail = (self.ws and block_m == 128) if split_tail is None else bool(split_tail)
         # tma_ws_mcast: the two CTAs of a scheduler pair (same row, adjacent N blocks, so the
         # same A tile) form a 2-CTA cluster; each loads half of A and multicasts it to both.
+        # tma_ws_mcast_b: the pair splits a 2*BM-row scheduler row along M (adjacent M blocks of
+        # one expert, same N block, so the same B tile: the expert's weights are read once from
+        # DRAM and cross to the SMs once); each loads half of B and multicasts it to both.
         self.mcast_a = mma == "tma_ws_mcast"
+        self.mcast_b = mma == "tma_ws_mcast_b"
+        self.cluster_pair = self.mcast_a or self.mcast_b
         if num_threads % 128:
             raise ValueError("num_threads must be a multiple of 128")
         self.mma = mma
@@ -226,8 +231,9 @@ class MegaMoESm90:
         # producer's row-counter spin (bounded by timeout_ns), so the ring bound is longer; a
         # timed-out spin is then reported alone rather than together with a ring timeout.
         self.ring_timeout_ns = 2 * timeout_ns
-        self.pairs_l1 = (2 * intermediate) // block_n // 2
-        self.pairs_l2 = hidden // block_n // 2
+        n_per_pair = 1 if self.mcast_b else 2  # N-blocks per scheduler pair tile
+        self.pairs_l1 = (2 * intermediate) // block_n // n_per_pair
+        self.pairs_l2 = hidden // block_n // n_per_pair
         # Shared memory: A/B stages + a staging tile for the epilogues. Non-ws paths: an fp32
         # accumulator tile for the row-wise epilogues; when that would not fit, it aliases the
         # (drained) A/B stages (multistage path only; it re-synchronizes before refilling them).
@@ -301,7 +307,7 @@ class MegaMoESm90:
         if const_expr(self.ws):
             tma = self.make_tma_atoms(mPoolX, mH, mW1, mW2)
         launch = dict(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
-        if const_expr(self.mcast_a):
+        if const_expr(self.cluster_pair):
             launch["cluster"] = [2, 1, 1]  # CTAs 2g, 2g+1 (a scheduler pair) form one cluster
         self.kernel(
             mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowExpert,
@@ -329,7 +335,7 @@ class MegaMoESm90:
         out = []
         for i, (t, shape, smem_layout, rows) in enumerate(views):
             compact = cute.make_tensor(t.iterator, cute.make_layout(shape, stride=(shape[1], 1)))
-            mcast = self.mcast_a and i % 2 == 0  # A operands
+            mcast = (self.mcast_a and i % 2 == 0) or (self.mcast_b and i % 2 == 1)  # A / B operands
             atom, coords = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
                 compact, cute.slice_(smem_layout, (None, None, 0)), (rows, BLOCK_K),
@@ -382,7 +388,7 @@ class MegaMoESm90:
 
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_expert=mRowExpert, expert_row_offset=mExpertRowOffset,
-                       wave_row_start=mWaveRowStart)
+                       wave_row_start=mWaveRowStart, pair_splits_m=self.mcast_b)
         if const_expr(self.ws):
             self.warp_specialized_tiles(
                 grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
@@ -404,7 +410,7 @@ class MegaMoESm90:
                 c0 = Int32(nxt[0])
                 c1 = Int32(nxt[1])
 
-        if const_expr(self.mcast_a):
+        if const_expr(self.cluster_pair):
             # Neither CTA of the pair exits while the other may still multicast into its shared
             # memory or arrive on its barriers (the producers drained their full barriers above).
             # Unbounded but hang-free: every wait before it is bounded, so both CTAs reach it.
@@ -759,7 +765,7 @@ class MegaMoESm90:
         TMA transaction bytes of one stage (A + B, whoever of the pair loaded the A halves);
         one release arrive per consumer warp and per CTA whose stage it frees (tma_ws_mcast:
         both CTAs of the cluster, since the peer multicasts its A half into our stage)."""
-        cluster_n = 2 if self.mcast_a else 1
+        cluster_n = 2 if self.cluster_pair else 1
         return BoundedPipelineTmaAsync.create(
             barrier_storage=mbar_ptr,
             num_stages=self.stages,
@@ -855,24 +861,31 @@ class MegaMoESm90:
         Returns (state, ok): ok turns False when a bounded ring wait timed out."""
         gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (self.block_m, BLOCK_K), (0, None))
         gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, BLOCK_K), (0, None))
-        a_rank = 0
-        if const_expr(self.mcast_a):
-            a_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(2 if self.mcast_a else 1),
+        rank = 0  # our CTA in the pair: which half of the multicast operand we load
+        if const_expr(self.cluster_pair):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tAsA, tAgA = cpasync.tma_partition(tma_a, rank if self.mcast_a else 0,
+                                           cute.make_layout(2 if self.mcast_a else 1),
                                            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, rank if self.mcast_b else 0,
+                                           cute.make_layout(2 if self.mcast_b else 1),
+                                           cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         for kt in cutlass.range(num_k, unroll=1):
             # Stage empty (bounded wait); arms the full barrier with the tx bytes.
             ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
                                                   mCounters.iterator + COUNTER_ERROR, self.drain_ns())
             bar = ab_pipe.producer_get_barrier(state)
-            if const_expr(self.mcast_a):  # our half of A, into both CTAs' stage (same index)
+            # The multicast operand: our half, into both CTAs' stage (same index).
+            if const_expr(self.mcast_a):
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,
                           mcast_mask=cutlass.Int16(0b11))
             else:
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
+            if const_expr(self.mcast_b):
+                cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16(0b11))
+            else:
+                cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
             ab_pipe.producer_commit(state)
             state.advance()
         return state, ok

@@ -4,7 +4,8 @@ A scheduler is a pure function ``step(cursor, g, G, r, grid) -> (tile, cursor')`
 
 * ``g``  -- instance id (a *pair* of CTAs), ``G`` -- stride (number of pairs),
 * ``r``  -- role in the pair (0 or 1); both members walk the same sequence of
-  *pair tiles* and take N-block ``2 * pair + r``,
+  *pair tiles* and take N-block ``2 * pair + r`` (or, with ``RowGrid.pair_splits_m``,
+  both take N-block ``pair`` and member r the r-th half of the row's 2 * BLOCK_M rows),
 * ``cursor`` -- a small tuple of integers (the scheduler's private state),
 * ``grid`` -- the row layout (:class:`RowGrid`): ``P`` scheduler rows (one row =
   one BLOCK_M block of one local expert; experts are laid out row-contiguously,
@@ -117,6 +118,11 @@ class RowGrid:
     ``row_expert[p]`` = e(p), ``expert_row_offset[e]`` = O_e (length E + 1, last = P),
     ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P).
     In the kernel the tables are device tensors filled after Dispatch.
+
+    ``pair_splits_m`` (static): a row is 2 * BLOCK_M pool rows and the pair splits it along
+    M instead of N (P1, P2 = all N-blocks): both members load the same B tile (the kernel's
+    tma_ws_mcast_b multicasts it), member r computes BLOCK_M block ``2 * (p - O_e) + r`` of
+    the expert, which may hold no rows (an expert's odd last block).
     """
 
     num_rows: Any
@@ -126,6 +132,7 @@ class RowGrid:
     expert_row_offset: Any
     wave_row_start: Any = None
     num_waves: Any = 0
+    pair_splits_m: bool = False
 
 
 def make_row_grid(
@@ -135,16 +142,19 @@ def make_row_grid(
     n_blocks_l1: int,
     n_blocks_l2: int,
     experts_per_wave: int | None = None,
+    pair_splits_m: bool = False,
 ) -> RowGrid:
-    """Host-side row layout from the number of tokens each local expert received."""
-    if n_blocks_l1 % 2 or n_blocks_l2 % 2:
+    """Host-side row layout from the number of tokens each local expert received
+    (``pair_splits_m``: rows of 2 * block_m pool rows, see :class:`RowGrid`)."""
+    if not pair_splits_m and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
         raise ValueError(
             f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
         )
     if block_m <= 0:
         raise ValueError("block_m must be positive")
     num_experts = len(tokens_per_expert)
-    m_blocks = [(int(c) + block_m - 1) // block_m for c in tokens_per_expert]
+    row_block = 2 * block_m if pair_splits_m else block_m
+    m_blocks = [(int(c) + row_block - 1) // row_block for c in tokens_per_expert]
     if any(c < 0 for c in tokens_per_expert):
         raise ValueError("negative token count")
     # (itertools: this runs on the host before every fused launch)
@@ -155,14 +165,16 @@ def make_row_grid(
     num_waves = (num_experts + epw - 1) // epw if num_experts else 0
     wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]
     wave_row_start += [num_rows, num_rows]
+    pairs = 1 if pair_splits_m else 2  # N-blocks per pair tile
     return RowGrid(
         num_rows=num_rows,
-        pairs_l1=n_blocks_l1 // 2,
-        pairs_l2=n_blocks_l2 // 2,
+        pairs_l1=n_blocks_l1 // pairs,
+        pairs_l2=n_blocks_l2 // pairs,
         row_expert=row_expert,
         expert_row_offset=offsets,
         wave_row_start=wave_row_start,
         num_waves=num_waves,
+        pair_splits_m=pair_splits_m,
     )
 
 
@@ -209,8 +221,8 @@ class Tile:
     phase: Any  # PHASE_L1 / PHASE_L2
     row: Any  # scheduler row (pool M-block)
     expert: Any  # local expert e(row)
-    m_block: Any  # row - O_e
-    n_block: Any  # 2 * pair + r
+    m_block: Any  # BLOCK_M block within the expert: row - O_e (pair_splits_m: 2 * (row - O_e) + r)
+    n_block: Any  # 2 * pair + r (pair_splits_m: pair)
 
 
 def _lookup(table, idx, valid):
@@ -224,6 +236,8 @@ def _lookup(table, idx, valid):
 def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
     expert = _lookup(grid.row_expert, row, valid)
     m_block = row - grid.expert_row_offset[expert]
+    if grid.pair_splits_m:
+        return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_block + r, n_block=pair)
     return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=m_block, n_block=2 * pair + r)
 
 
@@ -367,5 +381,5 @@ def enumerate_all(schedule: Schedule, grid: RowGrid, num_ctas: int) -> List[List
     return [enumerate_order(schedule, grid, c // 2, G, c % 2) for c in range(num_ctas)]
 
 
-def tile_key(t: Tile) -> Tuple[int, int, int]:
-    return (int(t.phase), int(t.row), int(t.n_block))
+def tile_key(t: Tile) -> Tuple[int, int, int, int]:
+    return (int(t.phase), int(t.row), int(t.m_block), int(t.n_block))

@@ -12,7 +12,9 @@ memory (Dispatch reads and Combine stores then cross PCIe).
 Fused-kernel mainloops (``--mma``, see megamoe_interleave/kernel_sm90.py): ``wgmma``
 (single-stage), ``wgmma_cpasync`` (multistage cp.async), ``tma_ws`` (TMA + mbarrier ring +
 producer warp + epilogue warps), ``tma_ws_mcast`` (``tma_ws`` with the CTA pair as a 2-CTA
-cluster multicasting the shared A tile; the default and fastest), ``fma``; all GPU-validated.
+cluster multicasting the shared A tile; the default), ``tma_ws_mcast_b`` (the pair takes two
+M blocks of one expert and multicasts the shared B tile, the expert's weights), ``fma``.
+Several ``--mma`` values run side by side.
 Tile defaults: megamoe_interleave.api.default_tiles (128 x 256, 3 stages for DeepSeek-V4-Flash). "fused[...] api" is the whole
 MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
 "fused[...] kernels" is the device time of the fused kernels alone (CUDA events around the
@@ -86,22 +88,23 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
-    bm, bn, stages = default_tiles(args.mma, H, I, args.block_m, args.block_n, args.stages)
-
-    def moe_kwargs(sched):
+    def moe_kwargs(sched, mma):
+        bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, args.stages)
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
-                    backend="fused", block_m=bm, block_n=bn, mma=args.mma,
+                    backend="fused", block_m=bm, block_n=bn, mma=mma,
                     stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
+    fused_cases = [(mma, sched) for mma in args.mma for sched in ("expert_wave", "interleaved")]
     if tokens <= args.fused_max_tokens:
-        for sched in ("expert_wave", "interleaved"):
-            tag = f"{sched},{args.mma},{bm}x{bn}" + (
-                f",s{stages}" if args.mma in ("wgmma_cpasync", "tma_ws", "tma_ws_mcast") else "") + (
+        for mma, sched in fused_cases:
+            kw = moe_kwargs(sched, mma)
+            tag = f"{sched},{mma},{kw['block_m']}x{kw['block_n']}" + (
+                f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
                 f",split_tail={args.split_tail}" if args.split_tail != "auto" else "")
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             for i, poison in enumerate(poisons):
                 world = make_world(args.world, world_size=P, device="cuda")
-                moe = MegaMoE(world, poison_combine=poison, **moe_kwargs(sched))
+                moe = MegaMoE(world, poison_combine=poison, **kw)
                 moe.load_weights(w1, w2)
                 kernel_us = []
 
@@ -116,7 +119,7 @@ def run_case(shape, kind, P, tokens, args, dense):
                     record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
                 del moe, world
             if args.trace:
-                trace_summaries.append(trace_one_call(moe_kwargs(sched), w1, w2, xs, idx, wts, P, tag, shape, kind,
+                trace_summaries.append(trace_one_call(kw, w1, w2, xs, idx, wts, P, tag, shape, kind,
                                                       tokens, args))
     return rows
 
@@ -137,7 +140,7 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     moe.forward(xs, idx, wts)
     recs = decode_trace(moe.last_trace[0])
     t_min = min(r["t_start"] for cta in recs for r in cta)
-    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
+    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
@@ -170,9 +173,11 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192])
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--fused-max-tokens", type=int, default=8192)
-    ap.add_argument("--mma", default="tma_ws_mcast", choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"],
-                    help="fused-kernel mainloop; tma_ws = TMA + mbarrier ring + producer warp + epilogue warps, "
-                         "tma_ws_mcast = the same with the CTA pair as a 2-CTA cluster multicasting A")
+    ap.add_argument("--mma", nargs="+", default=["tma_ws_mcast"],
+                    choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"],
+                    help="fused-kernel mainloops, benchmarked side by side; tma_ws = TMA + mbarrier ring + producer "
+                         "warp + epilogue warps, tma_ws_mcast = the same with the CTA pair as a 2-CTA cluster "
+                         "multicasting A, tma_ws_mcast_b = the pair split along M multicasting B")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", type=int, default=None, help="default: api.default_tiles")

@@ -19,12 +19,19 @@ def test_schedule_trace_compiles(schedule):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_fused_kernel_compiles(schedule, mma):
     from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
 
     assert compile_megamoe_sm90(256, 128, schedule, block_n=64, mma=mma) is not None
+
+
+def test_api_knows_the_kernel_kinds():
+    from megamoe_interleave import api
+    from megamoe_interleave.kernel_sm90 import WS_KINDS
+
+    assert api.WS_KINDS == WS_KINDS
 
 
 @pytest.mark.compile
@@ -163,6 +170,23 @@ def test_tma_ws_mcast_ptx(tmp_path, schedule, block_n, stages):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_tma_ws_mcast_b_ptx(tmp_path, schedule):
+    """mma='tma_ws_mcast_b': the pair splits M and shares B: B (the expert's weights) is loaded
+    half by each CTA with a multicast TMA, A (each CTA's own rows) with a plain one; the same
+    cluster release, exit drain and barrier as tma_ws_mcast."""
+    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3)
+    mcast = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
+                       r"\.multicast::cluster", ptx)
+    plain = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile", ptx)
+    assert len(mcast) == 2 and len(plain) == 2  # B of L1 and L2 multicast; A of L1 and L2 plain
+    for pat in (r"mapa\.shared::cluster", r"mbarrier\.arrive\.shared::cluster", r"%cluster_ctarank"):
+        assert re.search(pat, ptx), f"PTX lacks {pat}"
+    assert len(re.findall(r"barrier\.cluster\.wait", ptx)) >= 2
+    _check_tma_after_proxy_fence(ptx)
+
+
+@pytest.mark.compile
 def test_wgmma_path_has_no_tma(tmp_path):
     """Contrast for test_tma_ws_ptx: the register-staged path issues no bulk tensor copies."""
     ptx = _compile_ptx(tmp_path, 256, 128, SCHEDULES[0], block_n=64, mma="wgmma")
@@ -192,7 +216,7 @@ def _check_ring_waits_bounded(ptx, min_waits):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_tma_ws_ring_waits_bounded(tmp_path, schedule, mma):
     """No hangs: every full/empty ring wait of the tma_ws roles is a try_wait loop bounded by

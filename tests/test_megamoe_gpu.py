@@ -91,7 +91,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("P,tokens,k,kind,mask", CASES)
 def test_fused_matches_fp32_and_schedulers_bitwise(P, tokens, k, kind, mask, mma):
     from megamoe_interleave.routing import expert_load
@@ -123,7 +123,7 @@ def test_fused_zero_token_expert_explicit():
     _check(moe.forward(xs, idx, w), refs)
 
 
-@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 def test_fused_100_repeated_calls_reuse_buffer(mma):
     from megamoe_interleave.reference import reference_moe_fp32
 
@@ -145,7 +145,7 @@ def test_fused_100_repeated_calls_reuse_buffer(mma):
         assert torch.equal(a, b)  # deterministic across calls (counters were reset)
 
 
-@pytest.mark.parametrize("mma", ["wgmma", "tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["wgmma", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 def test_fused_timeout_raises(mma):
     """timeout_ns=0: every wait gives up at once. The host raises DeviceError, and the CUDA
     context survives it (no CTA left with loads or remote arrives in flight: a launch failure
@@ -164,7 +164,7 @@ def test_fused_timeout_raises(mma):
     _check(healthy.forward(xs, idx, w), reference_moe_fp32(xs, idx, w, w1, w2))
 
 
-@pytest.mark.parametrize("mma", ["wgmma_cpasync", "tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["wgmma_cpasync", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
 def test_fused_trace_follows_scheduler_and_dependencies(schedule, mma):
     """The executed per-CTA tile order is the Python reference order, timestamps are ordered,
@@ -198,7 +198,8 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule, mma):
 
 @pytest.mark.parametrize("mma,block_m,block_n", [("wgmma", 128, 128), ("wgmma_cpasync", 128, 128),
                                                   ("wgmma_cpasync", 64, 128), ("tma_ws", 128, 128),
-                                                  ("tma_ws", 64, 128), ("tma_ws_mcast", 128, 128)])
+                                                  ("tma_ws", 64, 128), ("tma_ws_mcast", 128, 128),
+                                                  ("tma_ws_mcast_b", 128, 128)])
 def test_fused_larger_tiles(mma, block_m, block_n):
     """Two consumer warpgroups (128-row tiles) and 128-column tiles, both schedulers bitwise equal."""
     P, k = 4, 6
@@ -221,7 +222,7 @@ def test_fused_host_world_remote_path(mma):
         _check(moe.forward(xs, idx, w), refs)
 
 
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("stages", [2, 3, 7])
 def test_tma_ws_ring_depths(stages, mma):
     """mma='tma_ws': ring depths below, between and above the K blocks of a tile (L1 has
@@ -232,7 +233,7 @@ def test_tma_ws_ring_depths(stages, mma):
 
 
 @pytest.mark.parametrize("mma,block_m,block_n,stages", [("tma_ws", 128, 256, 3), ("tma_ws", 64, 256, 4),
-                                                         ("tma_ws_mcast", 128, 256, 3)])
+                                                         ("tma_ws_mcast", 128, 256, 3), ("tma_ws_mcast_b", 128, 256, 3)])
 def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
     """mma='tma_ws' with 256-column tiles (H=512, I=256): the bf16 output staging tile next to
     a 3-4 stage ring; 128-row tiles with experts of 65/130 rows also exercise split_tail."""
@@ -243,7 +244,7 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
                           inter=inter)
 
 
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast"])
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 def test_split_tail_on_off_bitwise(mma):
     """split_tail (<= 64-row m-blocks as 64-row N-split tiles) changes no bit of y: the same
     K-order WGMMA accumulation per element, only the warpgroup tiling differs. Experts with
@@ -266,3 +267,27 @@ def test_split_tail_on_off_bitwise(mma):
         assert tails == {True, False}, "need experts whose last m-block has <= 64 and > 64 rows"
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_cluster_pairings_bitwise_equal():
+    """tma_ws (no cluster), tma_ws_mcast (pairs share A: same M block, adjacent N blocks) and
+    tma_ws_mcast_b (pairs share B: adjacent M blocks of one expert, same N block; an odd last
+    block leaves one CTA of the pair without rows) run the same WGMMAs in the same K order
+    per output element, so y is bitwise equal; experts with an odd number of 128-row blocks
+    are present."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    P, k = 2, 6
+    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=41)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for mma in ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"):
+        moe = _make(P, k, "interleaved", mma, block_m=128, block_n=128)
+        moe.load_weights(w1, w2)
+        outs.append(moe.forward(xs, idx, w))
+        _check(outs[-1], refs)
+    odd = {(-(-c // 128)) % 2 == 1 for d in range(P) for c in moe.plan_rank(d)[0].counts.tolist() if c > 0}
+    assert True in odd, "need an expert with an odd number of 128-row blocks"
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)

@@ -17,14 +17,15 @@ from megamoe_interleave.scheduler import (
 )
 
 grids = st.builds(
-    lambda counts, bm, p1, p2, epw: make_row_grid(
-        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw
+    lambda counts, bm, p1, p2, epw, split_m: make_row_grid(
+        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw, pair_splits_m=split_m
     ),
     st.lists(st.integers(0, 300), min_size=1, max_size=12),
     st.sampled_from([16, 64, 128]),
     st.integers(1, 6),
     st.integers(1, 6),
     st.integers(1, 5),
+    st.booleans(),  # pair_splits_m (tma_ws_mcast_b): the pair splits a 2*BM row along M
 )
 schedules = st.one_of(
     st.just(Schedule("expert_wave")),
@@ -34,10 +35,18 @@ cta_counts = st.sampled_from([2, 4, 6, 10])
 
 
 def _all_tiles(grid):
+    """(phase, row, m_block, n_block) of every tile: a row's N-blocks (pair_splits_m: its two
+    M halves times every N-block)."""
     out = set()
     for p in range(grid.num_rows):
-        out |= {(PHASE_L1, p, n) for n in range(2 * grid.pairs_l1)}
-        out |= {(PHASE_L2, p, n) for n in range(2 * grid.pairs_l2)}
+        m = p - grid.expert_row_offset[grid.row_expert[p]]
+        if grid.pair_splits_m:
+            for r in (0, 1):
+                out |= {(PHASE_L1, p, 2 * m + r, n) for n in range(grid.pairs_l1)}
+                out |= {(PHASE_L2, p, 2 * m + r, n) for n in range(grid.pairs_l2)}
+        else:
+            out |= {(PHASE_L1, p, m, n) for n in range(2 * grid.pairs_l1)}
+            out |= {(PHASE_L2, p, m, n) for n in range(2 * grid.pairs_l2)}
     return out
 
 
@@ -54,13 +63,31 @@ def test_every_tile_exactly_once(grid, schedule, num_ctas):
 @settings(max_examples=150, deadline=None)
 @given(grids, schedules, cta_counts)
 def test_tile_fields_consistent(grid, schedule, num_ctas):
-    """expert / m_block agree with the row layout; pair members take n = 2j + r."""
+    """expert / m_block agree with the row layout; pair members take n = 2j + r (pair_splits_m:
+    the same n, M block 2 (row - O_e) + r)."""
     for c, seq in enumerate(enumerate_all(schedule, grid, num_ctas)):
         for t in seq:
             e = t.expert
             assert grid.expert_row_offset[e] <= t.row < grid.expert_row_offset[e + 1]
-            assert t.m_block == t.row - grid.expert_row_offset[e]
-            assert t.n_block % 2 == c % 2
+            if grid.pair_splits_m:
+                assert t.m_block == 2 * (t.row - grid.expert_row_offset[e]) + c % 2
+                assert 0 <= t.n_block < max(grid.pairs_l1, grid.pairs_l2)
+            else:
+                assert t.m_block == t.row - grid.expert_row_offset[e]
+                assert t.n_block % 2 == c % 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(grids, schedules, cta_counts)
+def test_pair_members_walk_the_same_tiles(grid, schedule, num_ctas):
+    """The two CTAs of a pair (one 2-CTA cluster in the tma_ws_mcast* kernels) visit the same
+    rows in the same order with the same K loops, and share the multicast operand: the same
+    M block (A) or, with pair_splits_m, the same N block (B)."""
+    seqs = enumerate_all(schedule, grid, num_ctas)
+    for a, b in zip(seqs[0::2], seqs[1::2]):
+        assert [(t.phase, t.row) for t in a] == [(t.phase, t.row) for t in b]
+        shared = "n_block" if grid.pair_splits_m else "m_block"
+        assert [getattr(t, shared) for t in a] == [getattr(t, shared) for t in b]
 
 
 @settings(max_examples=150, deadline=None)
