@@ -127,8 +127,8 @@ class MegaMoE:
     torch ops, any device, loopback/host worlds). Fused-kernel options: ``mma`` ("wgmma"
     GPU-validated, "wgmma_cpasync" multistage, "tma_ws" TMA + mbarrier ring + producer warp and
     "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A; both GPU-validated, the
-    fast paths), "tma_ws_mcast_b" (CTA pairs split M and multicast B, the expert's weights),
-    "fma"; default "tma_ws_mcast"), ``block_m`` (64 or 128 = one or two
+    fast paths), "tma_ws_mcast_b" (CTA pairs split M and multicast B, the expert's weights;
+    the default, fastest on the H200), "fma"), ``block_m`` (64 or 128 = one or two
     consumer warpgroups), ``block_n``, ``stages`` (``None``: :func:`default_tiles`),
     ``timeout_ns`` of every bounded spin,
     ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`),
@@ -152,7 +152,7 @@ class MegaMoE:
                  max_tokens_per_rank: int, schedule: str = "interleaved", lead: Optional[int] = None,
                  experts_per_wave: Optional[int] = None, block_m: Optional[int] = None,
                  block_n: Optional[int] = None, num_sms: int = 132, backend: str = "torch",
-                 timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast", stages: Optional[int] = None,
+                 timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None):
         P = world.world_size
         block_m, block_n, stages = default_tiles(mma, hidden, intermediate, block_m, block_n, stages)

@@ -13,8 +13,9 @@ STATUS -- a *functional subset*, honestly labelled:
   the source rank's ``combine[pick, token]`` slot (Combine), in-kernel counter reset,
   optional per-tile ``%globaltimer`` trace (``trace=True``).
 * tile math, compile-time ``mma``:
-  ``"tma_ws_mcast"`` (the API default, fastest) and ``"tma_ws"`` -- warp-specialized, GPU-validated
-  (79/79 GPU tests of tests/test_megamoe_gpu.py + test_megamoe_host_overhead.py on the H200).
+  ``"tma_ws_mcast_b"`` (the API default, fastest), ``"tma_ws_mcast"`` and ``"tma_ws"`` --
+  warp-specialized, GPU-validated (tests/test_megamoe_gpu.py + test_megamoe_host_overhead.py
+  on the H200).
   Warp roles: ``block_m / 64`` consumer warpgroups, one producer warpgroup whose first warp
   walks the same schedule and TMA-loads A (dispatched rows / h) and B (expert weights) into
   a ``stages``-deep smem ring guarded by mbarriers (quack ``PipelineTmaAsync``, every wait
@@ -29,19 +30,24 @@ STATUS -- a *functional subset*, honestly labelled:
   the two consumer warpgroups. ``"tma_ws_mcast"`` launches the two CTAs of a scheduler pair
   (same row, adjacent N blocks) as a 2-CTA cluster: each TMA-loads half of the shared A tile
   and multicasts it into both CTAs' stage; consumers release a stage on both CTAs' empty
-  barriers. Assumes all clusters of 2 are co-resident (an H200 TPC holds 2 SMs); if not,
-  the bounded grid barrier reports a timeout. Tiles 128x256 (3 stages, default), 128x128 (4),
-  64x256 (4).
+  barriers. ``"tma_ws_mcast_b"`` pairs the CTAs along M instead (scheduler rows of 2 x
+  block_m, :attr:`RowGrid.pair_splits_m`): adjacent M blocks of one expert, same N block, so
+  the pair shares B -- the expert's weights -- and multicasts it; ncu showed tma_ws_mcast
+  L2-bound (91 % L2 throughput, 59 % SM) and re-reading weights from DRAM. Both cluster kinds
+  drain their full barriers and cluster-sync before exit, so a CTA never leaves while its
+  peer may still write into its shared memory (also after a timeout). Assumes all clusters
+  of 2 are co-resident (an H200 TPC holds 2 SMs); if not, the bounded grid barrier reports a
+  timeout. Tiles 128x256 (3 stages, default), 128x128 (4), 64x256 (4).
   ``"wgmma"`` -- one warpgroup, WGMMA (SS) M64 x block_n, K blocks of 64 staged through
   registers into 128-B-swizzled smem, single stage (GPU-validated, ~66-75 TFLOP/s);
   ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (GPU tests pass);
   ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow).
-  Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, results/h200/megamoe): tma_ws_mcast
-  5.94-6.17 ms per call at P = 1 (0.86x the speed of the two torch grouped GEMMs alone,
-  1.7-1.8x faster than the unfused pipeline), 32.6-34.8 ms at loopback P = 8 (0.93-0.99x,
-  2.4-2.5x).
+  Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, results/h200/megamoe): tma_ws_mcast_b
+  5.24-5.28 ms per call at P = 1 (1.01x the speed of the two torch grouped GEMMs alone, 5.31
+  ms; 1.9x faster than the unfused pipeline; tma_ws_mcast 5.78-6.04 ms), 33.8-34.9 ms at
+  loopback P = 8 (0.92-0.95x of 32.0 ms; tma_ws_mcast 32.9-35.1 ms).
 * NOT done yet: dispatch overlapped with the first L1 tiles (a grid barrier separates
-  them: ~0.5 ms at P = 1), B-operand multicast across m-blocks, ``setmaxnreg`` register
+  them; at loopback P = 8 that is most of the gap to the grouped GEMMs), ``setmaxnreg`` register
   rebalancing; the dispatch *index* computation (counting / prefix sums of the routed tokens)
   runs on the host (:func:`megamoe_interleave.reference.permute_ranks`); the final top-k
   reduction runs after all ranks (torch), as the loopback world requires anyway.

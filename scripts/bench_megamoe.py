@@ -12,8 +12,8 @@ memory (Dispatch reads and Combine stores then cross PCIe).
 Fused-kernel mainloops (``--mma``, see megamoe_interleave/kernel_sm90.py): ``wgmma``
 (single-stage), ``wgmma_cpasync`` (multistage cp.async), ``tma_ws`` (TMA + mbarrier ring +
 producer warp + epilogue warps), ``tma_ws_mcast`` (``tma_ws`` with the CTA pair as a 2-CTA
-cluster multicasting the shared A tile; the default), ``tma_ws_mcast_b`` (the pair takes two
-M blocks of one expert and multicasts the shared B tile, the expert's weights), ``fma``.
+cluster multicasting the shared A tile), ``tma_ws_mcast_b`` (the pair takes two M blocks of
+one expert and multicasts the shared B tile, the expert's weights; the default), ``fma``.
 Several ``--mma`` values run side by side.
 Tile defaults: megamoe_interleave.api.default_tiles (128 x 256, 3 stages for DeepSeek-V4-Flash). "fused[...] api" is the whole
 MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
@@ -173,7 +173,7 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192])
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--fused-max-tokens", type=int, default=8192)
-    ap.add_argument("--mma", nargs="+", default=["tma_ws_mcast"],
+    ap.add_argument("--mma", nargs="+", default=["tma_ws_mcast_b"],
                     choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"],
                     help="fused-kernel mainloops, benchmarked side by side; tma_ws = TMA + mbarrier ring + producer "
                          "warp + epilogue warps, tma_ws_mcast = the same with the CTA pair as a 2-CTA cluster "

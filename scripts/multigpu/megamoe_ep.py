@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--strength", type=float, default=1.0, help="skewed routing strength")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help=f"tokens per rank (default {DEFAULT_TOKENS}; {QUICK_TOKENS} with --quick)")
-    p.add_argument("--mma", default="tma_ws_mcast",
+    p.add_argument("--mma", default="tma_ws_mcast_b",
                    help="fused-kernel tile math (MegaMoE's mma: wgmma, wgmma_cpasync, fma, ...; validated by MegaMoE)")
     p.add_argument("--block-m", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
     p.add_argument("--block-n", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")

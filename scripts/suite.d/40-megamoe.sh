@@ -1,8 +1,10 @@
 # MegaMoE fused kernel vs grouped GEMMs and the unfused pipeline, both schedules (issue 5):
-# the default mainloop (tma_ws_mcast, 128x256 tiles, 3 stages on DeepSeek-V4-Flash) with the
-# baselines and a per-tile trace, then split_tail off and the unicast tma_ws for comparison.
+# the default mainloop (tma_ws_mcast_b, 128x256 tiles, 3 stages on DeepSeek-V4-Flash) next to
+# tma_ws_mcast, with the baselines and a per-tile trace, then split_tail off and the unicast
+# tma_ws for comparison.
 source "$(dirname "$0")/../_env.sh"
-"$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --trace --out "$XSTAGE_RESULTS/megamoe"
+"$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --mma tma_ws_mcast_b tma_ws_mcast --trace \
+  --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --split-tail off --skip-baselines --api-poison off \
   --tag _split_tail_off --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --mma tma_ws --skip-baselines --api-poison off \
