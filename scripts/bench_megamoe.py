@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -39,7 +41,7 @@ from megamoe_interleave.api import MegaMoE, decode_trace, default_tiles, make_wo
 from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline  # noqa: E402
 from megamoe_interleave.routing import make_routing  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
-from xstage import provenance, timing  # noqa: E402
+from xstage import paired, provenance, timing  # noqa: E402
 
 
 def dense_bf16_tflops(n: int = 8192) -> float:
@@ -121,7 +123,98 @@ def run_case(shape, kind, P, tokens, args, dense):
             if args.trace:
                 trace_summaries.append(trace_one_call(kw, w1, w2, xs, idx, wts, P, tag, shape, kind,
                                                       tokens, args))
+        if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
+            fns = {"grouped_mm x2": event_timed(gemms_only)}
+            for mma, sched in fused_cases:
+                fns[f"fused[{sched},{mma}]"] = fused_kernel_timed(moe_kwargs(sched, mma), w1, w2, xs, idx, wts, P,
+                                                                  args.world)
+            samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
+            case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
+            paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
+            print_paired(paired_rows[-1])
     return rows
+
+
+paired_rows = []
+
+
+def event_timed(fn):
+    """() -> device time of one call of ``fn`` in us (CUDA events, synchronised)."""
+    def timed():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3
+    timed()  # warm-up
+    return timed
+
+
+def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world):
+    """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``)."""
+    moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=False, **kwargs)
+    moe.load_weights(w1, w2)
+    moe.forward(xs, idx, wts)  # compile + warm-up
+
+    def timed():
+        moe.forward(xs, idx, wts)
+        return moe.last_kernel_us
+    return timed
+
+
+def paired_trials(fns: dict, trials: int, cooldown_s: float = 0.0):
+    """One call of every variant per trial, in an order rotated per trial, the SM clock read
+    after each (xstage.paired): (samples_us, clocks) as name -> list per trial."""
+    samples = {k: [] for k in fns}
+    clocks = {k: [] for k in fns}
+    for t in range(trials):
+        for k in paired.rotated(list(fns), t):
+            if cooldown_s > 0:  # let the GPU leave its power limit before each timed call
+                torch.cuda.synchronize()
+                time.sleep(cooldown_s)
+            samples[k].append(fns[k]())
+            clocks[k].append(paired.sm_clock_mhz())
+    return samples, clocks
+
+
+def paired_verdicts(samples: dict, clocks: dict, baseline: str, tol_mhz: float, min_matched: int = 5) -> dict:
+    """Every other variant against ``baseline`` on the trials where both ran at the reference
+    clock: the median per-trial ratio variant / baseline, the share of trials where the variant
+    was not slower, and both one-sided sign tests (``faster``: the variant is faster than the
+    baseline; ``slower``: it is slower). "no slower than the baseline" = the median paired
+    difference variant - baseline is <= 0."""
+    out = {"baseline": baseline, "clock_tol_mhz": tol_mhz, "reference_clock_mhz": paired.reference_clock(clocks),
+           "samples_us": samples, "clocks_mhz": clocks, "variants": {}}
+    for k in samples:
+        if k == baseline:
+            continue
+        idx = paired.matched_trials(clocks, [k, baseline], tol_mhz)
+        ratios = [samples[k][i] / samples[baseline][i] for i in idx]
+        diffs = [samples[k][i] - samples[baseline][i] for i in idx]
+        v = {"n_matched": len(idx),
+             "faster": paired.acceptance(samples, clocks, baseline, k, tol_mhz, min_matched),
+             "slower": paired.acceptance(samples, clocks, k, baseline, tol_mhz, min_matched)}
+        if idx:
+            v.update(median_ratio=statistics.median(ratios), frac_not_slower=sum(d <= 0 for d in diffs) / len(diffs),
+                     median_us=statistics.median(samples[k][i] for i in idx),
+                     baseline_median_us=statistics.median(samples[baseline][i] for i in idx),
+                     no_slower=statistics.median(diffs) <= 0)
+        out["variants"][k] = v
+    return out
+
+
+def print_paired(row):
+    print(f"paired ({row['shape']}, P={row['P']}, T={row['tokens_per_rank']}; reference clock "
+          f"{row['reference_clock_mhz']} MHz, +-{row['clock_tol_mhz']} MHz): variant / {row['baseline']}", flush=True)
+    for k, v in row["variants"].items():
+        if not v["n_matched"]:
+            print(f"  {k:40s} no trial at the reference clock", flush=True)
+            continue
+        print(f"  {k:40s} {v['median_us']:10.1f} vs {v['baseline_median_us']:10.1f} us  ratio {v['median_ratio']:.3f}  "
+              f"not slower in {100 * v['frac_not_slower']:.0f}% of {v['n_matched']}  "
+              f"faster: {v['faster']['verdict']}  slower: {v['slower']['verdict']}  "
+              f"no_slower={v['no_slower']}", flush=True)
 
 
 trace_summaries = []
@@ -188,6 +281,13 @@ def main():
                     help="tma_ws* with --block-m 128: run m-blocks of <= 64 rows as 64-row tiles (auto = on)")
     ap.add_argument("--skip-baselines", action="store_true")
     ap.add_argument("--trace", action="store_true", help="also record one per-tile timeline per schedule")
+    ap.add_argument("--paired-trials", type=int, default=21,
+                    help="paired comparison of the fused kernels with the grouped GEMMs: trials of one call of "
+                         "every variant in rotated order, SM clock after each (0 = off)")
+    ap.add_argument("--cooldown-s", type=float, default=0.0,
+                    help="paired comparison: host sleep before each timed call (clock-stabilised, as bench_fa_a2a)")
+    ap.add_argument("--clock-tol-mhz", type=float, default=30.0,
+                    help="paired comparison: trials count when both variants ran this close to the reference clock")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default="results/h200/megamoe")
     args = ap.parse_args()
@@ -208,7 +308,7 @@ def main():
         w.writerows(rows)
     provenance.write_json(os.path.join(args.out, f"bench_megamoe{args.tag}.json"),
                           {"dense_bf16_tflops": dense, "args": vars(args), "rows": rows,
-                           "trace_summaries": trace_summaries})
+                           "trace_summaries": trace_summaries, "paired": paired_rows})
 
 
 if __name__ == "__main__":
