@@ -99,8 +99,10 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
     of ``%globaltimer``, ORs :data:`ERR_RING_TIMEOUT` into the kernel's error word and returns
     False. ``ok`` carries a thread's health through its waits: once one of them failed (or the
     producer's row-counter spin did), the thread stops waiting and falls through -- arrives,
-    TMA copies and WGMMAs still run, on stale data -- so every role ends after at most one
-    timeout and the host raises ``DeviceError`` from the error word. The base class's unbounded
+    TMA copies and WGMMAs still run, on stale data; the producer keeps only the wait for a
+    stage's previous load (:meth:`producer_acquire_bounded`) -- so every role ends after at
+    most one timeout (plus load latencies) and the host raises ``DeviceError`` from the error
+    word. The base class's unbounded
     waits raise at trace time, so none can slip into the kernel."""
 
     @staticmethod
@@ -165,10 +167,10 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
         every TMA byte bound for this CTA's shared memory (its own loads and the cluster peer's
         multicast) has landed. ``state``: the producer's state after its last load (consumed
         here: pass a clone); at a stage's next, never issued, position the producer phase bit
-        equals the parity of that stage's last armed full phase. On the healthy path the consumers already waited for these
-        phases, so each check passes at once; after a timeout they fell through, and without
-        this a CTA could exit with loads still landing in its shared memory. Runs even when
-        ``ok`` is False, with its own bound."""
+        equals the parity of that stage's last armed full phase. On the healthy path the
+        consumers already waited for these phases, so each check passes at once; after a
+        timeout they fell through, and without this a CTA could exit with loads still landing
+        in its shared memory. Runs even when ``ok`` is False, with its own bound."""
         for _ in cutlass.range_constexpr(self.num_stages):
             xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
                                        error_word, ERR_RING_TIMEOUT)
@@ -745,19 +747,21 @@ class MegaMoESm90:
     # still running when the mainloop of tile i + 1 ends).
     #
     # Deadlock freedom carries over from the scheduler's argument (scheduler.py): the only
-    # new waits are the ring's full/empty barriers between the roles of ONE CTA (tma_ws_mcast:
+    # new waits are the ring's full/empty barriers between the roles of ONE CTA (cluster kinds:
     # of one 2-CTA cluster, whose CTAs walk identical tile sequences, so the pair acts as one
     # unit in that argument). The named-barrier handoff adds no outside wait: consumers and
     # epilogue warps execute one EMPTY and one FULL barrier per valid tile of the same
-    # sequence, so every barrier phase completes. The producer blocks (bounded) on an L2 tile's row counter only
-    # after it has issued every K block of the tiles before it in this CTA's order, and the
+    # sequence, so every barrier phase completes. The producer blocks (bounded) on an L2
+    # tile's row counter only after it has issued every K block of the tiles before it in this CTA's order, and the
     # consumers finish those without further outside waits. So "the first tile whose loads
     # are not all issued" plays the role of the CTA's head in that argument.
     #
     # No hangs: every ring wait is bounded (BoundedPipelineTmaAsync: mbarrier.try_wait.parity
     # retried until a %globaltimer deadline of ring_timeout_ns = 2 * timeout_ns, then
     # ERR_RING_TIMEOUT in the error word). A thread whose wait (ring or row counter) failed
-    # waits no more and falls through, so a broken run ends with DeviceError, not a hang.
+    # waits no more and falls through (the producer only waits, bounded, for each stage's
+    # previous load to land before re-arming it, and drains before exit), so a broken run ends
+    # with DeviceError, not a hang or a fault.
     #
     # Memory ordering of the L1 -> L2 handoff: h is written by the epilogue warps with generic
     # st.global and read by the L2 producer with TMA (async proxy). Writer: each epilogue
@@ -768,9 +772,9 @@ class MegaMoESm90:
     def make_ab_pipeline(self, mbar_ptr):
         """Full/empty mbarrier ring (quack PipelineTmaAsync with bounded waits,
         :class:`BoundedPipelineTmaAsync`): the producer's arrive carries the
-        TMA transaction bytes of one stage (A + B, whoever of the pair loaded the A halves);
-        one release arrive per consumer warp and per CTA whose stage it frees (tma_ws_mcast:
-        both CTAs of the cluster, since the peer multicasts its A half into our stage)."""
+        TMA transaction bytes of one stage (A + B, whichever CTA of the pair loaded each half);
+        one release arrive per consumer warp and per CTA whose stage it frees (cluster kinds:
+        both CTAs of the pair, since the peer multicasts its half of A or B into our stage)."""
         cluster_n = 2 if self.cluster_pair else 1
         return BoundedPipelineTmaAsync.create(
             barrier_storage=mbar_ptr,
