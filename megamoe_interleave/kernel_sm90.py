@@ -531,6 +531,25 @@ class MegaMoESm90:
         # and h is never overwritten within a call.
 
     @cute.jit
+    def group_accumulators(self, sC, m: Int32, grp: Int32, width: cutlass.Constexpr, n_block: Int32, prow: Int32,
+                           e: Int32, mA, mW, K: cutlass.Constexpr):
+        """fp32 accumulators of output columns ``[grp * width, +width)`` of tile row ``m`` (row
+        ``prow`` of the pool): read from the fp32 staging tile sC, or (fma) dot products of
+        ``mA[prow, :K]`` with rows ``n_block * BN + grp * width + j`` of ``mW[e]``."""
+        acc = cute.make_rmem_tensor((width,), Float32)
+        if const_expr(self.mma != "fma"):
+            for j in cutlass.range_constexpr(width):
+                acc[j] = sC[m, grp * width + j]
+        else:
+            n0 = n_block * self.block_n + grp * width
+            acc.fill(0.0)
+            for k in cutlass.range(K, unroll=1):
+                av = Float32(mA[prow, k])
+                for j in cutlass.range_constexpr(width):
+                    acc[j] = acc[j] + av * Float32(mW[e, n0 + j, k])
+        return acc
+
+    @cute.jit
     def l1_epilogue_rows(self, tile, e: Int32, tok0: Int32, count: Int32, mPoolX, mPoolWeight, mH, mW1, sC,
                          tidx: Int32):
         """SwiGLU x routing weight of the tile's valid rows into h (bf16, 16-byte stores) for the
@@ -544,17 +563,8 @@ class MegaMoESm90:
             tok_local = tile.m_block * self.block_m + m
             if tok_local < count:
                 prow = tok0 + tok_local
-                n0 = tile.n_block * self.block_n + grp * 2 * INTERLEAVE
-                acc = cute.make_rmem_tensor((2 * INTERLEAVE,), Float32)
-                if const_expr(self.mma != "fma"):
-                    for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                        acc[j] = sC[m, grp * 2 * INTERLEAVE + j]
-                else:
-                    acc.fill(0.0)
-                    for k in cutlass.range(self.hidden, unroll=1):
-                        xv = Float32(mPoolX[prow, k])
-                        for j in cutlass.range_constexpr(2 * INTERLEAVE):
-                            acc[j] = acc[j] + xv * Float32(mW1[e, n0 + j, k])
+                acc = self.group_accumulators(sC, m, grp, 2 * INTERLEAVE, tile.n_block, prow, e, mPoolX, mW1,
+                                              self.hidden)
                 w = mPoolWeight[prow]
                 out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
                 for j in cutlass.range_constexpr(INTERLEAVE):
@@ -583,16 +593,7 @@ class MegaMoESm90:
             if tok_local < count:
                 prow = tok0 + tok_local
                 n0 = tile.n_block * self.block_n + grp * 8
-                acc = cute.make_rmem_tensor((8,), Float32)
-                if const_expr(self.mma != "fma"):
-                    for j in cutlass.range_constexpr(8):
-                        acc[j] = sC[m, grp * 8 + j]
-                else:
-                    acc.fill(0.0)
-                    for k in cutlass.range(self.intermediate, unroll=1):
-                        hv = Float32(mH[prow, k])
-                        for j in cutlass.range_constexpr(8):
-                            acc[j] = acc[j] + hv * Float32(mW2[e, n0 + j, k])
+                acc = self.group_accumulators(sC, m, grp, 8, tile.n_block, prow, e, mH, mW2, self.intermediate)
                 out = cute.make_rmem_tensor((8,), BFloat16)
                 out.store(acc.load().to(BFloat16))
                 words = cute.recast_tensor(out, Int32)
