@@ -147,6 +147,15 @@ class Calibrator:
     def _region(self, V: int) -> int:
         return (self.cfg.region_bytes // V) * V
 
+    def compiled_kernel(self, gap_mode: str):
+        """The burst kernel of ``gap_mode``, compiled on first use (compile time kept in compile_s)."""
+        kern = self.kernels[gap_mode]
+        if gap_mode not in self.compile_s:
+            t = time.time()
+            kern.compile()
+            self.compile_s[gap_mode] = time.time() - t
+        return kern
+
     def launch(self, gap_mode: str, K: int, B: int, N: int, gap_s: float = 0.0, mma_iters: int = 0):
         """One launch; returns the BurstSeries (raises on a device error)."""
         from xstage.device import raise_on_device_error
@@ -154,11 +163,7 @@ class Calibrator:
         torch = self.torch
         if K * N * 4 > self.max_records:
             raise ValueError(f"K*N={K * N} bursts exceed the timestamp buffer")
-        kern = self.kernels[gap_mode]
-        if gap_mode not in self.compile_s:
-            t = time.time()
-            kern.compile()
-            self.compile_s[gap_mode] = time.time() - t
+        kern = self.compiled_kernel(gap_mode)
         V = K * B
         t = time.time()
         kern(

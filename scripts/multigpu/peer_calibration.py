@@ -119,11 +119,7 @@ def multi_peer_calibrator_class():
             if K % n:
                 raise ValueError(f"K={K} producers do not split evenly over {n} peers")
             Kj = K // n
-            kern = self.kernels[gap_mode]
-            if gap_mode not in self.compile_s:
-                t = time.time()
-                kern.compile()
-                self.compile_s[gap_mode] = time.time() - t
+            kern = self.compiled_kernel(gap_mode)
             V = K * B
             main = torch.cuda.current_stream(self.device)
             t = time.time()
