@@ -182,11 +182,7 @@ def attention_a2a(
     int64 [P] from ``ulysses_peer_table``.  Completion on the destination ranks needs a world
     barrier (or stream order in the loopback world) after the launch.
     """
-    check_attention_a2a(q, k, v, out, lse, peer_table, num_ranks, ulysses=True)
-    D = q.shape[-1]
-    cfg = KernelConfig(q.dtype, D, num_ranks, True, persistent, causal, lse is not None, default_num_sms(q.device),
-                       o_staging if persistent else "own")
-    _launch(cfg, q, k, v, out, lse, peer_table, softmax_scale or 1.0 / math.sqrt(D))
+    _check_and_launch(q, k, v, out, lse, peer_table, num_ranks, True, softmax_scale, causal, persistent, o_staging)
 
 
 def attention_local(
@@ -202,11 +198,17 @@ def attention_local(
     o_staging: str = "own",
 ) -> None:
     """FA-only: the same kernel class with the stock epilogue, writing local out [B, S, Hl, D]."""
-    check_attention_a2a(q, k, v, out, lse, None, 1, ulysses=False)
+    _check_and_launch(q, k, v, out, lse, None, 1, False, softmax_scale, causal, persistent, o_staging)
+
+
+def _check_and_launch(q, k, v, out, lse, peer_table, num_ranks: int, ulysses: bool, softmax_scale, causal: bool,
+                      persistent: bool, o_staging: str) -> None:
+    """Validate (before any launch), pick the compiled kernel for the configuration, launch."""
+    check_attention_a2a(q, k, v, out, lse, peer_table, num_ranks, ulysses=ulysses)
     D = q.shape[-1]
-    cfg = KernelConfig(q.dtype, D, 1, False, persistent, causal, lse is not None, default_num_sms(q.device),
-                       o_staging if persistent else "own")
-    _launch(cfg, q, k, v, out, lse, None, softmax_scale or 1.0 / math.sqrt(D))
+    cfg = KernelConfig(q.dtype, D, num_ranks, ulysses, persistent, causal, lse is not None,
+                       default_num_sms(q.device), o_staging if persistent else "own")
+    _launch(cfg, q, k, v, out, lse, peer_table, softmax_scale or 1.0 / math.sqrt(D))
 
 
 def ulysses_peer_table(
