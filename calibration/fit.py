@@ -73,6 +73,17 @@ def _slope_through_origin_rel(V: np.ndarray, T: np.ndarray) -> float:
     return float(np.sum(x) / np.sum(x * x))
 
 
+def _positive_points(V, T, kind: str, t_name: str):
+    """(V, T) as float arrays of >= 2 matching, positive, finite points (ValueError otherwise)."""
+    V = np.asarray(V, dtype=float)
+    T = np.asarray(T, dtype=float)
+    if V.shape != T.shape or V.ndim != 1 or len(V) < 2:
+        raise ValueError(f"need >= 2 {kind} points with matching V and {t_name}")
+    if np.any(V <= 0) or np.any(T <= 0) or not np.all(np.isfinite(T)):
+        raise ValueError(f"V and {t_name} must be positive and finite")
+    return V, T
+
+
 def fit_drain_rate(
     V: Sequence[float], T_period: Sequence[float], *, min_rel: float = 0.9, n_boot: int = 300, seed: int = 0
 ) -> DrainFit:
@@ -82,12 +93,7 @@ def fit_drain_rate(
     ``min_rel`` of the fitted R (a point below is issue-limited: its period
     is set by the producers, not by the drain).
     """
-    V = np.asarray(V, dtype=float)
-    T = np.asarray(T_period, dtype=float)
-    if V.shape != T.shape or V.ndim != 1 or len(V) < 2:
-        raise ValueError("need >= 2 zero-gap points with matching V and T_period")
-    if np.any(V <= 0) or np.any(T <= 0) or not np.all(np.isfinite(T)):
-        raise ValueError("V and T_period must be positive and finite")
+    V, T = _positive_points(V, T_period, "zero-gap", "T_period")
     rate = V / T
     R = float(np.percentile(rate, 90))
     used = rate >= min_rel * R
@@ -221,12 +227,7 @@ def fit_isolated(
     seed: int = 0,
 ) -> IsolatedFit:
     """Fit eq. 7 ``T_iss^iso(V) = max(a + b V, (V - Q)/R)`` for one producer count K."""
-    V = np.asarray(V, dtype=float)
-    T = np.asarray(T_iso, dtype=float)
-    if V.shape != T.shape or V.ndim != 1 or len(V) < 2:
-        raise ValueError("need >= 2 isolated points with matching V and T")
-    if np.any(V <= 0) or np.any(T <= 0) or not np.all(np.isfinite(T)):
-        raise ValueError("V and T must be positive and finite")
+    V, T = _positive_points(V, T_iso, "isolated", "T")
     if not R > 0:
         raise ValueError(f"R must be > 0, got {R}")
     a, b, Q, knee, j, err = _fit_isolated_once(V, T, R, min_excess)
