@@ -94,7 +94,7 @@ class MegaMoEBuffer:
     ``x`` [T, H] bf16, ``topk_idx`` [T, k] int64, ``topk_weights`` [T, k] f32 (inputs, read
     remotely by Dispatch), ``combine`` [k, T, H] bf16 (written remotely by Combine),
     ``counters[r]`` int32 workspace of rank r (kernel: error word, grid-barrier counter,
-    per-row L1->L2 readiness counters; row counters are reset in-kernel so repeated calls
+    per-row L1->L2 and Dispatch readiness counters; row counters are reset in-kernel so repeated calls
     need no host memset). Only rank r's own kernel touches it, so it is plain device memory,
     not symmetric (in the ``host`` world the symmetric buffers live in pinned host memory,
     where the counters' atomics would cross PCIe)."""
@@ -132,7 +132,9 @@ class MegaMoE:
     consumer warpgroups), ``block_n``, ``stages`` (``None``: :func:`default_tiles`),
     ``timeout_ns`` of every bounded spin,
     ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`),
-    ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on).
+    ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on),
+    ``dispatch_warps`` (tma_ws*: warps that copy Dispatch rows while the tiles run; 0 = Dispatch
+    before a grid barrier; None = 1).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -153,7 +155,8 @@ class MegaMoE:
                  experts_per_wave: Optional[int] = None, block_m: Optional[int] = None,
                  block_n: Optional[int] = None, num_sms: int = 132, backend: str = "torch",
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
-                 trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None):
+                 trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
+                 dispatch_warps: Optional[int] = None):
         P = world.world_size
         block_m, block_n, stages = default_tiles(mma, hidden, intermediate, block_m, block_n, stages)
         if num_experts % P:
@@ -180,18 +183,19 @@ class MegaMoE:
         self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
         self.trace = trace  # record per-tile timelines (fused backend) into last_trace
         self.split_tail = split_tail  # tma_ws* with block_m=128: None = on (kernel_sm90.MegaMoESm90)
+        self.dispatch_warps = dispatch_warps  # tma_ws*: overlapped Dispatch; None = 1 (kernel_sm90.MegaMoESm90)
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, 6] (kernel_sm90.TRACE_FIELDS)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
             MegaMoESm90(hidden, intermediate, self.schedule, block_m=block_m, block_n=block_n, mma=mma, stages=stages,
-                        trace=trace, split_tail=split_tail)
+                        trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps)
         # Worst-case scheduler rows of one rank: every pick of every source lands here, plus
         # one partial M block per local expert.
         max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // block_m) + self.experts_per_rank
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
-                                    num_counters=2 + max_rows)
+                                    num_counters=2 + 2 * max_rows)
         self.poison_combine = poison_combine
         # Largest pool of one rank (every pick of every source) + the block_m padding rows.
         self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
@@ -326,14 +330,15 @@ class MegaMoE:
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
     def _kernel(self):
         key = (self.hidden, self.intermediate, self.schedule, self.block_m, self.block_n, self.timeout_ns, self.mma,
-               self.stages, self.trace, self.split_tail)
+               self.stages, self.trace, self.split_tail, self.dispatch_warps)
         if key not in _COMPILED:
             from .kernel_sm90 import compile_megamoe_sm90
 
             _COMPILED[key] = compile_megamoe_sm90(self.hidden, self.intermediate, self.schedule,
                                                   block_m=self.block_m, block_n=self.block_n,
                                                   timeout_ns=self.timeout_ns, mma=self.mma, stages=self.stages,
-                                                  trace=self.trace, split_tail=self.split_tail)
+                                                  trace=self.trace, split_tail=self.split_tail,
+                                                  dispatch_warps=self.dispatch_warps)
         return _COMPILED[key]
 
     def plan_rank(self, d: int):
@@ -409,7 +414,7 @@ class MegaMoE:
         i32 = dict(dtype=torch.int32, device=dev)
         perm, grid = self.plan_rank(d)
         n_pool = perm.src_rank.numel()
-        if 2 + grid.num_rows > buf.counters[d].numel():
+        if 2 + 2 * grid.num_rows > buf.counters[d].numel():
             raise ValueError(f"{grid.num_rows} scheduler rows exceed the counter workspace")
         if n_pool == 0:  # keep every tensor non-empty
             pool_src = torch.zeros(1, 3, **i32)

@@ -86,8 +86,10 @@ CONSUMER_BARRIER_ID = 1  # named barrier of the tma_ws consumer warpgroups (0 = 
 EPI_FULL_BARRIER_ID = 2  # tma_ws: staged output tile ready (consumers -> epilogue warps)
 EPI_EMPTY_BARRIER_ID = 3  # tma_ws: staging tile free + row metadata in smem (epilogue warps -> consumers)
 EPI_BARRIER_ID = 4  # tma_ws: the epilogue warps among themselves
-DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the Dispatch row pull
-NUM_EPI_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup run the epilogues
+DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the Dispatch row pull (all threads)
+DISPATCH_WARP_UNROLL = 16  # the same for the dispatch warps (one or two warps per SM: more in flight)
+NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue warps, then dispatch warps
+DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
 DRAIN_SLACK_NS = 10_000_000  # tma_ws producer waits for loads to land: beyond the peer's ring bound
 
@@ -188,7 +190,8 @@ class MegaMoESm90:
 
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
-                 mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None):
+                 mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
+                 dispatch_warps: int | None = None):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -215,6 +218,16 @@ class MegaMoESm90:
         if split_tail and not (self.ws and block_m == 128):
             raise ValueError("split_tail needs mma in tma_ws* and block_m=128")
         self.split_tail = (self.ws and block_m == 128) if split_tail is None else bool(split_tail)
+        # tma_ws: Dispatch overlapped with the tiles (see dispatch_rows): after a short prologue
+        # by all threads, ``dispatch_warps`` of the three auxiliary warps copy the remaining rows
+        # while the others run the epilogues; 0 = every thread copies every row before a grid
+        # barrier (the only mode of the other kinds). None = 1 for tma_ws*, else 0.
+        if dispatch_warps is None:
+            dispatch_warps = 1 if self.ws else 0
+        if dispatch_warps not in (0, 1, 2) or (dispatch_warps and not self.ws):
+            raise ValueError(f"dispatch_warps must be 0 (any mma) or 1, 2 (mma in {WS_KINDS}), got {dispatch_warps!r}")
+        self.dispatch_warps = dispatch_warps
+        self.num_epi_threads = NUM_AUX_THREADS - 32 * dispatch_warps
         # tma_ws_mcast: the two CTAs of a scheduler pair (same row, adjacent N blocks, so the
         # same A tile) form a 2-CTA cluster; each loads half of A and multicasts it to both.
         # tma_ws_mcast_b: the pair splits a 2*BM-row scheduler row along M (adjacent M blocks of
@@ -240,6 +253,7 @@ class MegaMoESm90:
         # timed-out spin is then reported alone rather than together with a ring timeout.
         self.ring_timeout_ns = 2 * timeout_ns
         n_per_pair = 1 if self.mcast_b else 2  # N-blocks per scheduler pair tile
+        self.pool_rows_per_row = 2 * block_m if self.mcast_b else block_m  # pool rows of a scheduler row
         self.pairs_l1 = (2 * intermediate) // block_n // n_per_pair
         self.pairs_l2 = hidden // block_n // n_per_pair
         # Shared memory: A/B stages + a staging tile for the epilogues. Non-ws paths: an fp32
@@ -390,17 +404,28 @@ class MegaMoESm90:
                     cpasync.prefetch_descriptor(atom)
             ab_pipe = self.make_ab_pipeline(storage.ab_mbar.data_ptr())  # all threads (inits + CTA sync)
 
-        self.dispatch(mPeerX, mPoolSrc, mPoolX, num_pool, cta, nctas, tidx)
-        # Dispatched rows are read by other CTAs' L1 tiles: the barrier publishes them.
-        self.grid_sync(mCounters, barrier_base + nctas, timeout, tidx)
-
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_expert=mRowExpert, expert_row_offset=mExpertRowOffset,
                        wave_row_start=mWaveRowStart, pair_splits_m=self.mcast_b)
+        if const_expr(self.dispatch_warps == 0):
+            self.copy_chunks(mPeerX, mPoolSrc, mPoolX, Int32(0), num_pool * (self.hidden // 8),
+                             cta * (self.num_threads // 32) + tidx // 32, nctas * (self.num_threads // 32),
+                             tidx % 32, DISPATCH_UNROLL)
+            # Dispatched rows are read by other CTAs' L1 tiles: the barrier publishes them.
+            self.grid_sync(mCounters, barrier_base + nctas, timeout, tidx)
+        else:
+            # Prologue: every thread copies this CTA's share of the rows the CTAs' first tiles
+            # may read (an L1 tile at a CTA's step s has row <= ((s + 1) * G - 1) // P1, both
+            # schedulers), published per row; the dispatch warps copy the rest during the tiles.
+            self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mExpertTokenOffset, mCounters, Int32(0),
+                               self.prologue_rows(grid, nctas), cta, nctas, tidx // 32, self.num_threads // 32,
+                               tidx % 32, DISPATCH_UNROLL)
+            if tidx == 0:  # arrive only: the barrier counter still advances by 2 * grid per call
+                xdev.red_add_relaxed(mCounters.iterator + COUNTER_BARRIER, Int32(1), "gpu")
         if const_expr(self.ws):
             self.warp_specialized_tiles(
                 grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
-                mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
+                mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
                 max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace)
         else:
             g, r, G, c0, c1 = self._schedule_start(cta, nctas)
@@ -424,10 +449,10 @@ class MegaMoESm90:
             # Unbounded but hang-free: every wait before it is bounded, so both CTAs reach it.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-        # Every tile of this rank is done: reset the row counters for the next call.
+        # Every tile of this rank is done: reset the row counters (l2_full, x_ready) for the next call.
         self.grid_sync(mCounters, barrier_base + 2 * nctas, timeout, tidx)
         i = cta * self.num_threads + tidx
-        while i < num_rows:
+        while i < 2 * num_rows:
             mCounters[COUNTER_L2_FULL + i] = Int32(0)
             i = i + nctas * self.num_threads
 
@@ -446,38 +471,72 @@ class MegaMoESm90:
             cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
 
+    def prologue_rows(self, grid, nctas):
+        """Rows [0, n) that every thread copies before the roles split: those the CTAs' first
+        tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
+        return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
+
     @cute.jit
-    def dispatch(self, mPeerX, mPoolSrc, mPoolX, num_pool: Int32, cta: Int32, nctas: Int32, tidx: Int32):
-        """Pull every routed row from its source rank's symmetric x in 16-byte chunks. A warp
-        copies 32 * DISPATCH_UNROLL consecutive chunks per step (each load instruction reads
-        512 contiguous bytes; consecutive chunks mostly share a row, so the row lookups hit
-        L1) with all DISPATCH_UNROLL loads in flight before the first store: one chunk per
-        thread-step left the copy latency-bound (~0.5 ms for 400 MB at P = 1)."""
+    def copy_chunks(self, mPeerX, mPoolSrc, mPoolX, lo: Int32, hi: Int32, warp: Int32, num_warps: Int32,
+                    lane: Int32, unroll: cutlass.Constexpr):
+        """Dispatch row pull of pool chunks [lo, hi) (chunk = 16 bytes; pool row ``i // (H/8)``
+        from its source rank's symmetric x) by ``num_warps`` warps. A warp copies 32 * unroll
+        consecutive chunks per step (each load instruction reads 512 contiguous bytes;
+        consecutive chunks mostly share a row, so the row lookups hit L1) with all ``unroll``
+        loads in flight before the first store: one chunk per thread-step left the copy
+        latency-bound (~0.5 ms for 400 MB at P = 1)."""
         chunks = self.hidden // 8
-        seg = 32 * DISPATCH_UNROLL  # chunks per warp-step
-        stride = nctas * self.num_threads * DISPATCH_UNROLL
-        total = num_pool * chunks
-        buf = cute.make_rmem_tensor((8, DISPATCH_UNROLL), BFloat16)
+        seg = 32 * unroll  # chunks per warp-step
+        buf = cute.make_rmem_tensor((8, unroll), BFloat16)
         pool_base = Int64(mPoolX.iterator.toint())
-        i0 = (cta * (self.num_threads // 32) + tidx // 32) * seg + tidx % 32
-        while i0 < total:
-            for j in cutlass.range_constexpr(DISPATCH_UNROLL):
+        i0 = lo + warp * seg + lane
+        while i0 < hi:
+            for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
-                if i < total:
+                if i < hi:
                     row = i // chunks
                     addr = Int64(mPeerX[mPoolSrc[row, 0]]) + (Int64(mPoolSrc[row, 1]) * self.hidden
                                                                + Int64((i % chunks) * 8)) * 2
                     src_t = cute.make_tensor(
                         cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
                     buf[None, j].store(src_t.load())
-            for j in cutlass.range_constexpr(DISPATCH_UNROLL):
+            for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
-                if i < total:
+                if i < hi:
                     # chunk i of the pool = row * H + (i % chunks) * 8 elements; 16-byte aligned
                     dst_t = cute.make_tensor(cute.make_ptr(BFloat16, pool_base + Int64(i) * 16, cute.AddressSpace.gmem,
                                                            assumed_align=16), cute.make_layout(8))
                     dst_t.store(buf[None, j].load())
-            i0 = i0 + stride
+            i0 = i0 + num_warps * seg
+
+    @cute.jit
+    def dispatch_rows(self, mPeerX, mPoolSrc, mPoolX, grid, mExpertTokenOffset, mCounters, row_begin: Int32,
+                      row_end: Int32, cta: Int32, nctas: Int32, warp: Int32, num_warps: cutlass.Constexpr,
+                      lane: Int32, unroll: cutlass.Constexpr):
+        """Overlapped Dispatch: scheduler rows [row_begin, row_end) in row order; of each row this
+        CTA copies its 1/nctas slice of the pool chunks (contiguous) with ``num_warps`` warps
+        (all of the CTA's, or the dispatch warps), then publishes it: each thread's proxy fence
+        (the rows are read by TMA), barrier of the copying warps, one fence + release increment
+        of ``x_ready[row]`` (counter word 2 + num_rows + row). A row is dispatched once its word
+        reaches nctas; since every CTA publishes in row order, so are all rows before it. Waits
+        for nothing but its own loads and stores, so Dispatch progress never depends on tiles
+        (the scheduler's deadlock argument treats Dispatch exactly so)."""
+        chunks = self.hidden // 8
+        rows_per_block = self.pool_rows_per_row
+        ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
+        row = row_begin
+        while row < row_end:
+            e = grid.row_expert[row]
+            p0 = mExpertTokenOffset[e] + (row - grid.expert_row_offset[e]) * rows_per_block
+            n = (cutlass.min(p0 + rows_per_block, mExpertTokenOffset[e + 1]) - p0) * chunks
+            self.copy_chunks(mPeerX, mPoolSrc, mPoolX, p0 * chunks + (cta * n) // nctas,
+                             p0 * chunks + ((cta + 1) * n) // nctas, warp, num_warps, lane, unroll)
+            cute.arch.fence_proxy("async.global")
+            cute.arch.barrier(barrier_id=DISPATCH_BARRIER_ID, number_of_threads=32 * num_warps)
+            if warp == 0 and lane == 0:
+                cute.arch.fence_acq_rel_gpu()
+                xdev.red_add_release(ready + row, Int32(1), "gpu")
+            row = row + 1
 
     def expert_rows(self, tile, mExpertTokenOffset):
         """(first pool row, row count) of the tile's expert."""
@@ -804,25 +863,32 @@ class MegaMoESm90:
     # in shared memory, consumers sync before staging; FULL: consumers arrive after staging,
     # epilogue warps sync before reading it.
     def handoff_threads(self):
-        return self.num_mma_threads + NUM_EPI_THREADS
+        return self.num_mma_threads + self.num_epi_threads
 
     def epi_sync(self):
         """Barrier of the epilogue warps only."""
-        cute.arch.barrier(barrier_id=EPI_BARRIER_ID, number_of_threads=NUM_EPI_THREADS)
+        cute.arch.barrier(barrier_id=EPI_BARRIER_ID, number_of_threads=self.num_epi_threads)
 
     @cute.jit
     def warp_specialized_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, timeout: Int64, ab_pipe,
-                               tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerCombine, mPoolSrc,
+                               tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerX, mPeerCombine, mPoolSrc,
                                mPoolWeight, mPoolX, mH, mW1, mW2, mExpertTokenOffset, mCounters,
                                max_tokens: Int32, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == self.num_mma_threads // 32:
+        producer = self.num_mma_threads // 32
+        first_dispatch_warp = producer + 1 + self.num_epi_threads // 32
+        if warp == producer:
             self.producer_tiles(grid, cta, nctas, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
                                 tma_b2, mB2, mExpertTokenOffset, mCounters, sA, sB)
-        if warp > self.num_mma_threads // 32:
+        if warp > producer and warp < first_dispatch_warp:
             self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
                                 mPoolWeight, mH, mExpertTokenOffset, mCounters, max_tokens, sC, sRowW, sRowAddr)
-        if warp < self.num_mma_threads // 32:
+        if const_expr(self.dispatch_warps > 0):
+            if warp >= first_dispatch_warp:
+                self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mExpertTokenOffset, mCounters,
+                                   self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
+                                   warp - first_dispatch_warp, self.dispatch_warps, tidx % 32, DISPATCH_WARP_UNROLL)
+        if warp < producer:
             self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX,
                                 mH, mW1, mW2, mExpertTokenOffset, mCounters, max_tokens, sA, sB, sC, sRowW,
                                 sRowAddr, tiled_mma, mTrace)
@@ -837,12 +903,15 @@ class MegaMoESm90:
         g, r, G, c0, c1 = self._schedule_start(cta, nctas)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         ok = Boolean(True)
+        rows_ok = Int32(0)  # overlapped Dispatch: rows [0, rows_ok) known dispatched
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
                 e = tile.expert
                 a_row0 = mExpertTokenOffset[e] + tile.m_block * self.block_m
                 if tile.phase == PHASE_L1:
+                    if const_expr(self.dispatch_warps > 0):
+                        rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, grid, nctas, timeout, mCounters)
                     state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a_row0,
                                                e * (2 * self.intermediate) + tile.n_block * self.block_n,
                                                self.hidden // BLOCK_K, sA, sB)
@@ -864,6 +933,28 @@ class MegaMoESm90:
         # hence the bound), then every stage consumed, before the warp moves on.
         ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), mCounters.iterator + COUNTER_ERROR)
         ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), mCounters.iterator + COUNTER_ERROR)
+
+    @cute.jit
+    def wait_dispatched(self, row: Int32, rows_ok: Int32, ok: Boolean, grid, nctas: Int32, timeout: Int64,
+                        mCounters):
+        """Producer, before an L1 tile's loads (overlapped Dispatch, see dispatch_rows): unless
+        ``row`` < ``rows_ok`` (known dispatched), one acquire load of the last row's word -- once
+        it is published every row is (lane 0's value decides, so the branch is warp-uniform) --
+        else a bounded acquire spin on ``x_ready[row]``; then the proxy fence (generic stores ->
+        TMA reads). Returns (rows_ok, ok)."""
+        ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
+        if row >= rows_ok:
+            last = xdev.load_acquire(ready + (grid.num_rows - 1), "gpu")
+            if cute.arch.shuffle_sync(last, 0) >= nctas:
+                rows_ok = grid.num_rows
+            else:
+                if ok:
+                    ok = xdev.spin_wait_ge(ready + row, nctas, timeout, mCounters.iterator + COUNTER_ERROR,
+                                           ERR_DEPENDENCY_TIMEOUT, True, "gpu")
+                rows_ok = row + 1
+            cute.arch.sync_warp()
+            cute.arch.fence_proxy("async.global")
+        return rows_ok, ok
 
     @cute.jit
     def load_tile(self, ab_pipe, state, ok: Boolean, mCounters, tma_a, mA, tma_b, mB, a_row0: Int32,
@@ -955,7 +1046,7 @@ class MegaMoESm90:
     @cute.jit
     def epilogue_tiles(self, grid, cta: Int32, nctas: Int32, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight,
                        mH, mExpertTokenOffset, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr):
-        """Epilogue warps (the producer warpgroup's other NUM_EPI_THREADS threads, ``et`` = index
+        """Epilogue warps (``num_epi_threads`` of the producer warpgroup's other threads, ``et`` = index
         among them): per tile of the same schedule, (1) the rows' metadata into shared memory
         (L1: routing weight, used by the consumers' SwiGLU; L2: the Combine destination
         address ``peer[src] + combine[pick, tok]``), arrive EMPTY; (2) sync FULL, copy the staged
@@ -979,7 +1070,7 @@ class MegaMoESm90:
                         sRowAddr[m] = xdev.peer_address(
                             mPeerCombine, mPoolSrc[row0 + m, 0],
                             self.combine_row_offset(mPoolSrc[row0 + m, 1], mPoolSrc[row0 + m, 2], max_tokens))
-                    m = m + NUM_EPI_THREADS
+                    m = m + self.num_epi_threads
                 cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
                 cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
                 if tile.phase == PHASE_L1:
@@ -991,7 +1082,7 @@ class MegaMoESm90:
                         w = sO_l1[m, None]
                         xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
                                       w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3])
-                        u = u + NUM_EPI_THREADS
+                        u = u + self.num_epi_threads
                     # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
                     self.epi_sync()
@@ -1006,7 +1097,7 @@ class MegaMoESm90:
                         w = sO[m, None]
                         xdev.store_v4(sRowAddr[m] + Int64(tile.n_block * self.block_n + c * 8) * 2,
                                       w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3])
-                        u = u + NUM_EPI_THREADS
+                        u = u + self.num_epi_threads
                     self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])

@@ -90,19 +90,23 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
-    def moe_kwargs(sched, mma):
+    def moe_kwargs(sched, mma, dw):
         bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, args.stages)
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
-                    backend="fused", block_m=bm, block_n=bn, mma=mma,
+                    backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw,
                     stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
-    fused_cases = [(mma, sched) for mma in args.mma for sched in ("expert_wave", "interleaved")]
+    def dw_tag(dw):
+        return "" if dw is None else f",dw{dw}"
+
+    fused_cases = [(mma, dw, sched) for mma in args.mma for dw in args.dispatch_warps
+                   for sched in ("expert_wave", "interleaved")]
     if tokens <= args.fused_max_tokens:
-        for mma, sched in fused_cases:
-            kw = moe_kwargs(sched, mma)
+        for mma, dw, sched in fused_cases:
+            kw = moe_kwargs(sched, mma, dw)
             tag = f"{sched},{mma},{kw['block_m']}x{kw['block_n']}" + (
                 f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
-                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "")
+                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + dw_tag(dw)
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             for i, poison in enumerate(poisons):
                 world = make_world(args.world, world_size=P, device="cuda")
@@ -125,9 +129,9 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
-            for mma, sched in fused_cases:
-                fns[f"fused[{sched},{mma}]"] = fused_kernel_timed(moe_kwargs(sched, mma), w1, w2, xs, idx, wts, P,
-                                                                  args.world)
+            for mma, dw, sched in fused_cases:
+                fns[f"fused[{sched},{mma}{dw_tag(dw)}]"] = fused_kernel_timed(moe_kwargs(sched, mma, dw), w1, w2, xs,
+                                                                              idx, wts, P, args.world)
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
@@ -233,7 +237,8 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     moe.forward(xs, idx, wts)
     recs = decode_trace(moe.last_trace[0])
     t_min = min(r["t_start"] for cta in recs for r in cta)
-    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
+    dw = "" if kwargs.get("dispatch_warps") is None else f"_dw{kwargs['dispatch_warps']}"
+    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}{dw}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
@@ -271,6 +276,9 @@ def main():
                     help="fused-kernel mainloops, benchmarked side by side; tma_ws = TMA + mbarrier ring + producer "
                          "warp + epilogue warps, tma_ws_mcast = the same with the CTA pair as a 2-CTA cluster "
                          "multicasting A, tma_ws_mcast_b = the pair split along M multicasting B")
+    ap.add_argument("--dispatch-warps", nargs="+", type=int, default=[None],
+                    help="tma_ws*: Dispatch overlapped by 1 or 2 warps, 0 = before a grid barrier; several "
+                         "values run side by side (default: the kernel's)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", type=int, default=None, help="default: api.default_tiles")

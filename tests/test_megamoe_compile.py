@@ -112,37 +112,49 @@ def _check_tma_after_proxy_fence(ptx):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("block_m,block_n,stages", [(128, 128, 4), (64, 256, 4), (128, 256, 3)])
-def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages):
+@pytest.mark.parametrize("block_m,block_n,stages,dispatch_warps",
+                         [(128, 128, 4, 1), (64, 256, 4, 1), (128, 256, 3, 1), (128, 256, 3, 0), (128, 256, 3, 2)])
+def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, dispatch_warps):
     """mma='tma_ws' is a TMA + mbarrier + WGMMA kernel: 2-D bulk tensor loads of A and B for
     both GEMMs completing on mbarriers, WGMMA of the tile's width from smem, no cp.async
     (non-bulk); every TMA load comes after a fence.proxy.async.global that follows the latest
     acquire load (dispatched rows / h written by generic stores). The epilogue handoff: the
-    consumers sync on EMPTY and arrive on FULL, the epilogue warps (96 threads) the reverse,
-    plus their own barrier; the 16-byte global stores are the epilogue warps' (h, Combine) and Dispatch's."""
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+    consumers sync on EMPTY and arrive on FULL, the epilogue warps (96 threads less the
+    dispatch warps) the reverse, plus their own barrier; the dispatch warps (overlapped
+    Dispatch) have a barrier of their own; the 16-byte global stores are the epilogue warps'
+    (h, Combine) and Dispatch's (one unrolled copy before a grid barrier, or the prologue's
+    and the dispatch warps')."""
+    from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, MegaMoESm90
 
     H, I = 512, 256
-    op = MegaMoESm90(H, I, schedule, block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages)
+    kw = dict(block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages, dispatch_warps=dispatch_warps)
+    op = MegaMoESm90(H, I, schedule, **kw)
     assert op.num_threads == 2 * block_m + 128 and op.num_mma_threads == 2 * block_m and not op.alias_c
-    ptx = _compile_ptx(tmp_path, H, I, schedule, block_m=block_m, block_n=block_n, mma="tma_ws", stages=stages)
+    epi = 96 - 32 * dispatch_warps
+    assert op.num_epi_threads == epi
+    ptx = _compile_ptx(tmp_path, H, I, schedule, **kw)
     tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     assert len(tma) >= 4  # A and B of L1 and of L2
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16\.f32\.bf16\.bf16", ptx)
-    for pat in (r"mbarrier\.init\.shared", r"mbarrier\.arrive\.expect_tx\.shared", r"mbarrier\.try_wait\.parity(\.acquire\.cta)?\.shared",
-                r"mbarrier\.arrive\.shared", r"wgmma\.wait_group\.sync\.aligned\s+1;", r"fence\.proxy\.async\.global",
-                r"red\.release\.gpu\.global\.add", r"ld\.acquire\.gpu",
-                rf"bar\.sync\s+3, {2 * block_m + 96};", rf"bar\.arrive\s+2, {2 * block_m + 96};",
-                rf"bar\.sync\s+2, {2 * block_m + 96};", rf"bar\.arrive\s+3, {2 * block_m + 96};",
-                r"bar\.sync\s+4, 96;"):
+    handoff = 2 * block_m + epi
+    pats = [r"mbarrier\.init\.shared", r"mbarrier\.arrive\.expect_tx\.shared",
+            r"mbarrier\.try_wait\.parity(\.acquire\.cta)?\.shared", r"mbarrier\.arrive\.shared",
+            r"wgmma\.wait_group\.sync\.aligned\s+1;", r"fence\.proxy\.async\.global",
+            r"red\.release\.gpu\.global\.add", r"ld\.acquire\.gpu",
+            rf"bar\.sync\s+3, {handoff};", rf"bar\.arrive\s+2, {handoff};",
+            rf"bar\.sync\s+2, {handoff};", rf"bar\.arrive\s+3, {handoff};", rf"bar\.sync\s+4, {epi};"]
+    if dispatch_warps:
+        # the prologue (all threads) and the dispatch warps publish rows on barrier 5
+        pats += [rf"bar\.sync\s+5, {32 * dispatch_warps};", rf"bar\.sync\s+5, {op.num_threads};"]
+    for pat in pats:
         assert re.search(pat, ptx), f"PTX lacks {pat}"
     assert not re.search(r"cp\.async\.cg\.shared\.global", ptx)
-    from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
-
-    # 16-byte stores: the epilogue warps' two (h, Combine) + Dispatch's unrolled row copy,
-    # whose loads are 16-byte too (a scalar fallback would multiply the copy's instructions)
-    assert len(re.findall(r"st\.global\.v4", ptx)) == 2 + DISPATCH_UNROLL
-    assert len(re.findall(r"ld\.global\.v4", ptx)) == DISPATCH_UNROLL
+    # 16-byte loads of the unrolled Dispatch copies (a scalar fallback would multiply the
+    # copy's instructions); their 16-byte stores (ptxas may duplicate some of them when it
+    # splits the loop: at least one each) + the epilogue warps' two stores (h, Combine)
+    copies = DISPATCH_UNROLL + (DISPATCH_WARP_UNROLL if dispatch_warps else 0)
+    assert len(re.findall(r"ld\.global\.v4", ptx)) == copies
+    assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 + copies
     assert _check_tma_after_proxy_fence(ptx) >= 4
 
 
