@@ -85,7 +85,7 @@ def run_case(shape, kind, P, tokens, args, dense):
             grouped_mm(a1[d], w1_t[d], p.counts)
             grouped_mm(a2[d], w2_t[d], p.counts)
 
-    if not args.skip_baselines:
+    if not args.skip_baselines and not args.paired_only:
         record("grouped_mm x2 only", timing.bench(gemms_only, warmup=2, iters=3, trials=args.trials))
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
@@ -108,6 +108,8 @@ def run_case(shape, kind, P, tokens, args, dense):
                 f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
                 f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + dw_tag(dw)
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
+            if args.paired_only:
+                poisons = []
             for i, poison in enumerate(poisons):
                 world = make_world(args.world, world_size=P, device="cuda")
                 moe = MegaMoE(world, poison_combine=poison, **kw)
@@ -259,6 +261,32 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     return summary
 
 
+def write_csv(path, rows):
+    """Rows (dicts with the same keys) to CSV; nothing is written for no rows (--paired-only
+    has no per-variant rows)."""
+    if not rows:
+        return
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def paired_table(paired):
+    """One flat row per (case, variant) of the paired comparison (the JSON keeps the samples)."""
+    out = []
+    for row in paired:
+        for name, v in row["variants"].items():
+            out.append(dict(shape=row["shape"], routing=row["routing"], world=row["world"], P=row["P"],
+                            tokens_per_rank=row["tokens_per_rank"], variant=name, baseline=row["baseline"],
+                            reference_clock_mhz=row["reference_clock_mhz"], n_matched=v["n_matched"],
+                            median_us=v.get("median_us"), baseline_median_us=v.get("baseline_median_us"),
+                            median_ratio=v.get("median_ratio"), frac_not_slower=v.get("frac_not_slower"),
+                            no_slower=v.get("no_slower"), faster=v["faster"]["verdict"],
+                            slower=v["slower"]["verdict"]))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
@@ -288,6 +316,9 @@ def main():
     ap.add_argument("--split-tail", default="auto", choices=["auto", "on", "off"],
                     help="tma_ws* with --block-m 128: run m-blocks of <= 64 rows as 64-row tiles (auto = on)")
     ap.add_argument("--skip-baselines", action="store_true")
+    ap.add_argument("--paired-only", action="store_true",
+                    help="only the paired fused-vs-grouped comparison (and --trace): no per-variant API timing, "
+                         "no unfused pipeline")
     ap.add_argument("--trace", action="store_true", help="also record one per-tile timeline per schedule")
     ap.add_argument("--paired-trials", type=int, default=21,
                     help="paired comparison of the fused kernels with the grouped GEMMs: trials of one call of "
@@ -310,10 +341,8 @@ def main():
             for P in args.P:
                 for T in args.tokens:
                     rows += run_case(get_shape(name), kind, P, T, args, dense)
-    with open(os.path.join(args.out, f"bench_megamoe{args.tag}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(args.out, f"bench_megamoe{args.tag}.csv"), rows)
+    write_csv(os.path.join(args.out, f"bench_megamoe{args.tag}_paired.csv"), paired_table(paired_rows))
     provenance.write_json(os.path.join(args.out, f"bench_megamoe{args.tag}.json"),
                           {"dense_bf16_tflops": dense, "args": vars(args), "rows": rows,
                            "trace_summaries": trace_summaries, "paired": paired_rows})

@@ -51,3 +51,18 @@ def test_paired_trials_rotates_and_reads_clocks(monkeypatch):
     samples, clocks = bench.paired_trials(fns, 3)
     assert calls == ["g", "a", "b", "a", "b", "g", "b", "g", "a"]
     assert all(len(v) == 3 for v in samples.values()) and clocks["a"] == [1980] * 3
+
+
+def test_paired_table_and_csv_without_rows(tmp_path):
+    """--paired-only has no per-variant rows: no CSV of them (an empty run once crashed the
+    bench before the JSON was written); the paired rows flatten to one CSV row per variant."""
+    samples, clocks = _bimodal_baseline()
+    row = dict(shape="s", routing="balanced", world="loopback", P=1, tokens_per_rank=8,
+               **bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0))
+    bench.write_csv(tmp_path / "none.csv", [])
+    assert not (tmp_path / "none.csv").exists()
+    table = bench.paired_table([row])
+    assert len(table) == 1 and table[0]["variant"] == "fused" and table[0]["no_slower"] is False
+    assert table[0]["slower"] == "fail" and table[0]["n_matched"] == 21
+    bench.write_csv(tmp_path / "paired.csv", table)
+    assert (tmp_path / "paired.csv").read_text().splitlines()[0].startswith("shape,routing,world,P")
