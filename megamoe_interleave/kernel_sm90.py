@@ -91,6 +91,7 @@ DISPATCH_WARP_UNROLL = 16  # the same for the dispatch warps (one or two warps p
 NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue warps, then dispatch warps
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
+SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 DRAIN_SLACK_NS = 10_000_000  # tma_ws producer waits for loads to land: beyond the peer's ring bound
 
 
@@ -263,10 +264,15 @@ class MegaMoESm90:
         # BN columns), never aliased with the ring, handed to the epilogue warps (see
         # consumer_tiles / epilogue_tiles). Rows padded by 4 words: conflict-free staging.
         ab_bytes = self.stages * BLOCK_K * (block_m + block_n) * 2
-        c_bytes = block_m * ((block_n // 2 if self.ws else block_n) + 4) * 4
+        # tma_ws staging: BN/4 words per row (BN/2 bf16: L1's h columns, or half of L2's BN
+        # output columns, handed off twice), swizzled instead of padded (stage_index); the
+        # other paths: BN fp32 per row padded by 4 words.
+        self.stage_words = block_n // 4
+        c_bytes = block_m * self.stage_words * 4 if self.ws else block_m * (block_n + 4) * 4
         self.alias_c = mma == "wgmma_cpasync" and ab_bytes + c_bytes > 200 * 1024
         need = max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes
-        if need > 220 * 1024 or (self.alias_c and c_bytes > ab_bytes):
+        need += 16 * self.stages + 12 * block_m  # ring mbarriers, row weights + Combine addresses
+        if need > SMEM_BYTES or (self.alias_c and c_bytes > ab_bytes):
             raise ValueError(f"shared memory (A/B {ab_bytes} B, staging {c_bytes} B) does not fit; "
                              "lower stages or block_n")
 
@@ -305,10 +311,12 @@ class MegaMoESm90:
                                                      stage=stage)
         self.sB_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (self.block_n, BLOCK_K),
                                                      stage=stage)
-        # fp32 accumulator staging for the row-wise epilogues (+4 words of padding per row).
-        # tma_ws: the same region holds the bf16 output tile as 32-bit words (L2 view here).
-        c_cols = self.block_n // 2 if self.ws else self.block_n
-        self.sC_layout = cute.make_layout((self.block_m, c_cols), stride=(c_cols + 4, 1))
+        # Staging tile: tma_ws, the bf16 output as 32-bit words (BM x BN/4, swizzled); the
+        # other paths, fp32 accumulators for the row-wise epilogues (+4 words of padding per row).
+        if const_expr(self.ws):
+            self.sC_layout = cute.make_layout(self.block_m * self.stage_words)  # see stage_index
+        else:
+            self.sC_layout = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n + 4, 1))
 
         c_size = 1 if self.alias_c else cute.cosize(self.sC_layout)
 
@@ -1007,7 +1015,6 @@ class MegaMoESm90:
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
         n_tile = Int32(0)
-        sO_l1 = self.output_view_l1(sC)
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
@@ -1023,25 +1030,38 @@ class MegaMoESm90:
                 if tile.phase == PHASE_L1:
                     state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half, self.hidden // BLOCK_K)
                     t2 = self.timestamp()
-                    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
-                    self.stage_output(frags, half, sO_l1, sRowW, True)
+                    self.hand_off(frags, half, sC, sRowW, True, 0)
                 else:
                     state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
                                                   self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
-                    cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
-                    self.stage_output(frags, half, sC, sRowW, False)
-                cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
+                    # BN output columns: two handoffs of BN/2 (the staging tile holds BN/2 words
+                    # per row, so the ring can have a fourth stage at 128 x 256).
+                    for part in cutlass.range_constexpr(2):
+                        self.hand_off(frags, half, sC, sRowW, False, part)
                 if const_expr(self.trace):
                     self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
                 n_tile = n_tile + 1
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
 
-    def output_view_l1(self, sO):
-        """L1 view of the staging tile: BM x BN/2 bf16 (h columns) as 32-bit words, rows padded by 4."""
-        cols = self.block_n // 4
-        return cute.make_tensor(sO.iterator, cute.make_layout((self.block_m, cols), stride=(cols + 4, 1)))
+    def stage_index(self, m, c):
+        """Index of word ``c`` of row ``m`` in the staging tile (BM x stage_words 32-bit words,
+        no padding): the 16-byte group XOR-swizzled by the row, so a warp's staging stores (8
+        rows x 4 consecutive words) hit 32 distinct banks, and the 4 words of an epilogue
+        thread's 16-byte chunk stay contiguous."""
+        words = self.stage_words
+        rows_per_line = max(1, 32 // words)  # rows sharing one 32-bank line
+        groups = min(8, words // 4)  # 16-byte groups per row
+        return m * words + (c ^ (((m // rows_per_line) % groups) * 4))
+
+    @cute.jit
+    def hand_off(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
+        """Consumers: wait until the staging tile is free (EMPTY), stage the output (L1: all
+        BN/2 h columns; L2: output columns [part * BN/2, (part + 1) * BN/2)), arrive on FULL."""
+        cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
+        self.stage_output(frags, half, sO, sRowW, swiglu_l1, part)
+        cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
 
     @cute.jit
     def epilogue_tiles(self, grid, cta: Int32, nctas: Int32, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight,
@@ -1055,7 +1075,7 @@ class MegaMoESm90:
         Combine slots (the X-Stage remote stores, issued while the consumers already run the
         next mainloop)."""
         g, r, G, c0, c1 = self._schedule_start(cta, nctas)
-        sO_l1 = self.output_view_l1(sO)
+        chunks = self.stage_words // 4  # 16-byte chunks of a staged row (L1: BN/2 h columns; L2: BN/2 of BN)
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
@@ -1074,14 +1094,13 @@ class MegaMoESm90:
                 cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
                 cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
                 if tile.phase == PHASE_L1:
-                    chunks = self.block_n // 16  # 16-byte chunks of a row's BN/2 h columns
                     h_base = Int64(mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
                     u = et
                     while u < rows * chunks:
                         m, c = u // chunks, u % chunks
-                        w = sO_l1[m, None]
+                        k = self.stage_index(m, 4 * c)
                         xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
-                                      w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3])
+                                      sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
                         u = u + self.num_epi_threads
                     # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
@@ -1090,14 +1109,19 @@ class MegaMoESm90:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
                 else:
-                    chunks = self.block_n // 8  # 16-byte chunks of a row's BN output columns
-                    u = et
-                    while u < rows * chunks:
-                        m, c = u // chunks, u % chunks
-                        w = sO[m, None]
-                        xdev.store_v4(sRowAddr[m] + Int64(tile.n_block * self.block_n + c * 8) * 2,
-                                      w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3])
-                        u = u + self.num_epi_threads
+                    for part in cutlass.range_constexpr(2):  # the consumers' two handoffs of BN/2 columns
+                        if const_expr(part == 1):
+                            # half 0 read out: the staging tile is free for half 1
+                            cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID,
+                                                     number_of_threads=self.handoff_threads())
+                            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
+                        col0 = tile.n_block * self.block_n + part * (self.block_n // 2)
+                        u = et
+                        while u < rows * chunks:
+                            m, c = u // chunks, u % chunks
+                            k = self.stage_index(m, 4 * c)
+                            xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
+                            u = u + self.num_epi_threads
                     self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
@@ -1160,25 +1184,39 @@ class MegaMoESm90:
         return state, t1, ok
 
     @cute.jit
-    def stage_output(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr):
-        """Accumulators -> bf16 output tile in shared memory, as 32-bit words of column pairs
-        (full or, split_tail, the 64-row fragments)."""
+    def stage_output(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
+        """Accumulators -> bf16 output in the staging tile, as 32-bit words of column pairs (full
+        or, split_tail, the 64-row fragments). L1: all h columns; L2: output columns
+        [part * BN/2, (part + 1) * BN/2) -- the full fragment's elements [part, part + 1) * size/2
+        (each warpgroup holds all BN columns of its 64 rows), of the 64-row fragments those of
+        warpgroup ``part`` (each holds BN/2 columns of all 64 rows)."""
         full_f, half_f = frags
+        size = cute.size(full_f[1])
+        lo = 0 if swiglu_l1 else part * (size // 2)
+        hi = size if swiglu_l1 else (part + 1) * (size // 2)
+        col0 = part * (self.block_n // 2)
         if const_expr(self.split_tail):
             if half:
-                self.stage_fragment(half_f[1], half_f[4], sO, sRowW, swiglu_l1)
+                size_h = cute.size(half_f[1])
+                if const_expr(swiglu_l1):
+                    self.stage_fragment(half_f[1], half_f[4], sO, sRowW, True, 0, size_h, 0)
+                else:
+                    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 == part:
+                        self.stage_fragment(half_f[1], half_f[4], sO, sRowW, False, 0, size_h, col0)
             else:
-                self.stage_fragment(full_f[1], full_f[4], sO, sRowW, swiglu_l1)
+                self.stage_fragment(full_f[1], full_f[4], sO, sRowW, swiglu_l1, lo, hi, col0)
         else:
-            self.stage_fragment(full_f[1], full_f[4], sO, sRowW, swiglu_l1)
+            self.stage_fragment(full_f[1], full_f[4], sO, sRowW, swiglu_l1, lo, hi, col0)
 
     @cute.jit
-    def stage_fragment(self, acc, tCcC, sO, sRowW, swiglu_l1: cutlass.Constexpr):
+    def stage_fragment(self, acc, tCcC, sO, sRowW, swiglu_l1: cutlass.Constexpr, lo: cutlass.Constexpr,
+                       hi: cutlass.Constexpr, col0: cutlass.Constexpr):
         """WGMMA accumulator fragment ((2, 2, BN/8), 1, 1): element v0 + 2 v1 + 4 j holds row
         r + 8 v1, column 8 j + 2 q + v0 (tCcC gives (row, column)), so a thread owns column
         pairs. L1 (``swiglu_l1``): gate/up interleaved by 8 columns, so fragment j = 2 jj
         (gate) and j = 2 jj + 1 (up) hold matching columns: h = SwiGLU(gate, up) x weight in
-        fp32 registers, bf16, h column 8 jj + 2 q + v0. L2: the accumulators rounded to bf16."""
+        fp32 registers, bf16, h column 8 jj + 2 q + v0. L2: elements [lo, hi) rounded to bf16,
+        output column - col0."""
         pair = cute.make_rmem_tensor((2,), BFloat16)
         word = cute.recast_tensor(pair, Int32)
         if const_expr(swiglu_l1):
@@ -1189,13 +1227,13 @@ class MegaMoESm90:
                     w = sRowW[mm]
                     for v0 in cutlass.range_constexpr(2):
                         pair[v0] = BFloat16(swiglu(acc[i + v0], acc[i + 4 + v0]) * w)
-                    sO[mm, ((nn // 16) * 8 + nn % 8) // 2] = word[0]
+                    sO[self.stage_index(mm, ((nn // 16) * 8 + nn % 8) // 2)] = word[0]
         else:
-            for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+            for i in cutlass.range_constexpr(lo, hi, 2):
                 mm, nn = tCcC[i]
                 for v0 in cutlass.range_constexpr(2):
                     pair[v0] = BFloat16(acc[i + v0])
-                sO[mm, nn // 2] = word[0]
+                sO[self.stage_index(mm, (nn - col0) // 2)] = word[0]
 
 
 # Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at

@@ -15,7 +15,7 @@ producer warp + epilogue warps), ``tma_ws_mcast`` (``tma_ws`` with the CTA pair 
 cluster multicasting the shared A tile), ``tma_ws_mcast_b`` (the pair takes two M blocks of
 one expert and multicasts the shared B tile, the expert's weights; the default), ``fma``.
 Several ``--mma`` values run side by side.
-Tile defaults: megamoe_interleave.api.default_tiles (128 x 256, 3 stages for DeepSeek-V4-Flash). "fused[...] api" is the whole
+Tile defaults: megamoe_interleave.api.default_tiles (128 x 256, 4 stages for DeepSeek-V4-Flash). "fused[...] api" is the whole
 MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
 "fused[...] kernels" is the device time of the fused kernels alone (CUDA events around the
 back-to-back launches of every rank). ``--api-poison`` picks whether the "api" rows NaN-poison the
@@ -90,23 +90,23 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
-    def moe_kwargs(sched, mma, dw):
-        bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, args.stages)
+    def moe_kwargs(sched, mma, dw, stages=None):
+        bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, stages)
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
                     backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw,
                     stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
-    def dw_tag(dw):
-        return "" if dw is None else f",dw{dw}"
+    def variant_tag(dw, stages):
+        return ("" if dw is None else f",dw{dw}") + ("" if stages is None else f",s{stages}")
 
-    fused_cases = [(mma, dw, sched) for mma in args.mma for dw in args.dispatch_warps
+    fused_cases = [(mma, dw, st, sched) for mma in args.mma for dw in args.dispatch_warps for st in args.stages
                    for sched in ("expert_wave", "interleaved")]
     if tokens <= args.fused_max_tokens:
-        for mma, dw, sched in fused_cases:
-            kw = moe_kwargs(sched, mma, dw)
+        for mma, dw, st, sched in fused_cases:
+            kw = moe_kwargs(sched, mma, dw, st)
             tag = f"{sched},{mma},{kw['block_m']}x{kw['block_n']}" + (
                 f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
-                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + dw_tag(dw)
+                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(dw, None)
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             if args.paired_only:
                 poisons = []
@@ -131,9 +131,9 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
-            for mma, dw, sched in fused_cases:
-                fns[f"fused[{sched},{mma}{dw_tag(dw)}]"] = fused_kernel_timed(moe_kwargs(sched, mma, dw), w1, w2, xs,
-                                                                              idx, wts, P, args.world)
+            for mma, dw, st, sched in fused_cases:
+                fns[f"fused[{sched},{mma}{variant_tag(dw, st)}]"] = fused_kernel_timed(
+                    moe_kwargs(sched, mma, dw, st), w1, w2, xs, idx, wts, P, args.world)
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
@@ -309,7 +309,8 @@ def main():
                          "values run side by side (default: the kernel's)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
-    ap.add_argument("--stages", type=int, default=None, help="default: api.default_tiles")
+    ap.add_argument("--stages", nargs="+", type=int, default=[None],
+                    help="ring depth(s), several run side by side (default: api.default_tiles)")
     ap.add_argument("--api-poison", default="both", choices=["on", "off", "both"],
                     help="NaN-poison the Combine slots before each timed api call (MegaMoE poison_combine): "
                          "'on' = rows 'api', 'off' = rows 'api,no-poison', 'both' = both rows")

@@ -68,8 +68,12 @@ def test_kernel_rejects_bad_tiling():
         MegaMoESm90(1024, 512, SCHEDULES[0], block_n=256, block_m=128, mma="wgmma_cpasync", stages=8)
     with pytest.raises(ValueError):
         MegaMoESm90(256, 128, SCHEDULES[0], mma="tf32")
-    with pytest.raises(ValueError):  # tma_ws: 4-stage 128x256 ring + (chunked) staging tile do not fit
-        MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=4)
+    with pytest.raises(ValueError):  # tma_ws: a 5-stage 128x256 ring + the staging tile do not fit
+        MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=5)
+    with pytest.raises(ValueError):  # dispatch warps: 1 or 2 of the 3 auxiliary warps, tma_ws* only
+        MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", dispatch_warps=3)
+    with pytest.raises(ValueError):
+        MegaMoESm90(256, 128, SCHEDULES[0], block_n=64, mma="wgmma", dispatch_warps=1)
     with pytest.raises(ValueError):  # tma_ws needs the producer warpgroup on top of the consumers
         MegaMoESm90(256, 128, SCHEDULES[0], block_n=64, block_m=64, num_threads=128, mma="tma_ws")
 
@@ -187,7 +191,7 @@ def test_tma_ws_mcast_b_ptx(tmp_path, schedule):
     """mma='tma_ws_mcast_b': the pair splits M and shares B: B (the expert's weights) is loaded
     half by each CTA with a multicast TMA, A (each CTA's own rows) with a plain one; the same
     cluster release, exit drain and barrier as tma_ws_mcast."""
-    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3)
+    ptx = _compile_ptx(tmp_path, 512, 256, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=4)
     mcast = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
                        r"\.multicast::cluster", ptx)
     plain = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile", ptx)
@@ -278,3 +282,48 @@ def test_ring_wait_check_rejects_unbounded_loop():
     with pytest.raises(AssertionError, match="LAB_WAIT"):
         _check_ring_waits_bounded("LAB_WAIT:\n mbarrier.try_wait.parity.shared.b64 P1, [%r1], %r2, 10000000;\n"
                                   "@P1 bra.uni DONE;\n bra.uni LAB_WAIT;\n", min_waits=0)
+
+
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_staging_swizzle_is_a_conflict_free_permutation(block_n):
+    """tma_ws staging tile (BM x BN/4 words, no padding): stage_index is a permutation, keeps
+    each 16-byte chunk contiguous (the epilogue's vector reads), and a warp's staging store
+    (8 consecutive rows x the 4 words of one 8-column group) hits 32 distinct banks."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+
+    op = MegaMoESm90(1024, 512, SCHEDULES[0], block_m=128, block_n=block_n, mma="tma_ws", stages=4)
+    W = op.stage_words
+    assert W == block_n // 4
+    idx = [[op.stage_index(m, c) for c in range(W)] for m in range(128)]
+    assert sorted(i for row in idx for i in row) == list(range(128 * W))
+    for m in range(128):
+        for c in range(0, W, 4):
+            assert idx[m][c:c + 4] == list(range(idx[m][c], idx[m][c] + 4))
+    for r0 in range(0, 128, 8):
+        for j in range(W // 4):
+            banks = {idx[r0 + r][4 * j + q] % 32 for r in range(8) for q in range(4)}
+            assert len(banks) == 32, (r0, j)
+
+
+@pytest.mark.compile
+def test_default_tiles_fit_shared_memory():
+    """DeepSeek-V4-Flash default tiles (128 x 256, 4 stages): the kernel's shared storage fits
+    the sm_90 227 KB (A/B ring 192 KB + 32 KB staging + barriers and row metadata)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Int32
+    from quack.compile_utils import make_fake_stream, make_fake_tensor
+
+    from megamoe_interleave.api import default_tiles
+    from megamoe_interleave.kernel_sm90 import NUM_SCALAR_ARGS, SMEM_BYTES, MegaMoESm90, tensor_argument_spec
+
+    H, I = 4096, 2048
+    bm, bn, stages = default_tiles("tma_ws_mcast_b", H, I)
+    assert (bm, bn, stages) == (128, 256, 4)
+    op = MegaMoESm90(H, I, SCHEDULES[0], block_m=bm, block_n=bn, mma="tma_ws_mcast_b", stages=stages)
+    syms, tensors = {}, []
+    for _, dtype, shape in tensor_argument_spec(H, I):
+        dims = tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d for d in shape)
+        tensors.append(make_fake_tensor(dtype, dims, divisibility=8 if dtype is BFloat16 else 1))
+    cute.compile(op, *tensors, *([Int32(0)] * NUM_SCALAR_ARGS), make_fake_stream())
+    size = op.shared_storage.size_in_bytes()
+    assert 4 * 48 * 1024 + 32 * 1024 <= size <= SMEM_BYTES, size
