@@ -62,14 +62,19 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
 
 # kernel_sm90.WS_KINDS (that module needs the CuTe DSL; a compile test checks they agree)
 WS_KINDS = ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")
+DEEP_RING_MAX_ROWS = 512  # default_tiles: 4 ring stages below this many rows per local expert, else 3
 
 
-def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_n=None, stages=None):
+def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_n=None, stages=None,
+                  rows_per_expert=None):
     """Tile defaults (each ``None`` is filled in): the warp-specialized kinds use 128-row tiles
-    and the widest N tile the CTA pairs allow (256 when H and 2I are multiples of 512), 4 ring
-    stages (at 128 x 256 they fit next to the half-width output staging tile: 226 KB) -- the
-    fastest configuration measured on the H200 (results/h200/megamoe); the other kinds keep
-    64 x 128, 4 stages."""
+    and the widest N tile the CTA pairs allow (256 when H and 2I are multiples of 512); the
+    other kinds keep 64 x 128, 4 stages. Ring depth of the 128 x 256 tiles, by the expected
+    rows per local expert (``rows_per_expert``, None = few): 4 stages (226 KB with the
+    half-width output staging tile) below DEEP_RING_MAX_ROWS, else 3. Measured on the H200
+    (DeepSeek-V4-Flash, 8192 tokens/rank, results/h200/megamoe/stages): at 192 rows per
+    expert (P = 1) 4 stages are 9.5 % faster; at 1536 (loopback P = 8) 3 stages are 1-5 %
+    faster. Only those two points were measured; the threshold lies between them."""
     ws = mma in WS_KINDS
     if block_m is None:
         block_m = 128 if ws else 64
@@ -78,7 +83,8 @@ def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_
         if ws:
             block_n = next((n for n in (256, 128, 64) if hidden % (2 * n) == 0 and intermediate % n == 0), 64)
     if stages is None:
-        stages = 4
+        wide = ws and block_m == 128 and block_n == 256
+        stages = 3 if wide and rows_per_expert is not None and rows_per_expert >= DEEP_RING_MAX_ROWS else 4
     return block_m, block_n, stages
 
 
@@ -159,9 +165,12 @@ class MegaMoE:
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
                  dispatch_warps: Optional[int] = None):
         P = world.world_size
-        block_m, block_n, stages = default_tiles(mma, hidden, intermediate, block_m, block_n, stages)
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
+        # balanced routing: P sources x T tokens x k picks over E experts
+        rows_per_expert = P * max_tokens_per_rank * topk / num_experts
+        block_m, block_n, stages = default_tiles(mma, hidden, intermediate, block_m, block_n, stages,
+                                                 rows_per_expert=rows_per_expert)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if backend not in BACKENDS:

@@ -91,7 +91,8 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       warmup=1, iters=1, trials=args.trials))
 
     def moe_kwargs(sched, mma, dw, stages=None):
-        bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, stages)
+        bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, stages,
+                                       rows_per_expert=P * tokens * k / E)
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
                     backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw,
                     stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])

@@ -179,3 +179,23 @@ def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
         bad = list(tensors)
         bad[4] = bad[4][:, :8]
         check_launch_arguments(H, I, bad)
+
+
+def test_default_ring_depth_follows_rows_per_expert():
+    """128 x 256 tiles: 4 ring stages for few rows per local expert (DeepSeek-V4-Flash at P = 1:
+    8192 * 6 / 256 = 192), 3 for many (loopback P = 8: 1536) -- the two measured points; other
+    tiles keep 4; an explicit ``stages`` wins."""
+    from megamoe_interleave.api import DEEP_RING_MAX_ROWS, default_tiles
+
+    assert default_tiles("tma_ws_mcast_b", 4096, 2048) == (128, 256, 4)
+    assert default_tiles("tma_ws_mcast_b", 4096, 2048, rows_per_expert=192) == (128, 256, 4)
+    assert default_tiles("tma_ws_mcast_b", 4096, 2048, rows_per_expert=1536) == (128, 256, 3)
+    assert default_tiles("tma_ws_mcast_b", 4096, 2048, rows_per_expert=DEEP_RING_MAX_ROWS)[2] == 3
+    assert default_tiles("tma_ws_mcast_b", 512, 128, rows_per_expert=1536) == (128, 128, 4)
+    assert default_tiles("tma_ws_mcast_b", 4096, 2048, stages=4, rows_per_expert=1536)[2] == 4
+    assert default_tiles("wgmma", 4096, 2048, rows_per_expert=1536) == (64, 128, 4)
+    for P, stages in ((1, 4), (8, 3)):
+        world = make_world("loopback", world_size=P, device="cpu")
+        # 1024 tokens x 6 picks over 32 experts: 192 (P = 1) / 1536 (P = 8) rows per expert
+        moe = MegaMoE(world, num_experts=32, hidden=4096, intermediate=2048, topk=6, max_tokens_per_rank=1024)
+        assert moe.stages == stages
