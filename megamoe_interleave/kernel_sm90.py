@@ -192,7 +192,7 @@ class MegaMoESm90:
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
-                 dispatch_warps: int | None = None):
+                 dispatch_warps: int | None = None, l2_handoffs: int | None = None):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -262,16 +262,21 @@ class MegaMoESm90:
         # (drained) A/B stages (multistage path only; it re-synchronizes before refilling them).
         # tma_ws: the tile's bf16 *output* (L1: SwiGLU applied in registers, BN/2 columns; L2:
         # BN columns), never aliased with the ring, handed to the epilogue warps (see
-        # consumer_tiles / epilogue_tiles). Rows padded by 4 words: conflict-free staging.
+        # consumer_tiles / epilogue_tiles), rows swizzled (stage_index), not padded. L2's BN
+        # columns go in ``l2_handoffs`` parts: 1 when the BN-wide staging tile fits next to the
+        # ring, else 2 (BN/2 wide, as L1's h columns: 128 x 256 with 4 stages); None = auto.
+        # The other paths: BN fp32 per row padded by 4 words.
         ab_bytes = self.stages * BLOCK_K * (block_m + block_n) * 2
-        # tma_ws staging: BN/4 words per row (BN/2 bf16: L1's h columns, or half of L2's BN
-        # output columns, handed off twice), swizzled instead of padded (stage_index); the
-        # other paths: BN fp32 per row padded by 4 words.
-        self.stage_words = block_n // 4
+        extra = 16 * self.stages + 12 * block_m  # ring mbarriers, row weights + Combine addresses
+        if l2_handoffs is None:
+            l2_handoffs = 1 if ab_bytes + block_m * block_n * 2 + extra <= SMEM_BYTES else 2
+        if l2_handoffs not in (1, 2):
+            raise ValueError(f"l2_handoffs must be 1 or 2, got {l2_handoffs!r}")
+        self.l2_handoffs = l2_handoffs
+        self.stage_words = block_n // (2 * l2_handoffs)  # per staged row: >= BN/4 (L1's h columns)
         c_bytes = block_m * self.stage_words * 4 if self.ws else block_m * (block_n + 4) * 4
         self.alias_c = mma == "wgmma_cpasync" and ab_bytes + c_bytes > 200 * 1024
-        need = max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes
-        need += 16 * self.stages + 12 * block_m  # ring mbarriers, row weights + Combine addresses
+        need = (max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes) + extra
         if need > SMEM_BYTES or (self.alias_c and c_bytes > ab_bytes):
             raise ValueError(f"shared memory (A/B {ab_bytes} B, staging {c_bytes} B) does not fit; "
                              "lower stages or block_n")
@@ -1035,9 +1040,9 @@ class MegaMoESm90:
                     state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
                                                   self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
-                    # BN output columns: two handoffs of BN/2 (the staging tile holds BN/2 words
-                    # per row, so the ring can have a fourth stage at 128 x 256).
-                    for part in cutlass.range_constexpr(2):
+                    # BN output columns in l2_handoffs parts (2: the staging tile is half as wide,
+                    # so the ring can have a fourth stage at 128 x 256)
+                    for part in cutlass.range_constexpr(self.l2_handoffs):
                         self.hand_off(frags, half, sC, sRowW, False, part)
                 if const_expr(self.trace):
                     self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
@@ -1058,7 +1063,7 @@ class MegaMoESm90:
     @cute.jit
     def hand_off(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """Consumers: wait until the staging tile is free (EMPTY), stage the output (L1: all
-        BN/2 h columns; L2: output columns [part * BN/2, (part + 1) * BN/2)), arrive on FULL."""
+        BN/2 h columns; L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL."""
         cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
         self.stage_output(frags, half, sO, sRowW, swiglu_l1, part)
         cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
@@ -1075,7 +1080,8 @@ class MegaMoESm90:
         Combine slots (the X-Stage remote stores, issued while the consumers already run the
         next mainloop)."""
         g, r, G, c0, c1 = self._schedule_start(cta, nctas)
-        chunks = self.stage_words // 4  # 16-byte chunks of a staged row (L1: BN/2 h columns; L2: BN/2 of BN)
+        chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
+        chunks = self.stage_words // 4  # L2, BN / l2_handoffs output columns
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
@@ -1096,8 +1102,8 @@ class MegaMoESm90:
                 if tile.phase == PHASE_L1:
                     h_base = Int64(mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
                     u = et
-                    while u < rows * chunks:
-                        m, c = u // chunks, u % chunks
+                    while u < rows * chunks_l1:
+                        m, c = u // chunks_l1, u % chunks_l1
                         k = self.stage_index(m, 4 * c)
                         xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
                                       sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
@@ -1109,13 +1115,13 @@ class MegaMoESm90:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
                 else:
-                    for part in cutlass.range_constexpr(2):  # the consumers' two handoffs of BN/2 columns
-                        if const_expr(part == 1):
-                            # half 0 read out: the staging tile is free for half 1
+                    for part in cutlass.range_constexpr(self.l2_handoffs):  # the consumers' handoffs
+                        if const_expr(part > 0):
+                            # part 0 read out: the staging tile is free for part 1
                             cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID,
                                                      number_of_threads=self.handoff_threads())
                             cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
-                        col0 = tile.n_block * self.block_n + part * (self.block_n // 2)
+                        col0 = tile.n_block * self.block_n + part * (self.block_n // self.l2_handoffs)
                         u = et
                         while u < rows * chunks:
                             m, c = u // chunks, u % chunks
@@ -1186,20 +1192,21 @@ class MegaMoESm90:
     @cute.jit
     def stage_output(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """Accumulators -> bf16 output in the staging tile, as 32-bit words of column pairs (full
-        or, split_tail, the 64-row fragments). L1: all h columns; L2: output columns
-        [part * BN/2, (part + 1) * BN/2) -- the full fragment's elements [part, part + 1) * size/2
-        (each warpgroup holds all BN columns of its 64 rows), of the 64-row fragments those of
-        warpgroup ``part`` (each holds BN/2 columns of all 64 rows)."""
+        or, split_tail, the 64-row fragments). L1: all h columns; L2: all BN columns, or with two
+        handoffs output columns [part * BN/2, (part + 1) * BN/2) -- the full fragment's elements
+        [part, part + 1) * size/2 (each warpgroup holds all BN columns of its 64 rows), of the
+        64-row fragments those of warpgroup ``part`` (each holds BN/2 columns of all 64 rows)."""
         full_f, half_f = frags
         size = cute.size(full_f[1])
-        lo = 0 if swiglu_l1 else part * (size // 2)
-        hi = size if swiglu_l1 else (part + 1) * (size // 2)
-        col0 = part * (self.block_n // 2)
+        parts = 1 if swiglu_l1 else self.l2_handoffs
+        lo = part * (size // parts)
+        hi = (part + 1) * (size // parts)
+        col0 = part * (self.block_n // parts)
         if const_expr(self.split_tail):
             if half:
                 size_h = cute.size(half_f[1])
-                if const_expr(swiglu_l1):
-                    self.stage_fragment(half_f[1], half_f[4], sO, sRowW, True, 0, size_h, 0)
+                if const_expr(parts == 1):
+                    self.stage_fragment(half_f[1], half_f[4], sO, sRowW, swiglu_l1, 0, size_h, 0)
                 else:
                     if cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 == part:
                         self.stage_fragment(half_f[1], half_f[4], sO, sRowW, False, 0, size_h, col0)

@@ -90,24 +90,24 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
-    def moe_kwargs(sched, mma, dw, stages=None):
+    def moe_kwargs(sched, mma, dw, stages=None, handoffs=None):
         bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, stages,
                                        rows_per_expert=P * tokens * k / E)
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
-                    backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw,
+                    backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw, l2_handoffs=handoffs,
                     stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
-    def variant_tag(dw, stages):
-        return ("" if dw is None else f",dw{dw}") + ("" if stages is None else f",s{stages}")
+    def variant_tag(dw, stages, handoffs):
+        return "".join(f",{name}{v}" for name, v in (("dw", dw), ("s", stages), ("l2h", handoffs)) if v is not None)
 
-    fused_cases = [(mma, dw, st, sched) for mma in args.mma for dw in args.dispatch_warps for st in args.stages
-                   for sched in ("expert_wave", "interleaved")]
+    fused_cases = [(mma, dw, st, ho, sched) for mma in args.mma for dw in args.dispatch_warps for st in args.stages
+                   for ho in args.l2_handoffs for sched in ("expert_wave", "interleaved")]
     if tokens <= args.fused_max_tokens:
-        for mma, dw, st, sched in fused_cases:
-            kw = moe_kwargs(sched, mma, dw, st)
+        for mma, dw, st, ho, sched in fused_cases:
+            kw = moe_kwargs(sched, mma, dw, st, ho)
             tag = f"{sched},{mma},{kw['block_m']}x{kw['block_n']}" + (
                 f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
-                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(dw, None)
+                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(dw, None, ho)
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             if args.paired_only:
                 poisons = []
@@ -132,9 +132,9 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
-            for mma, dw, st, sched in fused_cases:
-                fns[f"fused[{sched},{mma}{variant_tag(dw, st)}]"] = fused_kernel_timed(
-                    moe_kwargs(sched, mma, dw, st), w1, w2, xs, idx, wts, P, args.world)
+            for mma, dw, st, ho, sched in fused_cases:
+                fns[f"fused[{sched},{mma}{variant_tag(dw, st, ho)}]"] = fused_kernel_timed(
+                    moe_kwargs(sched, mma, dw, st, ho), w1, w2, xs, idx, wts, P, args.world)
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
@@ -308,6 +308,8 @@ def main():
     ap.add_argument("--dispatch-warps", nargs="+", type=int, default=[None],
                     help="tma_ws*: Dispatch overlapped by 1 or 2 warps, 0 = before a grid barrier; several "
                          "values run side by side (default: the kernel's)")
+    ap.add_argument("--l2-handoffs", nargs="+", type=int, default=[None],
+                    help="tma_ws*: L2 output staged in 1 or 2 parts, side by side (default: as smem allows)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

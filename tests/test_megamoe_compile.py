@@ -284,16 +284,20 @@ def test_ring_wait_check_rejects_unbounded_loop():
                                   "@P1 bra.uni DONE;\n bra.uni LAB_WAIT;\n", min_waits=0)
 
 
+@pytest.mark.parametrize("l2_handoffs", [1, 2])
 @pytest.mark.parametrize("block_n", [64, 128, 256])
-def test_staging_swizzle_is_a_conflict_free_permutation(block_n):
-    """tma_ws staging tile (BM x BN/4 words, no padding): stage_index is a permutation, keeps
-    each 16-byte chunk contiguous (the epilogue's vector reads), and a warp's staging store
-    (8 consecutive rows x the 4 words of one 8-column group) hits 32 distinct banks."""
+def test_staging_swizzle_is_a_conflict_free_permutation(block_n, l2_handoffs):
+    """tma_ws staging tile (BM x BN/(2 l2_handoffs) words, no padding): stage_index is a
+    permutation, keeps each 16-byte chunk contiguous (the epilogue's vector reads), and a
+    warp's staging store (8 consecutive rows x the 4 words of one 8-column group) hits 32
+    distinct banks, also within the BN/4 words of L1's h columns."""
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
 
-    op = MegaMoESm90(1024, 512, SCHEDULES[0], block_m=128, block_n=block_n, mma="tma_ws", stages=4)
+    stages = 4 if block_n < 256 or l2_handoffs == 2 else 3
+    op = MegaMoESm90(1024, 512, SCHEDULES[0], block_m=128, block_n=block_n, mma="tma_ws", stages=stages,
+                     l2_handoffs=l2_handoffs)
     W = op.stage_words
-    assert W == block_n // 4
+    assert W == block_n // (2 * l2_handoffs)
     idx = [[op.stage_index(m, c) for c in range(W)] for m in range(128)]
     assert sorted(i for row in idx for i in row) == list(range(128 * W))
     for m in range(128):
@@ -303,6 +307,24 @@ def test_staging_swizzle_is_a_conflict_free_permutation(block_n):
         for j in range(W // 4):
             banks = {idx[r0 + r][4 * j + q] % 32 for r in range(8) for q in range(4)}
             assert len(banks) == 32, (r0, j)
+        assert max(idx[r0 + r][c] - (r0 + r) * W for r in range(8) for c in range(block_n // 4)) < W
+
+
+def test_l2_handoffs_auto():
+    """One L2 handoff when the BN-wide staging tile fits next to the ring, else two."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+
+    def op(stages, bn=256, **kw):
+        return MegaMoESm90(4096, 2048, SCHEDULES[0], block_m=128, block_n=bn, mma="tma_ws_mcast_b", stages=stages,
+                           **kw)
+    assert op(3).l2_handoffs == 1 and op(3).stage_words == 128
+    assert op(4).l2_handoffs == 2 and op(4).stage_words == 64
+    assert op(4, bn=128).l2_handoffs == 1
+    assert op(3, l2_handoffs=2).stage_words == 64
+    with pytest.raises(ValueError):
+        op(4, l2_handoffs=1)  # 192 KB ring + 64 KB staging
+    with pytest.raises(ValueError):
+        op(3, l2_handoffs=3)
 
 
 @pytest.mark.compile

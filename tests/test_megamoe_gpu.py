@@ -247,16 +247,18 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 def test_split_tail_on_off_bitwise(mma):
     """split_tail (<= 64-row m-blocks as 64-row N-split tiles) changes no bit of y: the same
-    K-order WGMMA accumulation per element, only the warpgroup tiling differs. Experts with
-    1..64 and 65..128 rows in their last m-block are both present."""
+    K-order WGMMA accumulation per element, only the warpgroup tiling differs; nor does
+    staging the L2 output in two handoffs (the 4-stage 128 x 256 layout; forced here at
+    128 x 128) instead of one. Experts with 1..64 and 65..128 rows in their last m-block are
+    both present."""
     from megamoe_interleave.reference import reference_moe_fp32
 
     P, k = 2, 6
     w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=31)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     outs = []
-    for split in (True, False):
-        moe = _make(P, k, "interleaved", mma, block_m=128, block_n=128, split_tail=split)
+    for split, handoffs in ((True, 1), (False, 1), (True, 2), (False, 2)):
+        moe = _make(P, k, "interleaved", mma, block_m=128, block_n=128, split_tail=split, l2_handoffs=handoffs)
         moe.load_weights(w1, w2)
         outs.append(moe.forward(xs, idx, w))
         _check(outs[-1], refs)
@@ -265,8 +267,9 @@ def test_split_tail_on_off_bitwise(mma):
             perm, _ = moe.plan_rank(d)
             tails |= {(c - 1) % 128 < 64 for c in perm.counts.tolist() if c > 0}
         assert tails == {True, False}, "need experts whose last m-block has <= 64 and > 64 rows"
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
 
 
 def test_cluster_pairings_bitwise_equal():
