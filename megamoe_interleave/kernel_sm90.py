@@ -4,7 +4,9 @@ STATUS -- a *functional subset*, honestly labelled:
 
 * done, in ONE persistent kernel (one CTA per SM at most, all resident):
   Dispatch row pull (16-byte loads from the source ranks' symmetric ``x`` through the
-  peer table), grid barrier, a mixed Linear-1 / Linear-2 tile stream ordered by the
+  peer table; tma_ws*: overlapped with the tiles -- the rows the first tiles may read by all
+  threads, the rest by a dispatch warp while the tiles run, per-row ``x_ready`` counters the
+  L1 producer waits on; other kinds: before a grid barrier), a mixed Linear-1 / Linear-2 tile stream ordered by the
   scheduler (``expert_wave`` or ``interleaved`` -- a compile-time switch, the SAME step
   functions as the Python reference in :mod:`megamoe_interleave.scheduler`), L1 +
   SwiGLU x routing weight epilogue, L2 tiles waiting for their row's L1 tiles through
@@ -37,17 +39,17 @@ STATUS -- a *functional subset*, honestly labelled:
   drain their full barriers and cluster-sync before exit, so a CTA never leaves while its
   peer may still write into its shared memory (also after a timeout). Assumes all clusters
   of 2 are co-resident (an H200 TPC holds 2 SMs); if not, the bounded grid barrier reports a
-  timeout. Tiles 128x256 (3 stages, default), 128x128 (4), 64x256 (4).
+  timeout. Tiles 128x256 (default; 4 ring stages with the L2 output staged in two halves,
+  or 3 with one -- api.default_tiles picks by rows per expert), 128x128 (4), 64x256 (4).
   ``"wgmma"`` -- one warpgroup, WGMMA (SS) M64 x block_n, K blocks of 64 staged through
   registers into 128-B-swizzled smem, single stage (GPU-validated, ~66-75 TFLOP/s);
   ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (GPU tests pass);
   ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow).
-  Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, results/h200/megamoe): tma_ws_mcast_b
-  5.24-5.28 ms per call at P = 1 (1.01x the speed of the two torch grouped GEMMs alone, 5.31
-  ms; 1.9x faster than the unfused pipeline; tma_ws_mcast 5.78-6.04 ms), 33.8-34.9 ms at
-  loopback P = 8 (0.92-0.95x of 32.0 ms; tma_ws_mcast 32.9-35.1 ms).
-* NOT done yet: dispatch overlapped with the first L1 tiles (a grid barrier separates
-  them; at loopback P = 8 that is most of the gap to the grouped GEMMs), ``setmaxnreg`` register
+  Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, clock-matched paired trials,
+  results/h200/megamoe): at P = 1 (4 stages) 0.98x the time of the two torch grouped GEMMs
+  alone (faster in every trial), 2.2x faster than the unfused pipeline; at loopback P = 8
+  (3 stages) 1.076x their time (slower), 2.7x faster than unfused.
+* NOT done yet: ``setmaxnreg`` register
   rebalancing; the dispatch *index* computation (counting / prefix sums of the routed tokens)
   runs on the host (:func:`megamoe_interleave.reference.permute_ranks`); the final top-k
   reduction runs after all ranks (torch), as the loopback world requires anyway.
@@ -55,7 +57,9 @@ STATUS -- a *functional subset*, honestly labelled:
 Counter word layout (``mCounters`` int32, one per rank, in the symmetric buffer):
 ``[0]`` error word, ``[1]`` grid-barrier counter (monotonic: each call adds 2 * grid to it;
 the host passes its value before the call as ``barrier_base``, so the grid may vary per call),
-``[2 + row]`` ``l2_full`` of scheduler row ``row`` (zeroed at the end of each call).
+``[2 + row]`` ``l2_full`` of scheduler row ``row``, ``[2 + num_rows + row]`` ``x_ready`` of that
+row (overlapped Dispatch: one increment per CTA once its slice of the row has landed); both
+zeroed at the end of each call.
 """
 from __future__ import annotations
 
@@ -827,7 +831,10 @@ class MegaMoESm90:
     # sequence, so every barrier phase completes. The producer blocks (bounded) on an L2
     # tile's row counter only after it has issued every K block of the tiles before it in this CTA's order, and the
     # consumers finish those without further outside waits. So "the first tile whose loads
-    # are not all issued" plays the role of the CTA's head in that argument.
+    # are not all issued" plays the role of the CTA's head in that argument. Overlapped Dispatch
+    # adds the L1 producer's wait on ``x_ready[row]``: the warps that copy rows wait for nothing
+    # (no tile, no barrier shared with the tile roles), so that wait always ends -- exactly the
+    # scheduler's model, where an L1 tile depends only on Dispatch.
     #
     # No hangs: every ring wait is bounded (BoundedPipelineTmaAsync: mbarrier.try_wait.parity
     # retried until a %globaltimer deadline of ring_timeout_ns = 2 * timeout_ns, then

@@ -101,7 +101,8 @@ def run_case(shape, kind, P, tokens, args, dense):
         return "".join(f",{name}{v}" for name, v in (("dw", dw), ("s", stages), ("l2h", handoffs)) if v is not None)
 
     fused_cases = [(mma, dw, st, ho, sched) for mma in args.mma for dw in args.dispatch_warps for st in args.stages
-                   for ho in args.l2_handoffs for sched in ("expert_wave", "interleaved")]
+                   for ho in args.l2_handoffs for sched in ("expert_wave", "interleaved")
+                   if kernel_config_ok(H, I, moe_kwargs(sched, mma, dw, st, ho))]
     if tokens <= args.fused_max_tokens:
         for mma, dw, st, ho, sched in fused_cases:
             kw = moe_kwargs(sched, mma, dw, st, ho)
@@ -143,6 +144,24 @@ def run_case(shape, kind, P, tokens, args, dense):
 
 
 paired_rows = []
+
+
+def kernel_config_ok(hidden, intermediate, kw) -> bool:
+    """Whether the fused kernel accepts the variant (the side-by-side axes may combine into a
+    configuration that does not fit, e.g. 4 stages with one L2 handoff at 128 x 256): skipped
+    with a note instead of aborting the run."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+    from megamoe_interleave.scheduler import Schedule
+
+    try:
+        MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), block_m=kw["block_m"],
+                    block_n=kw["block_n"], mma=kw["mma"], stages=kw["stages"], split_tail=kw["split_tail"],
+                    dispatch_warps=kw["dispatch_warps"], l2_handoffs=kw["l2_handoffs"])
+    except ValueError as e:
+        print(f"skipping {kw['mma']} {kw['schedule']} stages={kw['stages']} dispatch_warps={kw['dispatch_warps']} "
+              f"l2_handoffs={kw['l2_handoffs']}: {e}", flush=True)
+        return False
+    return True
 
 
 def event_timed(fn):

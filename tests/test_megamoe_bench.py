@@ -66,3 +66,11 @@ def test_paired_table_and_csv_without_rows(tmp_path):
     assert table[0]["slower"] == "fail" and table[0]["n_matched"] == 21
     bench.write_csv(tmp_path / "paired.csv", table)
     assert (tmp_path / "paired.csv").read_text().splitlines()[0].startswith("shape,routing,world,P")
+
+
+def test_kernel_config_ok_skips_what_does_not_fit():
+    kw = dict(schedule="expert_wave", block_m=128, block_n=256, mma="tma_ws_mcast_b", split_tail=None,
+              dispatch_warps=None, l2_handoffs=None)
+    assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=4))
+    assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, l2_handoffs=1))
+    assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=4, l2_handoffs=1))

@@ -1,10 +1,11 @@
 # MegaMoE fused kernel vs grouped GEMMs and the unfused pipeline, both schedules (issue 5):
-# the default mainloop (tma_ws_mcast_b, 128x256 tiles, 3 stages on DeepSeek-V4-Flash) next to
-# tma_ws_mcast, with the baselines and a per-tile trace, then split_tail off and the unicast
-# tma_ws for comparison.
+# the default mainloop (tma_ws_mcast_b, 128x256 tiles, Dispatch overlapped, 4 ring stages at
+# P = 1 / 3 at P = 8 on DeepSeek-V4-Flash) next to tma_ws_mcast, with the baselines, the
+# clock-matched paired verdict (0.25 s cooldown before each timed call) and a per-tile trace,
+# then split_tail off and the unicast tma_ws for comparison.
 source "$(dirname "$0")/../_env.sh"
 "$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --mma tma_ws_mcast_b tma_ws_mcast --trace \
-  --out "$XSTAGE_RESULTS/megamoe"
+  --cooldown-s 0.25 --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --split-tail off --skip-baselines --api-poison off \
   --tag _split_tail_off --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --mma tma_ws --skip-baselines --api-poison off \
