@@ -203,14 +203,18 @@ class MegaMoE:
 
             MegaMoESm90(hidden, intermediate, self.schedule, block_m=block_m, block_n=block_n, mma=mma, stages=stages,
                         trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps, l2_handoffs=l2_handoffs)
+        # Largest pool of one rank (every pick of every source) + the block_m padding rows.
+        self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
+        if backend == "fused" and self._max_pool_rows * (hidden // 8) >= 2 ** 31:
+            raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank}: the fused kernel indexes the dispatched "
+                             f"rows in 16-byte chunks with int32 ({self._max_pool_rows} rows x {hidden // 8} chunks "
+                             f">= 2^31); lower max_tokens_per_rank")
         # Worst-case scheduler rows of one rank: every pick of every source lands here, plus
         # one partial M block per local expert.
         max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // block_m) + self.experts_per_rank
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
                                     num_counters=2 + 2 * max_rows)
         self.poison_combine = poison_combine
-        # Largest pool of one rank (every pick of every source) + the block_m padding rows.
-        self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
         self._scratch = {}  # rank -> {name: flat device tensor}, reused across calls (see _scratch_rows)
         self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
         self._plans = (-1, {})  # (generation, {rank: (Permutation, RowGrid)})

@@ -320,7 +320,7 @@ class MegaMoESm90:
                                                      stage=stage)
         self.sB_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (self.block_n, BLOCK_K),
                                                      stage=stage)
-        # Staging tile: tma_ws, the bf16 output as 32-bit words (BM x BN/4, swizzled); the
+        # Staging tile: tma_ws, the bf16 output as 32-bit words (BM x stage_words, swizzled); the
         # other paths, fp32 accumulators for the row-wise epilogues (+4 words of padding per row).
         if const_expr(self.ws):
             self.sC_layout = cute.make_layout(self.block_m * self.stage_words)  # see stage_index

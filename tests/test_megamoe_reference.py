@@ -199,3 +199,12 @@ def test_default_ring_depth_follows_rows_per_expert():
         # 1024 tokens x 6 picks over 32 experts: 192 (P = 1) / 1536 (P = 8) rows per expert
         moe = MegaMoE(world, num_experts=32, hidden=4096, intermediate=2048, topk=6, max_tokens_per_rank=1024)
         assert moe.stages == stages
+
+
+def test_fused_rejects_pools_beyond_int32_chunk_indices():
+    """Dispatch indexes pool rows in 16-byte chunks with int32: a configuration whose largest
+    pool exceeds that is refused at construction, before any buffer is allocated."""
+    world = make_world("loopback", world_size=8, device="cpu")
+    with pytest.raises(ValueError, match="int32"):
+        MegaMoE(world, num_experts=256, hidden=7168, intermediate=3072, topk=8, max_tokens_per_rank=65536,
+                backend="fused")
