@@ -259,8 +259,9 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     moe.forward(xs, idx, wts)
     recs = decode_trace(moe.last_trace[0])
     t_min = min(r["t_start"] for cta in recs for r in cta)
-    dw = "" if kwargs.get("dispatch_warps") is None else f"_dw{kwargs['dispatch_warps']}"
-    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}{dw}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
+    variant = "".join(f"_{name}{kwargs[key]}" for name, key in (("dw", "dispatch_warps"), ("s", "stages"),
+                                                                  ("l2h", "l2_handoffs")) if kwargs.get(key) is not None)
+    path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}{variant}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
