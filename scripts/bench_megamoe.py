@@ -278,8 +278,34 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
         summary[f"{name}_mainloop_ns_median"] = _median([r["t_mainloop"] - r["t_ready"] for r in rs])
         summary[f"{name}_epilogue_ns_median"] = _median([r["t_epilogue"] - r["t_mainloop"] for r in rs])
     summary["span_ns"] = max(r["t_epilogue"] for cta in recs for r in cta) - t_min
+    summary.update(cta_budget(recs))
     print("trace", summary, flush=True)
     return summary
+
+
+def cta_budget(recs):
+    """Where each CTA's time goes (medians over CTAs, ns; consumers' timestamps): ``busy`` from
+    its first tile start to its last tile end, split into ``mainloop`` (WGMMA, first stage landed
+    -> last WGMMA retired), ``wait`` (tile start -> first stage landed: ring / dependency
+    waits), ``staging`` (mainloop end -> handoff done) and ``gap`` (between a tile's end and the
+    next one's start: schedule step, trace record); ``tail`` = span - the CTA's end (how long it
+    idles while the last CTA finishes), as min / median / max over CTAs."""
+    ctas = [cta for cta in recs if cta]
+    if not ctas:
+        return {}
+    t0 = min(cta[0]["t_start"] for cta in ctas)
+    end = max(cta[-1]["t_epilogue"] for cta in ctas)
+    parts = {"mainloop": ("t_ready", "t_mainloop"), "wait": ("t_start", "t_ready"),
+             "staging": ("t_mainloop", "t_epilogue")}
+    out = {f"cta_{name}_ns_median": _median([sum(r[b] - r[a] for r in cta) for cta in ctas])
+           for name, (a, b) in parts.items()}
+    out["cta_busy_ns_median"] = _median([cta[-1]["t_epilogue"] - cta[0]["t_start"] for cta in ctas])
+    out["cta_gap_ns_median"] = _median([sum(max(0, b["t_start"] - a["t_epilogue"]) for a, b in zip(cta, cta[1:]))
+                                        for cta in ctas])
+    out["cta_start_ns_max"] = max(cta[0]["t_start"] for cta in ctas) - t0
+    tails = sorted(end - cta[-1]["t_epilogue"] for cta in ctas)
+    out.update(cta_tail_ns_min=tails[0], cta_tail_ns_median=_median(tails), cta_tail_ns_max=tails[-1])
+    return out
 
 
 def write_csv(path, rows):

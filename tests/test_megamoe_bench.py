@@ -74,3 +74,20 @@ def test_kernel_config_ok_skips_what_does_not_fit():
     assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=4))
     assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, l2_handoffs=1))
     assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=4, l2_handoffs=1))
+
+
+def test_cta_budget_splits_each_ctas_time():
+    """Two CTAs, hand-made timelines: per-CTA sums of mainloop / wait / staging / gaps and the
+    tail while the slower CTA finishes."""
+    def tile(t0, wait, main, stage):
+        return dict(t_start=t0, t_ready=t0 + wait, t_mainloop=t0 + wait + main, t_epilogue=t0 + wait + main + stage)
+    a = [tile(0, 1, 10, 2), tile(15, 1, 10, 2)]  # ends at 28, gap 2
+    b = [tile(1, 3, 10, 2), tile(16, 0, 20, 4)]  # ends at 40, gap 0
+    out = bench.cta_budget([a, b, []])
+    assert out["cta_tail_ns_min"] == 0 and out["cta_tail_ns_max"] == 12
+    assert out["cta_start_ns_max"] == 1
+    assert bench.cta_budget([a])["cta_mainloop_ns_median"] == 20
+    assert bench.cta_budget([a])["cta_gap_ns_median"] == 2 and bench.cta_budget([b])["cta_gap_ns_median"] == 0
+    assert bench.cta_budget([b])["cta_staging_ns_median"] == 6 and bench.cta_budget([b])["cta_wait_ns_median"] == 3
+    assert bench.cta_budget([a])["cta_busy_ns_median"] == 28
+    assert bench.cta_budget([]) == {}
