@@ -442,15 +442,16 @@ class MegaMoE:
         # expert's tokens feed accumulator rows that are never stored).
         pool_x = self._scratch_rows(d, "pool_x", n_pool + self.block_m, self.hidden, buf.dtype)
         h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
-        # The four small int32 tables in one host->device copy (pinned, asynchronous).
-        exp_tok_off = [0, *itertools.accumulate(perm.counts_host)]
-        parts = [grid.row_expert or [0], grid.expert_row_offset, exp_tok_off, grid.wave_row_start]
+        # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
+        # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
+        records = itertools.chain.from_iterable(grid.row_record or [(0, 0, 0, 0)])
+        parts = [list(records), grid.wave_row_start]
         lens = [len(p) for p in parts]
         host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int32, count=sum(lens)))
         if dev.type == "cuda":
             host = host.pin_memory()  # caching host allocator: safe to reuse once the copy is done
-        tables = host.to(dev, non_blocking=True).split(lens)
-        row_expert, exp_row_off, exp_tok_off, wave_start = tables
+        records, wave_start = host.to(dev, non_blocking=True).split(lens)
+        records = records.view(-1, 4)
         # Persistent grid: at most one CTA per SM so every CTA is resident (the
         # dependency waits and grid barriers rely on it); even for the CTA pairs.
         num_ctas = max(2, min(self.num_sms - self.num_sms % 2,
@@ -463,7 +464,7 @@ class MegaMoE:
         else:
             trace = self._scratch_rows(d, "no_trace", 1, 6, torch.int64).view(1, 1, 6)  # unused by the kernel
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
-                   self.w1[d], self.w2[d], row_expert, exp_row_off, exp_tok_off, wave_start, buf.counters[d],
+                   self.w1[d], self.w2[d], records, wave_start, buf.counters[d],
                    trace)
         from .kernel_sm90 import check_launch_arguments
 
@@ -494,7 +495,7 @@ class MegaMoE:
         end.record()
         for d, _, args in launches:
             if self._barrier_base[d] > 2 ** 30:  # keep the int32 barrier counter far from overflow
-                args[12][1:2].zero_()  # stream-ordered after this call's kernel
+                self.buffer.counters[d][1:2].zero_()  # stream-ordered after this call's kernel
                 self._barrier_base[d] = 0
         buf = self.buffer
         single = self._single_process()

@@ -2,7 +2,7 @@
 
 ``ScheduleTrace`` runs the *same* step functions as the fused kernel's scheduler
 (``megamoe_interleave.scheduler``) in a tiny kernel: one thread per CTA walks its
-sequence and records ``(phase, row, expert, m_block, n_block)`` per tile. It proves
+sequence and records ``(phase, row, expert, m_block, n_block, tok0, count)`` per tile. It proves
 that the scheduler definition traces to DSL index arithmetic (compile test on CPU)
 and, on a GPU, that the device order equals the Python reference bit for bit.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .kernel_sm90 import DeviceRowRecords
 from .scheduler import RowGrid, Schedule
 
 
@@ -25,24 +26,22 @@ class ScheduleTrace:
     @cute.jit
     def __call__(
         self,
-        mRowExpert: cute.Tensor,  # (max(P,1),) int32
-        mExpertRowOffset: cute.Tensor,  # (E+1,) int32
+        mRowRecord: cute.Tensor,  # (max(P,1), 4) int32, 16-byte aligned
         mWaveRowStart: cute.Tensor,  # (W+2,) int32
         num_rows: Int32,
-        mOut: cute.Tensor,  # (num_ctas, max_tiles, 5) int32
+        mOut: cute.Tensor,  # (num_ctas, max_tiles, 7) int32
         mCount: cute.Tensor,  # (num_ctas,) int32
         stream,
     ):
         num_ctas = cute.size(mCount, mode=[0])
-        self.kernel(mRowExpert, mExpertRowOffset, mWaveRowStart, num_rows, mOut, mCount).launch(
+        self.kernel(mRowRecord, mWaveRowStart, num_rows, mOut, mCount).launch(
             grid=[num_ctas, 1, 1], block=[32, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(
         self,
-        mRowExpert: cute.Tensor,
-        mExpertRowOffset: cute.Tensor,
+        mRowRecord: cute.Tensor,
         mWaveRowStart: cute.Tensor,
         num_rows: Int32,
         mOut: cute.Tensor,
@@ -55,8 +54,7 @@ class ScheduleTrace:
             num_rows=num_rows,
             pairs_l1=self.pairs_l1,
             pairs_l2=self.pairs_l2,
-            row_expert=mRowExpert,
-            expert_row_offset=mExpertRowOffset,
+            row_record=DeviceRowRecords(mRowRecord),
             wave_row_start=mWaveRowStart,
         )
         g = Int32(cta) // 2
@@ -77,6 +75,8 @@ class ScheduleTrace:
                         mOut[cta, n, 2] = Int32(tile.expert)
                         mOut[cta, n, 3] = Int32(tile.m_block)
                         mOut[cta, n, 4] = Int32(tile.n_block)
+                        mOut[cta, n, 5] = Int32(tile.tok0)
+                        mOut[cta, n, 6] = Int32(tile.count)
                     n = n + 1
                 c0 = Int32(nxt[0])
                 c1 = Int32(nxt[1])
@@ -87,14 +87,13 @@ def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int):
     """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-    n_rows, n_exp, n_waves = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    n_rows, n_waves = cute.sym_int(), cute.sym_int()
     n_ctas, max_tiles = cute.sym_int(), cute.sym_int()
     args = (
-        make_fake_tensor(Int32, (n_rows,)),
-        make_fake_tensor(Int32, (n_exp,)),
+        make_fake_tensor(Int32, (n_rows, 4)),
         make_fake_tensor(Int32, (n_waves,)),
         Int32(0),
-        make_fake_tensor(Int32, (n_ctas, max_tiles, 5)),
+        make_fake_tensor(Int32, (n_ctas, max_tiles, 7)),
         make_fake_tensor(Int32, (n_ctas,)),
         make_fake_stream(),
     )

@@ -116,8 +116,12 @@ class RowGrid:
 
     ``num_rows`` P, ``pairs_l1`` P1 = L1 N-blocks / 2, ``pairs_l2`` P2 = L2 N-blocks / 2,
     ``row_expert[p]`` = e(p), ``expert_row_offset[e]`` = O_e (length E + 1, last = P),
-    ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P).
-    In the kernel the tables are device tensors filled after Dispatch.
+    ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P),
+    ``row_record[p]`` = (e(p), p - O_e, first pool row of e(p), tokens of e(p)) -- what the
+    step functions read (:func:`_tile`): one 16-byte load per tile in the kernel, where
+    ``row_record`` is a :class:`~megamoe_interleave.kernel_sm90.DeviceRowRecords` and
+    ``wave_row_start`` a device tensor, filled by the host before the launch;
+    ``row_expert`` / ``expert_row_offset`` are host-side only.
 
     ``pair_splits_m`` (static): a row is 2 * BLOCK_M pool rows and the pair splits it along
     M instead of N (P1, P2 = all N-blocks): both members load the same B tile (the kernel's
@@ -128,11 +132,12 @@ class RowGrid:
     num_rows: Any
     pairs_l1: int
     pairs_l2: int
-    row_expert: Any
-    expert_row_offset: Any
+    row_expert: Any = None
+    expert_row_offset: Any = None
     wave_row_start: Any = None
     num_waves: Any = 0
     pair_splits_m: bool = False
+    row_record: Any = None
 
 
 def make_row_grid(
@@ -161,6 +166,9 @@ def make_row_grid(
     offsets = [0, *itertools.accumulate(m_blocks)]
     num_rows = offsets[-1]
     row_expert = list(itertools.chain.from_iterable(itertools.repeat(e, mb) for e, mb in enumerate(m_blocks)))
+    token_offsets = [0, *itertools.accumulate(int(c) for c in tokens_per_expert)]
+    row_record = [(e, i, token_offsets[e], int(tokens_per_expert[e]))
+                  for e, mb in enumerate(m_blocks) for i in range(mb)]
     epw = experts_per_wave or default_experts_per_wave(num_experts)
     num_waves = (num_experts + epw - 1) // epw if num_experts else 0
     wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]
@@ -175,6 +183,7 @@ def make_row_grid(
         wave_row_start=wave_row_start,
         num_waves=num_waves,
         pair_splits_m=pair_splits_m,
+        row_record=row_record,
     )
 
 
@@ -223,22 +232,26 @@ class Tile:
     expert: Any  # local expert e(row)
     m_block: Any  # BLOCK_M block within the expert: row - O_e (pair_splits_m: 2 * (row - O_e) + r)
     n_block: Any  # 2 * pair + r (pair_splits_m: pair)
+    tok0: Any = 0  # first pool row of the expert
+    count: Any = 0  # tokens of the expert
 
 
-def _lookup(table, idx, valid):
-    """``table[idx]`` if valid else 0; idle steps may carry an out-of-range index, so
-    the DSL path clamps it (device tables always hold at least one entry)."""
+def _row_record(grid: RowGrid, row, valid):
+    """``grid.row_record[row]`` if valid else zeros; idle steps may carry an out-of-range
+    row, so the DSL path clamps it (device tables always hold at least one record)."""
     if _is_py(valid):
-        return table[idx] if valid else 0
-    return select(valid > 0, table[select(valid > 0, idx, 0)], 0)
+        return tuple(grid.row_record[row]) if valid else (0, 0, 0, 0)
+    rec = grid.row_record[select(valid > 0, row, 0)]
+    return tuple(select(valid > 0, f, 0) for f in rec)
 
 
 def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
-    expert = _lookup(grid.row_expert, row, valid)
-    m_block = row - grid.expert_row_offset[expert]
+    expert, m_index, tok0, count = _row_record(grid, row, valid)
     if grid.pair_splits_m:
-        return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_block + r, n_block=pair)
-    return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=m_block, n_block=2 * pair + r)
+        return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
+                    tok0=tok0, count=count)
+    return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=m_index, n_block=2 * pair + r,
+                tok0=tok0, count=count)
 
 
 # ---------------------------------------------------------------------------

@@ -157,8 +157,12 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, dispatch_warps
     # copy's instructions); their 16-byte stores (ptxas may duplicate some of them when it
     # splits the loop: at least one each) + the epilogue warps' two stores (h, Combine)
     copies = DISPATCH_UNROLL + (DISPATCH_WARP_UNROLL if dispatch_warps else 0)
-    assert len(re.findall(r"ld\.global\.v4", ptx)) == copies
+    # ... next to the 16-byte row-record loads of the schedule steps (one per step call site)
+    assert len(re.findall(r"ld\.global\.v4", ptx)) > copies
+    assert not re.search(r"ld\.global(\.nc)?\.(b16|u16)", ptx)
     assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 + copies
+    # staging by stmatrix.x4 (four 8x8 bf16 tiles per instruction), none by 4-byte stores
+    assert re.search(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     assert _check_tma_after_proxy_fence(ptx) >= 4
 
 

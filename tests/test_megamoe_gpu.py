@@ -20,16 +20,16 @@ def test_device_schedule_equals_python_reference(schedule):
     ref = enumerate_all(schedule, grid, num_ctas)
     max_tiles = max(len(s) for s in ref) + 4
     dev = torch.device("cuda")
-    out = torch.full((num_ctas, max_tiles, 5), -7, dtype=torch.int32, device=dev)
+    out = torch.full((num_ctas, max_tiles, 7), -7, dtype=torch.int32, device=dev)
     cnt = torch.full((num_ctas,), -7, dtype=torch.int32, device=dev)
     t = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     fn = compile_schedule_trace(schedule, grid.pairs_l1, grid.pairs_l2)
-    fn(t(grid.row_expert), t(grid.expert_row_offset), t(grid.wave_row_start), grid.num_rows, out, cnt)
+    fn(t(grid.row_record), t(grid.wave_row_start), grid.num_rows, out, cnt)
     torch.cuda.synchronize()
     for c in range(num_ctas):
         assert cnt[c].item() == len(ref[c])
         got = out[c, : len(ref[c])].cpu().tolist()
-        want = [[x.phase, x.row, x.expert, x.m_block, x.n_block] for x in ref[c]]
+        want = [[x.phase, x.row, x.expert, x.m_block, x.n_block, x.tok0, x.count] for x in ref[c]]
         assert got == want
 
 

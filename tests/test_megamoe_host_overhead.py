@@ -178,10 +178,12 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
         assert moe.plan_rank(d)[0] is perm  # cached for the staged inputs
         n_pool = scalars[1]
         assert tensors[4].shape == (n_pool + moe.block_m, H) and tensors[5].shape == (n_pool + moe.block_m, I)
-        assert tensors[8].tolist() == (grid.row_expert or [0])
-        assert tensors[9].tolist() == grid.expert_row_offset
-        assert tensors[10].tolist() == [0] + torch.cumsum(perm.counts, 0).tolist()
-        assert tensors[11].tolist() == grid.wave_row_start
+        tok_off = [0] + torch.cumsum(perm.counts, 0).tolist()
+        want = [(e, r - grid.expert_row_offset[e], tok_off[e], tok_off[e + 1] - tok_off[e])
+                for r, e in enumerate(grid.row_expert)]
+        assert [tuple(r) for r in tensors[8].tolist()] == (want or [(0, 0, 0, 0)])
+        assert tensors[8].data_ptr() % 16 == 0
+        assert tensors[9].tolist() == grid.wave_row_start
         assert tensors[2].tolist() == torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).tolist()
     # Same inputs again: same scratch memory; a new staging re-plans.
     moe.stage_inputs(xs, idx, w)
@@ -194,7 +196,8 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
     for d in range(P):
         _, tensors, scalars = moe.launch_arguments(d)
         assert tensors[4].shape[0] == scalars[1] + moe.block_m and tensors[4].is_contiguous()
-        assert int(tensors[10][-1]) == scalars[1] == permute_for_rank(idx2, ws2, d, E // P).src_rank.numel()
+        last = tensors[8][-1]  # the last expert with tokens ends the pool
+        assert int(last[2] + last[3]) == scalars[1] == permute_for_rank(idx2, ws2, d, E // P).src_rank.numel()
 
 
 def test_bad_expert_id_rejected_with_one_readback():

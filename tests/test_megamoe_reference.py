@@ -168,7 +168,9 @@ def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
         num_rows, n_pool = scalars[0], scalars[1]
         assert t["mPoolX"].shape[0] >= n_pool + 64  # padded M tiles
         assert t["mCounters"].numel() >= 2 + num_rows
-        assert int(t["mExpertTokenOffset"][-1]) == n_pool
+        last = t["mRowRecord"][-1]  # (expert, block, first pool row, tokens): the last expert with tokens
+        assert n_pool == 0 or int(last[2] + last[3]) == n_pool
+        assert t["mRowRecord"].data_ptr() % 16 == 0
         if trace:  # room for every tile of the busiest CTA
             from megamoe_interleave.scheduler import enumerate_all
 

@@ -10,6 +10,8 @@ helper                        PTX (sm_90a)
 ``store_v4``                  ``st.global.v4.b32`` (``.cs`` / ``L1::no_allocate``
                               variants via ``cache``)
 ``store_v4_to_peer``          both of the above
+``stmatrix_x4``               ``stmatrix.sync.aligned.m8n8.x4.shared.b16``
+                              (four 8x8 bf16 tiles, one 16-byte row per lane)
 ``globaltimer_ns``            ``mov.u64 %rd, %globaltimer`` (ns, GPU-wide)
 ``clock64``                   ``mov.u64 %rd, %clock64`` (SM cycles, per SM)
 ``smid``                      ``mov.u32 %r, %smid``
@@ -163,6 +165,22 @@ def store_v4_to_peer(
 ) -> None:
     """16-byte store of ``{w0..w3}`` to ``peer_table[dst] + byte_offset``."""
     store_v4(peer_address(peer_table, dst, byte_offset, loc=loc, ip=ip), w0, w1, w2, w3, cache, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def stmatrix_x4(row_ptr: cute.Pointer, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    """``stmatrix.sync.aligned.m8n8.x4.shared.b16 [row_ptr], {w0..w3}`` (warp-collective).
+
+    Stores four 8x8 tiles of 16-bit values: lane ``l`` holds, in ``w{i}``, the two values of
+    row ``l // 4``, columns ``2 (l % 4)``, ``+1`` of tile ``i`` (the layout of a WGMMA / MMA
+    accumulator fragment after packing pairs), and gives in ``row_ptr`` (shared memory,
+    16-byte aligned) where row ``l % 8`` of tile ``l // 8`` goes: one 16-byte store per
+    row instead of four 4-byte stores per lane.
+    """
+    from cutlass._mlir.dialects import nvvm
+
+    words = [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)]
+    nvvm.stmatrix(row_ptr.llvm_ptr, words, nvvm.MMALayout.row, loc=loc, ip=ip)
 
 
 # ---------------------------------------------------------------------------
