@@ -97,6 +97,16 @@ DISPATCH_WARP_UNROLL = 16  # the same for the dispatch warps (one or two warps p
 NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue warps, then dispatch warps
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
+# tma_ws with two consumer warpgroups (384 threads): the launch gives every thread 168 registers
+# (64512 / 384). At that cap ptxas serialized the consumers' WGMMAs in some builds (C7511
+# "insufficient register resources for the wgmma pipeline": a wait after every WGMMA, ~25 %
+# slower mainloops, which build depended on unrelated code such as the scheduler). So the
+# producer warpgroup (TMA, epilogue and dispatch warps) gives registers back and the consumers
+# take them (setmaxnreg, as quack's GemmSm90 / CUTLASS): 128 * AUX + 256 * MMA <= 64512. The aux
+# warps (16-byte copies with 16 loads in flight) spilled at 88 and 80; 96 / 200 compiles with
+# neither spills nor serialized WGMMAs (tests/test_megamoe_compile.py checks the SASS).
+AUX_WARPGROUP_REGS = 96
+MMA_WARPGROUP_REGS = 200
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 DRAIN_SLACK_NS = 10_000_000  # tma_ws producer waits for loads to land: beyond the peer's ring bound
 
@@ -269,6 +279,8 @@ class MegaMoESm90:
         if num_threads % 128:
             raise ValueError("num_threads must be a multiple of 128")
         self.mma = mma
+        # setmaxnreg (see MMA_WARPGROUP_REGS): two consumer warpgroups + the producer warpgroup
+        self.rebalance_registers = self.ws and block_m == 128
         self.trace = trace  # per-tile %globaltimer spans into mTrace (see TRACE_FIELDS)
         if hidden % (2 * block_n) or (2 * intermediate) % (2 * block_n):
             raise ValueError("H and 2I must be multiples of 2*block_n (CTA pairs)")
@@ -919,18 +931,27 @@ class MegaMoESm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         producer = self.num_mma_threads // 32
         first_dispatch_warp = producer + 1 + self.num_epi_threads // 32
-        if warp == producer:
-            self.producer_tiles(grid, cta, nctas, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
-                                tma_b2, mB2, mCounters, sA, sB)
-        if warp > producer and warp < first_dispatch_warp:
-            self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
-                                mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
-        if const_expr(self.dispatch_warps > 0):
-            if warp >= first_dispatch_warp:
-                self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
-                                   self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
-                                   warp - first_dispatch_warp, self.dispatch_warps, tidx % 32, DISPATCH_WARP_UNROLL)
-        if warp < producer:
+        # Each role's code inside its warpgroup's branch, right after that warpgroup's setmaxnreg:
+        # ptxas gives each region its own register budget only when no code of one region is
+        # reachable from the other (a shared continuation after both setmaxnreg made it drop them).
+        if warp >= producer:
+            if const_expr(self.rebalance_registers):
+                cute.arch.setmaxregister_decrease(AUX_WARPGROUP_REGS)
+            if warp == producer:
+                self.producer_tiles(grid, cta, nctas, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
+                                    tma_b2, mB2, mCounters, sA, sB)
+            if warp > producer and warp < first_dispatch_warp:
+                self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
+                                    mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
+            if const_expr(self.dispatch_warps > 0):
+                if warp >= first_dispatch_warp:
+                    self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
+                                       self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
+                                       warp - first_dispatch_warp, self.dispatch_warps, tidx % 32,
+                                       DISPATCH_WARP_UNROLL)
+        else:
+            if const_expr(self.rebalance_registers):
+                cute.arch.setmaxregister_increase(MMA_WARPGROUP_REGS)
             self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX,
                                 mH, mW1, mW2, mCounters, max_tokens, sA, sB, sC, sRowW,
                                 sRowAddr, tiled_mma, mTrace)
@@ -1171,8 +1192,10 @@ class MegaMoESm90:
     def consumer_fragments(self, tiled_mma, tidx, sA, sB):
         """This thread's WGMMA fragments: ``full`` = (tiled_mma, acc, tCrA, tCrB, tCcC) of the
         BM x BN tile (one warpgroup per 64 rows); with split_tail also ``half``: the 64 x BN tile
-        of the ring stages' first 64 A rows, one warpgroup per BN/2 columns, whose accumulator
-        is a view of the first half of ``acc``'s registers (so no extra registers)."""
+        of the ring stages' first 64 A rows, one warpgroup per BN/2 columns. Its accumulator: at
+        BN = 256 a view of the first half of ``acc``'s registers (its own 64 would not fit the
+        consumers' 200), else its own registers (ptxas serialized every WGMMA when the 64 x 64
+        half tiles of BN = 128 accumulated into such a view: C7511)."""
         BM, BN = self.block_m, self.block_n
         thr_mma = tiled_mma.get_slice(tidx)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BM, BN, BLOCK_K), sA, sB)
@@ -1183,7 +1206,7 @@ class MegaMoESm90:
             thr_mma_h = tiled_mma_h.get_slice(tidx)
             sA_h = cute.local_tile(sA, (64, BLOCK_K, self.stages), (0, 0, 0))
             acc_h_own, tCrA_h, tCrB_h = sm90_utils.partition_fragment_ABC(thr_mma_h, (64, BN, BLOCK_K), sA_h, sB)
-            acc_h = cute.make_tensor(acc.iterator, acc_h_own.layout)
+            acc_h = cute.make_tensor(acc.iterator, acc_h_own.layout) if BN == 256 else acc_h_own
             half = (tiled_mma_h, acc_h, tCrA_h, tCrB_h, thr_mma_h.partition_C(cute.make_identity_tensor((64, BN))))
         return full, half
 

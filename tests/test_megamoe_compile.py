@@ -353,3 +353,51 @@ def test_default_tiles_fit_shared_memory():
     cute.compile(op, *tensors, *([Int32(0)] * NUM_SCALAR_ARGS), make_fake_stream())
     size = op.shared_storage.size_in_bytes()
     assert 4 * 48 * 1024 + 32 * 1024 <= size <= SMEM_BYTES, size
+
+
+def _cuobjdump():
+    """cuobjdump from the CUDA toolkit or the one triton ships (installed with quack)."""
+    import shutil
+
+    path = shutil.which("cuobjdump")
+    if path:
+        return path
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mma,block_n,stages,trace",
+                         [("tma_ws_mcast_b", 256, 3, False), ("tma_ws_mcast_b", 256, 4, False),
+                          ("tma_ws_mcast_b", 256, 3, True), ("tma_ws", 256, 3, False), ("tma_ws", 128, 4, False),
+                          ("tma_ws_mcast", 128, 4, False)])
+def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace):
+    """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
+    launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
+    ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
+    H200); with setmaxnreg (96 producer-warpgroup / 200 consumer registers) there is one wait
+    per K block's batch of HGMMAs, both setmaxnreg survive, and nothing spills to local memory."""
+    import subprocess
+
+    from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
+
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton)")
+    d = tmp_path / "cubin"
+    d.mkdir()
+    compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
+                         block_n=block_n, mma=mma, stages=stages, trace=trace)
+    (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    hgmma = len(re.findall(r"\bHGMMA\.", sass))
+    waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert hgmma >= 16 and waits <= hgmma // 2, f"{waits} WGMMA waits for {hgmma} HGMMAs: serialized"
+    assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
+    assert re.search(r"STACK:0\b", usage) and not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills)"
