@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Driver for ncu: DeepSeek-V4-Flash, loopback P ranks, 8192 tokens per rank, balanced routing.
+Runs two fused forwards (P rank kernels each, default tiles), then rank 0's two grouped GEMMs
+twice, so ncu can pick one rank kernel and the GEMMs of the same rank:
+
+    ncu --clock-control none --kernel-name regex:MegaMoE --launch-skip P --launch-count 1 \\
+        --section SpeedOfLight --csv --page details python scripts/megamoe_ncu_driver.py --P 8
+    ncu --clock-control none --kernel-name regex:device_kernel --launch-skip 2 --launch-count 2 \\
+        --section SpeedOfLight --csv --page details python scripts/megamoe_ncu_driver.py --P 8
+
+(results/h200/megamoe/final2/ncu_*_P8_rank0.csv, with the ComputeWorkloadAnalysis and
+MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.)"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megamoe_interleave.api import MegaMoE, default_tiles, make_world  # noqa: E402
+from megamoe_interleave.reference import grouped_mm, permute_for_rank  # noqa: E402
+from megamoe_interleave.routing import make_routing  # noqa: E402
+from megamoe_interleave.shapes import get_shape  # noqa: E402
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--P", type=int, default=8)
+ap.add_argument("--tokens", type=int, default=8192)
+ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "interleaved"])
+args = ap.parse_args()
+P, T = args.P, args.tokens
+s = get_shape("deepseek-v4-flash")
+E, H, I, k = s.num_experts, s.hidden, s.intermediate, s.topk
+g = torch.Generator().manual_seed(0)
+w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
+w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
+xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in range(P)]
+routes = [make_routing("balanced", T, E, k, seed=r) for r in range(P)]
+idx = [r[0].cuda() for r in routes]
+wts = [r[1].cuda() for r in routes]
+bm, bn, st = default_tiles("tma_ws_mcast_b", H, I, None, None, None, rows_per_expert=P * T * k / E)
+moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), num_experts=E, hidden=H, intermediate=I, topk=k,
+              max_tokens_per_rank=T, schedule=args.schedule, backend="fused", block_m=bm, block_n=bn,
+              mma="tma_ws_mcast_b", stages=st, poison_combine=False)
+moe.load_weights(w1, w2)
+moe.forward(xs, idx, wts)
+moe.forward(xs, idx, wts)
+torch.cuda.synchronize()
+el = E // P
+p = permute_for_rank(idx, wts, 0, el)
+a1 = torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16()
+a2 = torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16()
+for _ in range(2):
+    grouped_mm(a1, w1[:el].transpose(1, 2), p.counts)
+    grouped_mm(a2, w2[:el].transpose(1, 2), p.counts)
+torch.cuda.synchronize()
+print("done; last fused call", moe.last_kernel_us, "us")
