@@ -142,9 +142,7 @@ class MegaMoE:
     ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on),
     ``dispatch_warps`` (tma_ws*: warps that copy Dispatch rows while the tiles run; 0 = Dispatch
     before a grid barrier; None = 1), ``l2_handoffs`` (tma_ws*: the L2 output tile goes to the
-    epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits),
-    ``swiglu_epilogue`` (tma_ws* with one L2 handoff: the epilogue warps apply SwiGLU, gate/up
-    rounded to bf16 first; default False).
+    epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -166,8 +164,7 @@ class MegaMoE:
                  block_n: Optional[int] = None, num_sms: int = 132, backend: str = "torch",
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
-                 dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None,
-                 swiglu_epilogue: bool = False):
+                 dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -199,15 +196,13 @@ class MegaMoE:
         self.split_tail = split_tail  # tma_ws* with block_m=128: None = on (kernel_sm90.MegaMoESm90)
         self.dispatch_warps = dispatch_warps  # tma_ws*: overlapped Dispatch; None = 1 (kernel_sm90.MegaMoESm90)
         self.l2_handoffs = l2_handoffs  # tma_ws*: L2 output staged in 1 or 2 parts; None = as smem allows
-        self.swiglu_epilogue = swiglu_epilogue  # tma_ws*: SwiGLU on the epilogue warps (kernel_sm90.MegaMoESm90)
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, 6] (kernel_sm90.TRACE_FIELDS)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
             MegaMoESm90(hidden, intermediate, self.schedule, block_m=block_m, block_n=block_n, mma=mma, stages=stages,
-                        trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps, l2_handoffs=l2_handoffs,
-                        swiglu_epilogue=swiglu_epilogue)
+                        trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps, l2_handoffs=l2_handoffs)
         # Largest pool of one rank (every pick of every source) + the block_m padding rows.
         self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
         if backend == "fused" and self._max_pool_rows * (hidden // 8) >= 2 ** 31:
@@ -351,7 +346,7 @@ class MegaMoE:
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
     def _kernel(self):
         key = (self.hidden, self.intermediate, self.schedule, self.block_m, self.block_n, self.timeout_ns, self.mma,
-               self.stages, self.trace, self.split_tail, self.dispatch_warps, self.l2_handoffs, self.swiglu_epilogue)
+               self.stages, self.trace, self.split_tail, self.dispatch_warps, self.l2_handoffs)
         if key not in _COMPILED:
             from .kernel_sm90 import compile_megamoe_sm90
 
@@ -359,8 +354,7 @@ class MegaMoE:
                                                   block_m=self.block_m, block_n=self.block_n,
                                                   timeout_ns=self.timeout_ns, mma=self.mma, stages=self.stages,
                                                   trace=self.trace, split_tail=self.split_tail,
-                                                  dispatch_warps=self.dispatch_warps, l2_handoffs=self.l2_handoffs,
-                                                  swiglu_epilogue=self.swiglu_epilogue)
+                                                  dispatch_warps=self.dispatch_warps, l2_handoffs=self.l2_handoffs)
         return _COMPILED[key]
 
     def plan_rank(self, d: int):

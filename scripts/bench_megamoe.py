@@ -90,28 +90,25 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
-    def moe_kwargs(sched, mma, dw, stages=None, handoffs=None, swe=None):
+    def moe_kwargs(sched, mma, dw, stages=None, handoffs=None):
         bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, stages,
                                        rows_per_expert=P * tokens * k / E)
         return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
                     backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw, l2_handoffs=handoffs,
-                    stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail],
-                    swiglu_epilogue=bool(swe))
+                    stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
 
-    def variant_tag(dw, stages, handoffs, swe=None):
-        return "".join(f",{name}{v}" for name, v in (("dw", dw), ("s", stages), ("l2h", handoffs), ("swe", swe))
-                       if v is not None)
+    def variant_tag(dw, stages, handoffs):
+        return "".join(f",{name}{v}" for name, v in (("dw", dw), ("s", stages), ("l2h", handoffs)) if v is not None)
 
-    fused_cases = [(mma, dw, st, ho, swe, sched) for mma in args.mma for dw in args.dispatch_warps
-                   for st in args.stages for ho in args.l2_handoffs for swe in args.swiglu_epilogue
-                   for sched in ("expert_wave", "interleaved")
-                   if kernel_config_ok(H, I, moe_kwargs(sched, mma, dw, st, ho, swe))]
+    fused_cases = [(mma, dw, st, ho, sched) for mma in args.mma for dw in args.dispatch_warps for st in args.stages
+                   for ho in args.l2_handoffs for sched in ("expert_wave", "interleaved")
+                   if kernel_config_ok(H, I, moe_kwargs(sched, mma, dw, st, ho))]
     if tokens <= args.fused_max_tokens:
-        for mma, dw, st, ho, swe, sched in fused_cases:
-            kw = moe_kwargs(sched, mma, dw, st, ho, swe)
+        for mma, dw, st, ho, sched in fused_cases:
+            kw = moe_kwargs(sched, mma, dw, st, ho)
             tag = f"{sched},{mma},{kw['block_m']}x{kw['block_n']}" + (
                 f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
-                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(dw, None, ho, swe)
+                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(dw, None, ho)
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             if args.paired_only:
                 poisons = []
@@ -136,9 +133,9 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
-            for mma, dw, st, ho, swe, sched in fused_cases:
-                fns[f"fused[{sched},{mma}{variant_tag(dw, st, ho, swe)}]"] = fused_kernel_timed(
-                    moe_kwargs(sched, mma, dw, st, ho, swe), w1, w2, xs, idx, wts, P, args.world)
+            for mma, dw, st, ho, sched in fused_cases:
+                fns[f"fused[{sched},{mma}{variant_tag(dw, st, ho)}]"] = fused_kernel_timed(
+                    moe_kwargs(sched, mma, dw, st, ho), w1, w2, xs, idx, wts, P, args.world)
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
@@ -159,11 +156,10 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     try:
         MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), block_m=kw["block_m"],
                     block_n=kw["block_n"], mma=kw["mma"], stages=kw["stages"], split_tail=kw["split_tail"],
-                    dispatch_warps=kw["dispatch_warps"], l2_handoffs=kw["l2_handoffs"],
-                    swiglu_epilogue=kw.get("swiglu_epilogue", False))
+                    dispatch_warps=kw["dispatch_warps"], l2_handoffs=kw["l2_handoffs"])
     except ValueError as e:
         print(f"skipping {kw['mma']} {kw['schedule']} stages={kw['stages']} dispatch_warps={kw['dispatch_warps']} "
-              f"l2_handoffs={kw['l2_handoffs']} swiglu_epilogue={kw.get('swiglu_epilogue', False)}: {e}", flush=True)
+              f"l2_handoffs={kw['l2_handoffs']}: {e}", flush=True)
         return False
     return True
 
@@ -264,8 +260,7 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     recs = decode_trace(moe.last_trace[0])
     t_min = min(r["t_start"] for cta in recs for r in cta)
     variant = "".join(f"_{name}{kwargs[key]}" for name, key in (("dw", "dispatch_warps"), ("s", "stages"),
-                                                                  ("l2h", "l2_handoffs"), ("swe", "swiglu_epilogue"))
-                      if kwargs.get(key) not in (None, False))
+                                                                  ("l2h", "l2_handoffs")) if kwargs.get(key) is not None)
     path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}{variant}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -361,9 +356,6 @@ def main():
                          "values run side by side (default: the kernel's)")
     ap.add_argument("--l2-handoffs", nargs="+", type=int, default=[None],
                     help="tma_ws*: L2 output staged in 1 or 2 parts, side by side (default: as smem allows)")
-    ap.add_argument("--swiglu-epilogue", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="tma_ws* with one L2 handoff: 1 = SwiGLU on the epilogue warps, 0 = on the consumers "
-                         "(the default); both side by side with 0 1")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

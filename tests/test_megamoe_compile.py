@@ -70,12 +70,6 @@ def test_kernel_rejects_bad_tiling():
         MegaMoESm90(256, 128, SCHEDULES[0], mma="tf32")
     with pytest.raises(ValueError):  # tma_ws: a 5-stage 128x256 ring + the staging tile do not fit
         MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=5)
-    with pytest.raises(ValueError):  # swiglu_epilogue stages L1's BN raw columns: one L2 handoff only
-        MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=4, swiglu_epilogue=True)
-    with pytest.raises(ValueError):
-        MegaMoESm90(512, 256, SCHEDULES[0], block_n=64, mma="wgmma", swiglu_epilogue=True)
-    assert MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=3,
-                       swiglu_epilogue=True).swiglu_epilogue
     with pytest.raises(ValueError):  # dispatch warps: 1 or 2 of the 3 auxiliary warps, tma_ws* only
         MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", dispatch_warps=3)
     with pytest.raises(ValueError):
@@ -167,7 +161,7 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, dispatch_warps
     assert len(re.findall(r"ld\.global\.v4", ptx)) > copies
     assert not re.search(r"ld\.global(\.nc)?\.(b16|u16)", ptx)
     assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 + copies
-    # the consumers stage their output with stmatrix.x4 (four 8x8 bf16 tiles per instruction)
+    # staging by stmatrix.x4 (four 8x8 bf16 tiles per instruction), none by 4-byte stores
     assert re.search(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     assert _check_tma_after_proxy_fence(ptx) >= 4
 
@@ -378,12 +372,11 @@ def _cuobjdump():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("mma,block_n,stages,trace,swe",
-                         [("tma_ws_mcast_b", 256, 3, False, False), ("tma_ws_mcast_b", 256, 4, False, False),
-                          ("tma_ws_mcast_b", 256, 3, True, False), ("tma_ws_mcast_b", 256, 3, False, True),
-                          ("tma_ws", 256, 3, False, False), ("tma_ws", 128, 4, False, False),
-                          ("tma_ws_mcast", 128, 4, False, False)])
-def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, swe):
+@pytest.mark.parametrize("mma,block_n,stages,trace",
+                         [("tma_ws_mcast_b", 256, 3, False), ("tma_ws_mcast_b", 256, 4, False),
+                          ("tma_ws_mcast_b", 256, 3, True), ("tma_ws", 256, 3, False), ("tma_ws", 128, 4, False),
+                          ("tma_ws_mcast", 128, 4, False)])
+def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
@@ -399,7 +392,7 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     d = tmp_path / "cubin"
     d.mkdir()
     compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
-                         block_n=block_n, mma=mma, stages=stages, trace=trace, swiglu_epilogue=swe)
+                         block_n=block_n, mma=mma, stages=stages, trace=trace)
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
