@@ -124,7 +124,8 @@ class DeviceRowRecords:
     index in the expert, first pool row of the expert, tokens of the expert) in ONE 16-byte
     load from the ``(rows, 4)`` int32 tensor (the host checks its 16-byte alignment), so a
     tile's lookups cost one dependent global load instead of a chain of three
-    (row -> expert -> block offset -> token offsets; measured ~0.25 us per link per tile)."""
+    (row -> expert -> block offset -> token offsets). With the consumers' step issued one tile
+    ahead, their gap + wait between tiles fell from ~0.9 to ~0.4 us (H200 traces, P = 8)."""
 
     def __init__(self, records: cute.Tensor):
         self.base = Int64(records.iterator.toint())

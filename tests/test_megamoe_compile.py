@@ -161,7 +161,7 @@ def test_tma_ws_ptx(tmp_path, schedule, block_m, block_n, stages, dispatch_warps
     assert len(re.findall(r"ld\.global\.v4", ptx)) > copies
     assert not re.search(r"ld\.global(\.nc)?\.(b16|u16)", ptx)
     assert len(re.findall(r"st\.global\.v4", ptx)) >= 2 + copies
-    # staging by stmatrix.x4 (four 8x8 bf16 tiles per instruction), none by 4-byte stores
+    # the consumers stage their output with stmatrix.x4 (four 8x8 bf16 tiles per instruction)
     assert re.search(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", ptx)
     assert _check_tma_after_proxy_fence(ptx) >= 4
 
