@@ -594,17 +594,13 @@ class MegaMoESm90:
                 xdev.red_add_release(ready + row, Int32(1), "gpu")
             row = row + 1
 
-    def expert_rows(self, tile):
-        """(first pool row, row count) of the tile's expert (from its row record)."""
-        return tile.tok0, tile.count
-
     @cute.jit
     def l1_tile(self, tile, mPoolX, mPoolWeight, mH, mW1, mCounters, tidx: Int32,
                 sA, sB, sC, tiled_mma, mTrace, cta: Int32, n_tile: Int32):
         """L1 tile: block_n interleaved gate/up columns -> block_n/2 SwiGLU columns of h."""
         t0 = self.timestamp()
         e = tile.expert
-        tok0, count = self.expert_rows(tile)
+        tok0, count = tile.tok0, tile.count
         if const_expr(self.mma != "fma"):
             self.mainloop_wgmma(mPoolX, mW1, e, tok0 + tile.m_block * self.block_m,
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
@@ -631,7 +627,7 @@ class MegaMoESm90:
         cute.arch.sync_threads()
         t1 = self.timestamp()
         e = tile.expert
-        tok0, count = self.expert_rows(tile)
+        tok0, count = tile.tok0, tile.count
         if const_expr(self.mma != "fma"):
             self.mainloop_wgmma(mH, mW2, e, tok0 + tile.m_block * self.block_m,
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
@@ -1084,7 +1080,7 @@ class MegaMoESm90:
             tile = Tile(*cur)
             if tile.valid > 0:
                 t0 = self.timestamp()
-                _, count = self.expert_rows(tile)
+                count = tile.count
                 # split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split
                 # over the two consumer warpgroups (half the WGMMA work; same ring stages).
                 half = Boolean(False)
@@ -1146,7 +1142,7 @@ class MegaMoESm90:
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
-                tok0, count = self.expert_rows(tile)
+                tok0, count = tile.tok0, tile.count
                 row0 = tok0 + tile.m_block * self.block_m
                 rows = cutlass.min(count - tile.m_block * self.block_m, self.block_m)
                 m = et

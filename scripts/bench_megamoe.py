@@ -51,20 +51,42 @@ def dense_bf16_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / (t.median_us * 1e-6) / 1e12
 
 
-def run_case(shape, kind, P, tokens, args, dense):
+def make_problem(shape, kind, P, tokens, strength=1.0):
+    """The benchmark's MoE problem on the GPU: global weights w1 [E, 2I, H], w2 [E, H, I] (seed 0),
+    random x and routing (seed = rank) per source rank. Returns (w1, w2, xs, idx, wts)."""
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
     g = torch.Generator().manual_seed(0)
     w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
     xs = [torch.randn(tokens, H, device="cuda").bfloat16() for _ in range(P)]
-    routes = [make_routing(kind, tokens, E, k, seed=r, strength=args.strength) for r in range(P)]
-    idx = [r[0].cuda() for r in routes]
-    wts = [r[1].cuda() for r in routes]
-    picks = sum(int((i >= 0).sum()) for i in idx)
-    flops = 2 * picks * H * I * 3
+    routes = [make_routing(kind, tokens, E, k, seed=r, strength=strength) for r in range(P)]
+    return w1, w2, xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
+
+
+def grouped_gemms(shape, P, w1, w2, idx, wts):
+    """The two grouped GEMMs alone, per destination rank on pre-permuted (random) inputs: returns
+    (the global-weight views each rank's GEMMs use as (w1_t, w2_t), a callable running all ranks)."""
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
     el = E // P
     w1_t = [w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
     w2_t = [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
+    perms = [permute_for_rank(idx, wts, d, el) for d in range(P)]
+    a1 = [torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16() for p in perms]
+    a2 = [torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16() for p in perms]
+
+    def run():
+        for d, p in enumerate(perms):
+            grouped_mm(a1[d], w1_t[d], p.counts)
+            grouped_mm(a2[d], w2_t[d], p.counts)
+    return (w1_t, w2_t), run
+
+
+def run_case(shape, kind, P, tokens, args, dense):
+    E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
+    w1, w2, xs, idx, wts = make_problem(shape, kind, P, tokens, args.strength)
+    picks = sum(int((i >= 0).sum()) for i in idx)
+    flops = 2 * picks * H * I * 3
+    (w1_t, w2_t), gemms_only = grouped_gemms(shape, P, w1, w2, idx, wts)
     rows = []
 
     def record(name, t):
@@ -74,16 +96,6 @@ def run_case(shape, kind, P, tokens, args, dense):
                          tflops=round(tf, 2), frac_dense=round(tf / dense, 4)))
         print(f"{shape.name:18s} {kind:8s} P={P} T={tokens:6d} {name:24s} {t.median_us:12.1f} us {tf:8.2f} TFLOP/s",
               flush=True)
-
-    # The two grouped GEMMs alone (per destination rank, pre-permuted inputs).
-    perms = [permute_for_rank(idx, wts, d, el) for d in range(P)]
-    a1 = [torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16() for p in perms]
-    a2 = [torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16() for p in perms]
-
-    def gemms_only():
-        for d, p in enumerate(perms):
-            grouped_mm(a1[d], w1_t[d], p.counts)
-            grouped_mm(a2[d], w2_t[d], p.counts)
 
     if not args.skip_baselines and not args.paired_only:
         record("grouped_mm x2 only", timing.bench(gemms_only, warmup=2, iters=3, trials=args.trials))

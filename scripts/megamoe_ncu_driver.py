@@ -17,10 +17,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_megamoe import make_problem  # noqa: E402
 from megamoe_interleave.api import MegaMoE, default_tiles, make_world  # noqa: E402
 from megamoe_interleave.reference import grouped_mm, permute_for_rank  # noqa: E402
-from megamoe_interleave.routing import make_routing  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,13 +32,7 @@ args = ap.parse_args()
 P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
 E, H, I, k = s.num_experts, s.hidden, s.intermediate, s.topk
-g = torch.Generator().manual_seed(0)
-w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
-w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
-xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in range(P)]
-routes = [make_routing("balanced", T, E, k, seed=r) for r in range(P)]
-idx = [r[0].cuda() for r in routes]
-wts = [r[1].cuda() for r in routes]
+w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
 bm, bn, st = default_tiles("tma_ws_mcast_b", H, I, None, None, None, rows_per_expert=P * T * k / E)
 moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), num_experts=E, hidden=H, intermediate=I, topk=k,
               max_tokens_per_rank=T, schedule=args.schedule, backend="fused", block_m=bm, block_n=bn,

@@ -16,27 +16,12 @@ sys.path.insert(0, os.path.dirname(__file__)); sys.path.insert(0, os.path.join(o
 import torch
 import bench_megamoe as bm
 from megamoe_interleave.api import MegaMoE, default_tiles, make_world
-from megamoe_interleave.routing import make_routing
-from megamoe_interleave.reference import grouped_mm, permute_for_rank
 from megamoe_interleave.shapes import get_shape
 
 P, T = 8, 8192
 sh = get_shape("deepseek-v4-flash"); E, H, I, k = sh.num_experts, sh.hidden, sh.intermediate, sh.topk
-g = torch.Generator().manual_seed(0)
-w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
-w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
-xs = [torch.randn(T, H, device="cuda").bfloat16() for _ in range(P)]
-routes = [make_routing("balanced", T, E, k, seed=r) for r in range(P)]
-idx = [r[0].cuda() for r in routes]; wts = [r[1].cuda() for r in routes]
-el = E // P
-perms = [permute_for_rank(idx, wts, d, el) for d in range(P)]
-a1 = [torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16() for p in perms]
-a2 = [torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16() for p in perms]
-w1_t = [w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
-w2_t = [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
-def gemms():
-    for d, p in enumerate(perms):
-        grouped_mm(a1[d], w1_t[d], p.counts); grouped_mm(a2[d], w2_t[d], p.counts)
+w1, w2, xs, idx, wts = bm.make_problem(sh, "balanced", P, T)
+_, gemms = bm.grouped_gemms(sh, P, w1, w2, idx, wts)
 def make(sched, weights_from=None):
     bm_, bn, st = default_tiles("tma_ws_mcast_b", H, I, None, None, None, rows_per_expert=P * T * k / E)
     moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), num_experts=E, hidden=H, intermediate=I,
