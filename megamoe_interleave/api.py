@@ -25,6 +25,7 @@ everywhere):
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import List, Optional, Sequence, Union
 
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .scheduler import SCHEDULES, Schedule, default_lead
+from .scheduler import SCHEDULES, Schedule, balanced_l2_start, default_lead, schedule_table
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
 INTERLEAVE_GRANULARITY = 8
@@ -142,7 +143,10 @@ class MegaMoE:
     ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on),
     ``dispatch_warps`` (tma_ws*: warps that copy Dispatch rows while the tiles run; 0 = Dispatch
     before a grid barrier; None = 1), ``l2_handoffs`` (tma_ws*: the L2 output tile goes to the
-    epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits).
+    epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits), ``silu``
+    ("tanh": sigmoid through one tanh.approx, the default; "exp2": quack's ex2 + rcp),
+    ``balance_l2`` (interleaved: pair the CTA pairs' L1 and L2 tile shares so the pairs' work
+    evens out, scheduler.balanced_l2_start; default on).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -164,7 +168,8 @@ class MegaMoE:
                  block_n: Optional[int] = None, num_sms: int = 132, backend: str = "torch",
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
-                 dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None):
+                 dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
+                 balance_l2: bool = True):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -185,7 +190,7 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        self.schedule = Schedule(schedule, lead=self.lead)
+        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved")
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns
@@ -194,15 +199,20 @@ class MegaMoE:
         self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
         self.trace = trace  # record per-tile timelines (fused backend) into last_trace
         self.split_tail = split_tail  # tma_ws* with block_m=128: None = on (kernel_sm90.MegaMoESm90)
+        # resolved as the kernel does (MegaMoESm90.split_tail): the L2 balancing's cost model needs it
+        self._split_tail = (mma in WS_KINDS and block_m == 128) if split_tail is None else bool(split_tail)
         self.dispatch_warps = dispatch_warps  # tma_ws*: overlapped Dispatch; None = 1 (kernel_sm90.MegaMoESm90)
         self.l2_handoffs = l2_handoffs  # tma_ws*: L2 output staged in 1 or 2 parts; None = as smem allows
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, 6] (kernel_sm90.TRACE_FIELDS)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
+        # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
+        self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
+                                    trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
+                                    l2_handoffs=l2_handoffs, silu=silu)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
-            MegaMoESm90(hidden, intermediate, self.schedule, block_m=block_m, block_n=block_n, mma=mma, stages=stages,
-                        trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps, l2_handoffs=l2_handoffs)
+            MegaMoESm90(hidden, intermediate, self.schedule, **self._kernel_options)
         # Largest pool of one rank (every pick of every source) + the block_m padding rows.
         self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
         if backend == "fused" and self._max_pool_rows * (hidden // 8) >= 2 ** 31:
@@ -345,16 +355,12 @@ class MegaMoE:
 
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
     def _kernel(self):
-        key = (self.hidden, self.intermediate, self.schedule, self.block_m, self.block_n, self.timeout_ns, self.mma,
-               self.stages, self.trace, self.split_tail, self.dispatch_warps, self.l2_handoffs)
+        key = (self.hidden, self.intermediate, self.schedule, tuple(sorted(self._kernel_options.items())))
         if key not in _COMPILED:
             from .kernel_sm90 import compile_megamoe_sm90
 
             _COMPILED[key] = compile_megamoe_sm90(self.hidden, self.intermediate, self.schedule,
-                                                  block_m=self.block_m, block_n=self.block_n,
-                                                  timeout_ns=self.timeout_ns, mma=self.mma, stages=self.stages,
-                                                  trace=self.trace, split_tail=self.split_tail,
-                                                  dispatch_warps=self.dispatch_warps, l2_handoffs=self.l2_handoffs)
+                                                  **self._kernel_options)
         return _COMPILED[key]
 
     def plan_rank(self, d: int):
@@ -382,8 +388,18 @@ class MegaMoE:
                                  n_blocks_l1=2 * self.intermediate // self.block_n,
                                  n_blocks_l2=self.hidden // self.block_n, experts_per_wave=self.experts_per_wave,
                                  pair_splits_m=self.mma == "tma_ws_mcast_b")
+            if self.schedule.balance_l2:
+                grid = dataclasses.replace(grid, l2_start=balanced_l2_start(
+                    grid, self.num_ctas(grid) // 2, block_m=self.block_m, hidden=self.hidden,
+                    intermediate=self.intermediate, split_tail=self._split_tail))
             out[d] = (perm, grid)
         return out
+
+    def num_ctas(self, grid) -> int:
+        """Persistent grid of the fused launch: at most one CTA per SM so every CTA is resident
+        (the dependency waits and grid barriers rely on it); even for the CTA pairs."""
+        return max(2, min(self.num_sms - self.num_sms % 2,
+                          2 * max(grid.num_rows, 1) * max(grid.pairs_l1, grid.pairs_l2)))
 
     def _all_routing(self):
         """Every source rank's routing (the host part of Dispatch needs all of them):
@@ -442,20 +458,17 @@ class MegaMoE:
         # expert's tokens feed accumulator rows that are never stored).
         pool_x = self._scratch_rows(d, "pool_x", n_pool + self.block_m, self.hidden, buf.dtype)
         h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
+        num_ctas = self.num_ctas(grid)
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
         # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
         records = itertools.chain.from_iterable(grid.row_record or [(0, 0, 0, 0)])
-        parts = [list(records), grid.wave_row_start]
+        parts = [list(records), schedule_table(self.schedule, grid)]
         lens = [len(p) for p in parts]
         host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int32, count=sum(lens)))
         if dev.type == "cuda":
             host = host.pin_memory()  # caching host allocator: safe to reuse once the copy is done
-        records, wave_start = host.to(dev, non_blocking=True).split(lens)
+        records, sched_table = host.to(dev, non_blocking=True).split(lens)
         records = records.view(-1, 4)
-        # Persistent grid: at most one CTA per SM so every CTA is resident (the
-        # dependency waits and grid barriers rely on it); even for the CTA pairs.
-        num_ctas = max(2, min(self.num_sms - self.num_sms % 2,
-                              2 * max(grid.num_rows, 1) * max(grid.pairs_l1, grid.pairs_l2)))
         if self.trace:
             # Tiles per CTA <= ceil(all pair tiles / pairs) (+1 for safety).
             per_cta = -(-grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) // (num_ctas // 2)) + 1
@@ -464,7 +477,7 @@ class MegaMoE:
         else:
             trace = self._scratch_rows(d, "no_trace", 1, 6, torch.int64).view(1, 1, 6)  # unused by the kernel
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
-                   self.w1[d], self.w2[d], records, wave_start, buf.counters[d],
+                   self.w1[d], self.w2[d], records, sched_table, buf.counters[d],
                    trace)
         from .kernel_sm90 import check_launch_arguments
 

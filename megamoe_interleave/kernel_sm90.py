@@ -77,7 +77,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from quack import sm90_utils
 from cutlass.pipeline import Agent, CooperativeGroup, PipelineUserType
 from quack.pipeline import PipelineTmaAsync, make_pipeline_state
-from quack.activation import swiglu
+from quack.activation import swiglu, tanh
 from xstage import device as xdev
 
 from .scheduler import PHASE_L1, RowGrid, Schedule, Tile
@@ -96,7 +96,7 @@ EPI_FULL_BARRIER_ID = 2  # tma_ws: staged output tile ready (consumers -> epilog
 EPI_EMPTY_BARRIER_ID = 3  # tma_ws: staging tile free + row metadata in smem (epilogue warps -> consumers)
 EPI_BARRIER_ID = 4  # tma_ws: the epilogue warps among themselves
 DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the Dispatch row pull (all threads)
-DISPATCH_WARP_UNROLL = 16  # the same for the dispatch warps (one or two warps per SM: more in flight)
+DISPATCH_WARP_UNROLL = 8  # the same for the dispatch warps (see AUX_WARPGROUP_REGS)
 NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue warps, then dispatch warps
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
@@ -105,13 +105,29 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 # "insufficient register resources for the wgmma pipeline": a wait after every WGMMA, ~25 %
 # slower mainloops, which build depended on unrelated code such as the scheduler). So the
 # producer warpgroup (TMA, epilogue and dispatch warps) gives registers back and the consumers
-# take them (setmaxnreg, as quack's GemmSm90 / CUTLASS): 128 * AUX + 256 * MMA <= 64512. The aux
-# warps (16-byte copies with 16 loads in flight) spilled at 88 and 80; 96 / 200 compiles with
-# neither spills nor serialized WGMMAs (tests/test_megamoe_compile.py checks the SASS).
-AUX_WARPGROUP_REGS = 96
-MMA_WARPGROUP_REGS = 200
+# take them (setmaxnreg, as quack's GemmSm90 / CUTLASS): 128 * AUX + 256 * MMA <= 64512. At
+# 96 / 200 ptxas still serialized some builds (the tanh SwiGLU flipped which ones), at 88 / 208
+# others; 80 / 216 keeps every tested build pipelined, with the dispatch warps' loads in flight
+# cut to DISPATCH_WARP_UNROLL = 8 so the aux warps fit 80 registers -- ptxas then keeps one
+# 8-byte pointer of the exit barrier in local memory (stored before the role split, loaded
+# after all tiles; tests/test_megamoe_compile.py checks none of it is in the consumers' code).
+AUX_WARPGROUP_REGS = 80
+MMA_WARPGROUP_REGS = 216
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 DRAIN_SLACK_NS = 10_000_000  # tma_ws producer waits for loads to land: beyond the peer's ring bound
+
+
+def swiglu_tanh(gate, up):
+    """SwiGLU with sigmoid(g) = 0.5 + 0.5 tanh(g / 2), i.e. silu(g) = g/2 + g/2 tanh(g/2)
+    (quack ``tanh``): one MUFU op (tanh.approx, abs. error ~2^-11, below the bf16 rounding of
+    h) per output instead of quack ``swiglu``'s two (ex2 + rcp). The consumers' L1 handoff --
+    64 outputs per thread, 256 threads, MUFU at 16 ops/clock/SM -- is MUFU-bound."""
+    half = gate * 0.5
+    return (half + half * tanh(half)) * up
+
+
+# ``silu`` switch of the L1 epilogue: "exp2" = quack swiglu (ex2.approx + rcp.approx)
+SILU_KINDS = {"exp2": swiglu, "tanh": swiglu_tanh}
 
 
 def tile_fields(tile: Tile):
@@ -235,11 +251,14 @@ class MegaMoESm90:
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
-                 dispatch_warps: int | None = None, l2_handoffs: int | None = None):
+                 dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh"):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
             raise ValueError("stages must be >= 2")
+        if silu not in SILU_KINDS:
+            raise ValueError(f"silu must be one of {SILU_KINDS}, got {silu!r}")
+        self.swiglu = SILU_KINDS[silu]
         self.stages = stages if mma in MULTISTAGE_KINDS else 1
         if mma != "fma":
             # One warpgroup per 64 rows (WGMMA M64 x block_n each), K in 64-element swizzled blocks;
@@ -339,7 +358,7 @@ class MegaMoESm90:
         mW1: cute.Tensor,  # (E_l, 2I, H) bf16, gate/up interleaved
         mW2: cute.Tensor,  # (E_l, H, I) bf16
         mRowRecord: cute.Tensor,  # (max(P_rows,1), 4) int32, 16-byte aligned: RowGrid.row_record
-        mWaveRowStart: cute.Tensor,  # (W+2,) int32
+        mScheduleTable: cute.Tensor,  # int32 scheduler.schedule_table: wave_row_start / l2_start
         mCounters: cute.Tensor,  # (>= 2 + P_rows,) int32
         mTrace: cute.Tensor,  # (num_ctas, max_tiles, 6) int64 when trace, else any (unused)
         num_rows: Int32,
@@ -389,7 +408,7 @@ class MegaMoESm90:
             launch["cluster"] = [2, 1, 1]  # CTAs 2g, 2g+1 (a scheduler pair) form one cluster
         self.kernel(
             mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-            mWaveRowStart, mCounters, mTrace, num_rows, num_pool,
+            mScheduleTable, mCounters, mTrace, num_rows, num_pool,
             max_tokens, topk, barrier_base, self.tiled_mma, self.sA_layout, self.sB_layout, self.sC_layout,
             *tma,
         ).launch(**launch)
@@ -422,18 +441,18 @@ class MegaMoESm90:
         return tuple(out)
 
     # ---------------------------------------------------------------- device
-    def _schedule_start(self, cta, nctas):
+    def _schedule_start(self, cta, nctas, grid):
         """Scheduler instance of a CTA: pair id g, role r in the pair, stride G (pairs) and the
         initial cursor (trace time: emits the same index arithmetic for every role)."""
         g = cta // 2
         r = cta % 2
         G = nctas // 2
-        c0, c1 = self.schedule.init(g)
+        c0, c1 = self.schedule.init(g, grid)
         return g, r, G, Int32(c0), Int32(c1)
 
     @cute.kernel
     def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-               mWaveRowStart, mCounters, mTrace, num_rows: Int32,
+               mScheduleTable, mCounters, mTrace, num_rows: Int32,
                num_pool: Int32, max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma,
                sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.Layout,
                tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2):
@@ -462,7 +481,7 @@ class MegaMoESm90:
 
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(mRowRecord),
-                       wave_row_start=mWaveRowStart, pair_splits_m=self.mcast_b)
+                       wave_row_start=mScheduleTable, l2_start=mScheduleTable, pair_splits_m=self.mcast_b)
         if const_expr(self.dispatch_warps == 0):
             self.copy_chunks(mPeerX, mPoolSrc, mPoolX, Int32(0), num_pool * (self.hidden // 8),
                              cta * (self.num_threads // 32) + tidx // 32, nctas * (self.num_threads // 32),
@@ -484,7 +503,7 @@ class MegaMoESm90:
                 mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
                 max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace)
         else:
-            g, r, G, c0, c1 = self._schedule_start(cta, nctas)
+            g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
             n_tile = Int32(0)
             while not self.schedule.done((c0, c1), grid):
                 tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
@@ -678,7 +697,7 @@ class MegaMoESm90:
                 w = mPoolWeight[prow]
                 out = cute.make_rmem_tensor((INTERLEAVE,), BFloat16)
                 for j in cutlass.range_constexpr(INTERLEAVE):
-                    out[j] = BFloat16(swiglu(acc[j], acc[INTERLEAVE + j]) * w)
+                    out[j] = BFloat16(self.swiglu(acc[j], acc[INTERLEAVE + j]) * w)
                 col = tile.n_block * (self.block_n // 2) + grp * INTERLEAVE
                 dst = cute.make_tensor(mH.iterator + prow * self.intermediate + col, cute.make_layout(INTERLEAVE))
                 dst.store(out.load())
@@ -963,7 +982,7 @@ class MegaMoESm90:
         bounded acquire wait on its row counter) the K blocks' TMA loads into the ring. After a
         failed wait (ring or row counter; the error word is set) this lane waits no more."""
         cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
-        g, r, G, c0, c1 = self._schedule_start(cta, nctas)
+        g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         ok = Boolean(True)
         rows_ok = Int32(0)  # overlapped Dispatch: rows [0, rows_ok) known dispatched
@@ -1066,7 +1085,7 @@ class MegaMoESm90:
         while the epilogue warps store it (h / Combine remote stores). After a timed-out ring
         wait (error word set) a thread waits no more (and still takes part in the handoff)."""
         frags = self.consumer_fragments(tiled_mma, tidx, sA, sB)
-        g, r, G, c0, c1 = self._schedule_start(cta, nctas)
+        g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
         n_tile = Int32(0)
@@ -1136,7 +1155,7 @@ class MegaMoESm90:
         one release increment of the row counter); L2 straight into the source ranks'
         Combine slots (the X-Stage remote stores, issued while the consumers already run the
         next mainloop)."""
-        g, r, G, c0, c1 = self._schedule_start(cta, nctas)
+        g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
         chunks = self.stage_words // 4  # L2, BN / l2_handoffs output columns
         while not self.schedule.done((c0, c1), grid):
@@ -1299,7 +1318,7 @@ class MegaMoESm90:
                         mm, _ = tCcC[i]
                         w = sRowW[mm]
                         for v0 in cutlass.range_constexpr(2):
-                            vals[4 * t + 2 * v1 + v0] = BFloat16(swiglu(acc[i + v0], acc[i + 4 + v0]) * w)
+                            vals[4 * t + 2 * v1 + v0] = BFloat16(self.swiglu(acc[i + v0], acc[i + 4 + v0]) * w)
                 _, nn = tCcC[8 * jj]  # gate column 16 jj' + 2 q -> h column group jj'
                 group = (nn - 2 * (lane % 4)) // 16 + lane // 16
                 xdev.stmatrix_x4(sO.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
@@ -1337,7 +1356,7 @@ def tensor_argument_spec(hidden: int, intermediate: int):
         ("mW1", BFloat16, ("E_l", 2 * intermediate, hidden)),
         ("mW2", BFloat16, ("E_l", hidden, intermediate)),
         ("mRowRecord", Int32, ("n_rows", 4)),
-        ("mWaveRowStart", Int32, ("n_w",)),
+        ("mScheduleTable", Int32, ("n_s",)),
         ("mCounters", Int32, ("n_c",)),
         ("mTrace", Int64, ("n_tc", "n_tt", len(TRACE_FIELDS))),
     ]

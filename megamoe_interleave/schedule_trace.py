@@ -27,14 +27,14 @@ class ScheduleTrace:
     def __call__(
         self,
         mRowRecord: cute.Tensor,  # (max(P,1), 4) int32, 16-byte aligned
-        mWaveRowStart: cute.Tensor,  # (W+2,) int32
+        mScheduleTable: cute.Tensor,  # int32 scheduler.schedule_table
         num_rows: Int32,
         mOut: cute.Tensor,  # (num_ctas, max_tiles, 7) int32
         mCount: cute.Tensor,  # (num_ctas,) int32
         stream,
     ):
         num_ctas = cute.size(mCount, mode=[0])
-        self.kernel(mRowRecord, mWaveRowStart, num_rows, mOut, mCount).launch(
+        self.kernel(mRowRecord, mScheduleTable, num_rows, mOut, mCount).launch(
             grid=[num_ctas, 1, 1], block=[32, 1, 1], stream=stream
         )
 
@@ -42,7 +42,7 @@ class ScheduleTrace:
     def kernel(
         self,
         mRowRecord: cute.Tensor,
-        mWaveRowStart: cute.Tensor,
+        mScheduleTable: cute.Tensor,
         num_rows: Int32,
         mOut: cute.Tensor,
         mCount: cute.Tensor,
@@ -55,13 +55,14 @@ class ScheduleTrace:
             pairs_l1=self.pairs_l1,
             pairs_l2=self.pairs_l2,
             row_record=DeviceRowRecords(mRowRecord),
-            wave_row_start=mWaveRowStart,
+            wave_row_start=mScheduleTable,
+            l2_start=mScheduleTable,
         )
         g = Int32(cta) // 2
         r = Int32(cta) % 2
         G = Int32(num_ctas) // 2
         if tidx == 0:
-            c0, c1 = self.schedule.init(g)
+            c0, c1 = self.schedule.init(g, grid)
             c0 = Int32(c0)
             c1 = Int32(c1)
             n = Int32(0)
@@ -87,11 +88,11 @@ def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int):
     """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
-    n_rows, n_waves = cute.sym_int(), cute.sym_int()
+    n_rows, n_table = cute.sym_int(), cute.sym_int()
     n_ctas, max_tiles = cute.sym_int(), cute.sym_int()
     args = (
         make_fake_tensor(Int32, (n_rows, 4)),
-        make_fake_tensor(Int32, (n_waves,)),
+        make_fake_tensor(Int32, (n_table,)),
         Int32(0),
         make_fake_tensor(Int32, (n_ctas, max_tiles, 7)),
         make_fake_tensor(Int32, (n_ctas,)),

@@ -55,6 +55,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+
+import numpy as np
 from typing import Any, List, Sequence, Tuple
 
 PHASE_L1 = 1
@@ -138,6 +140,7 @@ class RowGrid:
     num_waves: Any = 0
     pair_splits_m: bool = False
     row_record: Any = None
+    l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
 
 
 def make_row_grid(
@@ -257,9 +260,50 @@ def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
 # ---------------------------------------------------------------------------
 # interleaved (Algorithm 1)
 # ---------------------------------------------------------------------------
-def interleaved_init(g):
-    """Cursor (k1, k2): pair-tile cursors of the L1 and L2 streams."""
-    return (g, g)
+def interleaved_init(g, grid: RowGrid | None = None, balance_l2: bool = False):
+    """Cursor (k1, k2): pair-tile cursors of the L1 and L2 streams.
+
+    Both streams are dealt round-robin over the G pairs (pair g takes pair tiles k = g (mod G)),
+    so without balancing the pairs g < (P * P1) % G get one L1 tile more than the others and
+    the pairs g < (P * P2) % G one L2 tile more: the same pairs carry both extras and finish
+    last. ``balance_l2`` starts pair g's L2 stream at residue ``grid.l2_start[g]`` instead, a
+    permutation of the pairs computed on the host (:func:`balanced_l2_start`) that gives the
+    cheapest L2 residue classes to the pairs with the dearest L1 classes. Each pair still owns
+    exactly one residue class of each stream, so every tile is emitted once, and the emission
+    rule -- hence invariant I and the deadlock argument -- does not depend on where a stream
+    starts."""
+    if not balance_l2:
+        return (g, g)
+    return (g, grid.l2_start[g])
+
+
+def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: int, intermediate: int,
+                      split_tail: bool) -> List[int]:
+    """``RowGrid.l2_start`` for ``num_pairs`` pairs (host side): pair g keeps L1 residue class g;
+    the L2 classes are assigned so that the dearest L1 classes get the cheapest L2 classes
+    (sorted pairing, which minimises the largest sum of two assigned costs). A pair tile costs
+    its WGMMA work: K (L1 H, L2 I) times its rows -- 64 for a ``split_tail`` half tile (the
+    pair's members both hold <= 64 rows of the block), else ``block_m``."""
+    G = num_pairs
+    per_member = 2 * block_m if grid.pair_splits_m else block_m
+    rows_cost = []
+    for _, m_index, _, count in grid.row_record:
+        left = count - m_index * per_member  # rows of this scheduler row
+        member_rows = [min(max(left - r * block_m, 0), block_m) for r in (0, 1)] if grid.pair_splits_m else [left]
+        half = split_tail and max(member_rows) <= 64
+        rows_cost.append(64 if half else block_m)
+    rows_cost = np.asarray(rows_cost, dtype=np.float64)
+
+    def class_costs(pairs_per_row, k_dim):
+        k = np.arange(len(rows_cost) * pairs_per_row)
+        return np.bincount(k % G, weights=np.repeat(rows_cost * k_dim, pairs_per_row), minlength=G)
+
+    c1 = class_costs(grid.pairs_l1, hidden)
+    c2 = class_costs(grid.pairs_l2, intermediate)
+    l2_start = [0] * G
+    for g, residue in zip(np.argsort(-c1, kind="stable"), np.argsort(c2, kind="stable")):
+        l2_start[int(g)] = int(residue)
+    return l2_start
 
 
 def interleaved_done(cursor, grid: RowGrid):
@@ -294,6 +338,14 @@ def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
     is_l2, row, pair, nxt = interleaved_next(cursor, G, grid, lead)
     phase = select(is_l2, PHASE_L2, PHASE_L1)
     return _tile(grid, valid, phase, row, pair, r), nxt
+
+
+def schedule_table(schedule: "Schedule", grid: RowGrid) -> List[int]:
+    """The schedule's small int32 table for the kernel (one argument serves both): expert_wave
+    reads it as ``wave_row_start``, interleaved with ``balance_l2`` as ``l2_start``."""
+    if schedule.name == "expert_wave":
+        return list(grid.wave_row_start)
+    return list(grid.l2_start) if schedule.balance_l2 else [0]
 
 
 # ---------------------------------------------------------------------------
@@ -347,15 +399,20 @@ class Schedule:
 
     name: str
     lead: int = 1
+    balance_l2: bool = False  # interleaved: see interleaved_init
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.name!r}; expected one of {SCHEDULES}")
         if self.name == "interleaved" and self.lead < 1:
             raise ValueError(f"lead D must be >= 1, got {self.lead}")
+        if self.balance_l2 and self.name != "interleaved":
+            raise ValueError("balance_l2 applies to the interleaved schedule only")
 
-    def init(self, g):
-        return interleaved_init(g) if self.name == "interleaved" else expert_wave_init(g)
+    def init(self, g, grid: RowGrid):
+        if self.name == "interleaved":
+            return interleaved_init(g, grid, self.balance_l2)
+        return expert_wave_init(g)
 
     def done(self, cursor, grid: RowGrid):
         if self.name == "interleaved":
@@ -372,7 +429,9 @@ def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -
     """Python reference: the full tile sequence of CTA (g, r)."""
     if not (0 <= g < G) or r not in (0, 1):
         raise ValueError(f"bad instance g={g} G={G} r={r}")
-    cursor = schedule.init(g)
+    if schedule.balance_l2 and (grid.l2_start is None or len(grid.l2_start) != G):
+        raise ValueError(f"balance_l2 needs grid.l2_start for {G} pairs (balanced_l2_start)")
+    cursor = schedule.init(g, grid)
     out: List[Tile] = []
     # Every step either emits or advances a wave, so this bound is never reached
     # by a correct scheduler; it turns a scheduler bug into an error, not a hang.

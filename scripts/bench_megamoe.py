@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import os
 import statistics
 import sys
@@ -102,25 +103,42 @@ def run_case(shape, kind, P, tokens, args, dense):
         record("unfused torch pipeline", timing.bench(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t),
                                                       warmup=1, iters=1, trials=args.trials))
 
-    def moe_kwargs(sched, mma, dw, stages=None, handoffs=None):
-        bm, bn, stages = default_tiles(mma, H, I, args.block_m, args.block_n, stages,
+    def moe_kwargs(sched, axes):
+        """MegaMoE kwargs of one fused variant: ``axes`` = this variant's value of every
+        side-by-side axis (None = the kernel's default)."""
+        bm, bn, stages = default_tiles(axes["mma"], H, I, args.block_m, args.block_n, axes["stages"],
                                        rows_per_expert=P * tokens * k / E)
-        return dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
-                    backend="fused", block_m=bm, block_n=bn, mma=mma, dispatch_warps=dw, l2_handoffs=handoffs,
-                    stages=stages, split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
+        kw = dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
+                  backend="fused", block_m=bm, block_n=bn, mma=axes["mma"], dispatch_warps=axes["dispatch_warps"],
+                  l2_handoffs=axes["l2_handoffs"], stages=stages,
+                  split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
+        if axes["silu"] is not None:
+            kw["silu"] = axes["silu"]
+        if axes["balance_l2"] is not None:
+            kw["balance_l2"] = bool(axes["balance_l2"])
+        return kw
 
-    def variant_tag(dw, stages, handoffs):
-        return "".join(f",{name}{v}" for name, v in (("dw", dw), ("s", stages), ("l2h", handoffs)) if v is not None)
+    def variant_tag(axes):
+        """Short names of the axes that were given on the command line (mma and stages are
+        spelled out by the callers)."""
+        return "".join(f",{short}{axes[name]}" for name, short in VARIANT_TAGS if axes[name] is not None)
 
-    fused_cases = [(mma, dw, st, ho, sched) for mma in args.mma for dw in args.dispatch_warps for st in args.stages
-                   for ho in args.l2_handoffs for sched in ("expert_wave", "interleaved")
-                   if kernel_config_ok(H, I, moe_kwargs(sched, mma, dw, st, ho))]
+    axis_values = {name: getattr(args, name) for name in VARIANT_AXES}
+    fused_cases = [(dict(zip(VARIANT_AXES, combo)), sched) for combo in itertools.product(*axis_values.values())
+                   for sched in ("expert_wave", "interleaved")]
+    # balance_l2 is an interleaved-only switch: expert_wave runs once per other combination
+    fused_cases = [(dict(axes, balance_l2=None), sched) if sched == "expert_wave" else (axes, sched)
+                   for axes, sched in fused_cases
+                   if sched == "interleaved" or axes["balance_l2"] in (None, axis_values["balance_l2"][0])]
+    fused_cases = [(axes, sched) for axes, sched in fused_cases if kernel_config_ok(H, I, moe_kwargs(sched, axes))]
     if tokens <= args.fused_max_tokens:
-        for mma, dw, st, ho, sched in fused_cases:
-            kw = moe_kwargs(sched, mma, dw, st, ho)
+        for axes, sched in fused_cases:
+            kw = moe_kwargs(sched, axes)
+            mma = axes["mma"]
             tag = f"{sched},{mma},{kw['block_m']}x{kw['block_n']}" + (
                 f",s{kw['stages']}" if mma != "wgmma" and mma != "fma" else "") + (
-                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(dw, None, ho)
+                f",split_tail={args.split_tail}" if args.split_tail != "auto" else "") + variant_tag(
+                dict(axes, stages=None))
             poisons = {"on": [True], "off": [False], "both": [True, False]}[args.api_poison]
             if args.paired_only:
                 poisons = []
@@ -145,9 +163,9 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
-            for mma, dw, st, ho, sched in fused_cases:
-                fns[f"fused[{sched},{mma}{variant_tag(dw, st, ho)}]"] = fused_kernel_timed(
-                    moe_kwargs(sched, mma, dw, st, ho), w1, w2, xs, idx, wts, P, args.world)
+            for axes, sched in fused_cases:
+                fns[f"fused[{sched},{axes['mma']}{variant_tag(axes)}]"] = fused_kernel_timed(
+                    moe_kwargs(sched, axes), w1, w2, xs, idx, wts, P, args.world)
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
@@ -156,6 +174,11 @@ def run_case(shape, kind, P, tokens, args, dense):
 
 
 paired_rows = []
+# Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
+# the short names that label a variant when the axis was given.
+VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2")
+VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
+                ("balance_l2", "bal"))
 
 
 def kernel_config_ok(hidden, intermediate, kw) -> bool:
@@ -168,7 +191,8 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     try:
         MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), block_m=kw["block_m"],
                     block_n=kw["block_n"], mma=kw["mma"], stages=kw["stages"], split_tail=kw["split_tail"],
-                    dispatch_warps=kw["dispatch_warps"], l2_handoffs=kw["l2_handoffs"])
+                    dispatch_warps=kw["dispatch_warps"], l2_handoffs=kw["l2_handoffs"],
+                    **({"silu": kw["silu"]} if "silu" in kw else {}))
     except ValueError as e:
         print(f"skipping {kw['mma']} {kw['schedule']} stages={kw['stages']} dispatch_warps={kw['dispatch_warps']} "
               f"l2_handoffs={kw['l2_handoffs']}: {e}", flush=True)
@@ -271,8 +295,8 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     moe.forward(xs, idx, wts)
     recs = decode_trace(moe.last_trace[0])
     t_min = min(r["t_start"] for cta in recs for r in cta)
-    variant = "".join(f"_{name}{kwargs[key]}" for name, key in (("dw", "dispatch_warps"), ("s", "stages"),
-                                                                  ("l2h", "l2_handoffs")) if kwargs.get(key) is not None)
+    variant = "".join(f"_{short.rstrip('=')}{kwargs[name]}" for name, short in VARIANT_TAGS
+                      if kwargs.get(name) is not None)
     path = os.path.join(args.out, f"trace{args.tag}_{kwargs['mma']}{variant}_{kwargs['schedule']}_P{P}_T{tokens}.csv")
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -368,6 +392,11 @@ def main():
                          "values run side by side (default: the kernel's)")
     ap.add_argument("--l2-handoffs", nargs="+", type=int, default=[None],
                     help="tma_ws*: L2 output staged in 1 or 2 parts, side by side (default: as smem allows)")
+    ap.add_argument("--silu", nargs="+", default=[None], choices=["tanh", "exp2"],
+                    help="L1 epilogue sigmoid: one tanh.approx or ex2 + rcp, side by side (default: the API's)")
+    ap.add_argument("--balance-l2", nargs="+", type=int, default=[None], choices=[0, 1],
+                    help="interleaved: balance the pairs' L1/L2 shares (scheduler.balanced_l2_start), side by side "
+                         "(default: the API's)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

@@ -7,7 +7,7 @@ from ptx_utils import try_wait_loops
 
 from megamoe_interleave.scheduler import Schedule
 
-SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=3)]
+SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=3, balance_l2=True)]
 
 
 @pytest.mark.compile
@@ -68,6 +68,8 @@ def test_kernel_rejects_bad_tiling():
         MegaMoESm90(1024, 512, SCHEDULES[0], block_n=256, block_m=128, mma="wgmma_cpasync", stages=8)
     with pytest.raises(ValueError):
         MegaMoESm90(256, 128, SCHEDULES[0], mma="tf32")
+    with pytest.raises(ValueError):
+        MegaMoESm90(256, 128, SCHEDULES[0], block_n=64, silu="gelu")
     with pytest.raises(ValueError):  # tma_ws: a 5-stage 128x256 ring + the staging tile do not fit
         MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=256, mma="tma_ws", stages=5)
     with pytest.raises(ValueError):  # dispatch warps: 1 or 2 of the 3 auxiliary warps, tma_ws* only
@@ -204,6 +206,22 @@ def test_tma_ws_mcast_b_ptx(tmp_path, schedule):
         assert re.search(pat, ptx), f"PTX lacks {pat}"
     assert len(re.findall(r"barrier\.cluster\.wait", ptx)) >= 2
     _check_tma_after_proxy_fence(ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("silu", ["tanh", "exp2"])
+def test_silu_variants_ptx(tmp_path, silu):
+    """The L1 epilogue's sigmoid: silu="tanh" one tanh.approx per output, "exp2" (quack
+    swiglu) ex2.approx + rcp.approx; compiled with the unbalanced interleaved schedule (the
+    balanced one is SCHEDULES[1])."""
+    ptx = _compile_ptx(tmp_path, 512, 256, Schedule("interleaved", lead=3), block_m=128, block_n=256,
+                       mma="tma_ws_mcast_b", stages=3, silu=silu)
+    n_tanh = len(re.findall(r"tanh\.approx\.f32", ptx))
+    n_ex2 = len(re.findall(r"ex2\.approx", ptx))
+    if silu == "tanh":
+        assert n_tanh > 0 and n_ex2 == 0
+    else:
+        assert n_tanh == 0 and n_ex2 > 0 and re.search(r"rcp\.approx", ptx)
 
 
 @pytest.mark.compile
@@ -380,8 +398,10 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
-    H200); with setmaxnreg (96 producer-warpgroup / 200 consumer registers) there is one wait
-    per K block's batch of HGMMAs, both setmaxnreg survive, and nothing spills to local memory."""
+    H200); with setmaxnreg (kernel_sm90.AUX_WARPGROUP_REGS / MMA_WARPGROUP_REGS) there is one
+    wait per K block's batch of HGMMAs and both setmaxnreg survive. Local memory: at most one
+    spilled pointer (<= 16 bytes of stack), and no local access from the consumers'
+    ``setmaxnreg`` up to their last HGMMA (the mainloops and handoffs)."""
     import subprocess
 
     from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
@@ -400,4 +420,10 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
     assert hgmma >= 16 and waits <= hgmma // 2, f"{waits} WGMMA waits for {hgmma} HGMMAs: serialized"
     assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
-    assert re.search(r"STACK:0\b", usage) and not re.search(r"\b(LDL|STL)\b", sass), "local memory (spills)"
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    lines = sass.splitlines()
+    alloc = next(i for i, line in enumerate(lines) if "SETMAXREG.TRY_ALLOC" in line)
+    last_mma = max(i for i, line in enumerate(lines) if re.search(r"\bHGMMA\.", line))
+    local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
+    assert stack <= 16 and len(local) <= 4, f"local memory: {stack} B stack, {len(local)} accesses (spills)"
+    assert not [i for i in local if alloc < i < last_mma], "local memory access in the consumers' code"

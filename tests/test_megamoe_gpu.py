@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from megamoe_interleave.scheduler import Schedule, enumerate_all, make_row_grid
+import dataclasses
+
+from megamoe_interleave.scheduler import Schedule, balanced_l2_start, enumerate_all, make_row_grid, schedule_table
 
 pytestmark = pytest.mark.gpu
 
@@ -10,13 +12,17 @@ E, H, I = 16, 256, 128
 BLOCK_M, BLOCK_N = 64, 64
 
 
-@pytest.mark.parametrize("schedule", [Schedule("expert_wave"), Schedule("interleaved", lead=2)], ids=lambda s: s.name)
+@pytest.mark.parametrize("schedule", [Schedule("expert_wave"), Schedule("interleaved", lead=2),
+                                      Schedule("interleaved", lead=2, balance_l2=True)],
+                         ids=["expert_wave", "interleaved", "interleaved_balanced"])
 def test_device_schedule_equals_python_reference(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
     counts = [0, 65, 1, 300, 128, 0, 7, 64]
     grid = make_row_grid(counts, block_m=64, n_blocks_l1=8, n_blocks_l2=4, experts_per_wave=3)
     num_ctas = 6
+    grid = dataclasses.replace(grid, l2_start=balanced_l2_start(grid, num_ctas // 2, block_m=64, hidden=H,
+                                                                intermediate=I, split_tail=False))
     ref = enumerate_all(schedule, grid, num_ctas)
     max_tiles = max(len(s) for s in ref) + 4
     dev = torch.device("cuda")
@@ -24,7 +30,7 @@ def test_device_schedule_equals_python_reference(schedule):
     cnt = torch.full((num_ctas,), -7, dtype=torch.int32, device=dev)
     t = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     fn = compile_schedule_trace(schedule, grid.pairs_l1, grid.pairs_l2)
-    fn(t(grid.row_record), t(grid.wave_row_start), grid.num_rows, out, cnt)
+    fn(t(grid.row_record), t(schedule_table(schedule, grid)), grid.num_rows, out, cnt)
     torch.cuda.synchronize()
     for c in range(num_ctas):
         assert cnt[c].item() == len(ref[c])

@@ -10,6 +10,7 @@ from megamoe_interleave.reference import (
     Permutation, permute_for_rank, permute_ranks, reference_moe_fp32, routing_bounds, weighted_combine,
 )
 from megamoe_interleave.routing import make_routing
+from megamoe_interleave.scheduler import balanced_l2_start
 
 
 def _slow_permute(topk_idx, topk_weights, d, el):
@@ -183,7 +184,10 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
                 for r, e in enumerate(grid.row_expert)]
         assert [tuple(r) for r in tensors[8].tolist()] == (want or [(0, 0, 0, 0)])
         assert tensors[8].data_ptr() % 16 == 0
-        assert tensors[9].tolist() == grid.wave_row_start
+        assert moe.schedule.balance_l2  # the API default: the table is the pairs' L2 starts
+        assert tensors[9].tolist() == grid.l2_start == balanced_l2_start(
+            grid, num_ctas // 2, block_m=moe.block_m, hidden=H, intermediate=I, split_tail=moe._split_tail)
+        assert sorted(tensors[9].tolist()) == list(range(num_ctas // 2))
         assert tensors[2].tolist() == torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).tolist()
     # Same inputs again: same scratch memory; a new staging re-plans.
     moe.stage_inputs(xs, idx, w)

@@ -1,4 +1,5 @@
 """CPU tests of the MoE tile schedulers (Python reference of megamoe_interleave.scheduler)."""
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -8,6 +9,7 @@ from megamoe_interleave.scheduler import (
     PHASE_L1,
     PHASE_L2,
     Schedule,
+    balanced_l2_start,
     d_knee,
     default_lead,
     enumerate_all,
@@ -30,8 +32,20 @@ grids = st.builds(
 schedules = st.one_of(
     st.just(Schedule("expert_wave")),
     st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d)),
+    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d, balance_l2=True)),
 )
 cta_counts = st.sampled_from([2, 4, 6, 10])
+
+
+def _balanced(grid, G):
+    """``grid`` with the balance_l2 table for G pairs (the correctness properties hold for any
+    permutation; this is the one the API uses)."""
+    return dataclasses.replace(grid, l2_start=balanced_l2_start(grid, G, block_m=64, hidden=256, intermediate=128,
+                                                                split_tail=False))
+
+
+def _enumerate_all(schedule, grid, num_ctas):
+    return enumerate_all(schedule, _balanced(grid, num_ctas // 2), num_ctas)
 
 
 def _all_tiles(grid):
@@ -53,7 +67,7 @@ def _all_tiles(grid):
 @settings(max_examples=150, deadline=None)
 @given(grids, schedules, cta_counts)
 def test_every_tile_exactly_once(grid, schedule, num_ctas):
-    seqs = enumerate_all(schedule, grid, num_ctas)
+    seqs = _enumerate_all(schedule, grid, num_ctas)
     keys = [tile_key(t) for seq in seqs for t in seq]
     counts = Counter(keys)
     assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1][:5]
@@ -65,7 +79,7 @@ def test_every_tile_exactly_once(grid, schedule, num_ctas):
 def test_tile_fields_consistent(grid, schedule, num_ctas):
     """expert / m_block agree with the row layout; pair members take n = 2j + r (pair_splits_m:
     the same n, M block 2 (row - O_e) + r)."""
-    for c, seq in enumerate(enumerate_all(schedule, grid, num_ctas)):
+    for c, seq in enumerate(_enumerate_all(schedule, grid, num_ctas)):
         for t in seq:
             e = t.expert
             assert grid.expert_row_offset[e] <= t.row < grid.expert_row_offset[e + 1]
@@ -83,7 +97,7 @@ def test_pair_members_walk_the_same_tiles(grid, schedule, num_ctas):
     """The two CTAs of a pair (one 2-CTA cluster in the tma_ws_mcast* kernels) visit the same
     rows in the same order with the same K loops, and share the multicast operand: the same
     M block (A) or, with pair_splits_m, the same N block (B)."""
-    seqs = enumerate_all(schedule, grid, num_ctas)
+    seqs = _enumerate_all(schedule, grid, num_ctas)
     for a, b in zip(seqs[0::2], seqs[1::2]):
         assert [(t.phase, t.row) for t in a] == [(t.phase, t.row) for t in b]
         shared = "n_block" if grid.pair_splits_m else "m_block"
@@ -94,7 +108,7 @@ def test_pair_members_walk_the_same_tiles(grid, schedule, num_ctas):
 @given(grids, schedules, cta_counts)
 def test_per_cta_l1_before_l2_for_every_row(grid, schedule, num_ctas):
     """Invariant I of the deadlock-freedom proof."""
-    for seq in enumerate_all(schedule, grid, num_ctas):
+    for seq in _enumerate_all(schedule, grid, num_ctas):
         seen_l2_rows = set()
         for t in seq:
             if t.phase == PHASE_L2:
@@ -127,20 +141,21 @@ def _simulate_deadlock_free(seqs, num_l1_per_row):
 @settings(max_examples=100, deadline=None)
 @given(grids, schedules, cta_counts)
 def test_no_deadlock_in_dependency_simulation(grid, schedule, num_ctas):
-    seqs = enumerate_all(schedule, grid, num_ctas)
+    seqs = _enumerate_all(schedule, grid, num_ctas)
     assert _simulate_deadlock_free(seqs, 2 * grid.pairs_l1)
 
 
 @settings(max_examples=150, deadline=None)
-@given(grids, st.integers(1, 6), cta_counts)
-def test_interleaved_lead_respected(grid, lead, num_ctas):
+@given(grids, st.integers(1, 6), cta_counts, st.booleans())
+def test_interleaved_lead_respected(grid, lead, num_ctas, balance):
     """An L2 tile of row p is emitted only when the CTA's L1 cursor is at row >= p + D
     or the L1 stream is exhausted."""
-    schedule = Schedule("interleaved", lead=lead)
+    schedule = Schedule("interleaved", lead=lead, balance_l2=balance)
     G = num_ctas // 2
+    grid = _balanced(grid, G)
     for c in range(num_ctas):
         g, r = c // 2, c % 2
-        cursor = schedule.init(g)
+        cursor = schedule.init(g, grid)
         while not schedule.done(cursor, grid):
             k1, _ = cursor
             tile, cursor = schedule.step(cursor, g, G, r, grid)
@@ -153,6 +168,41 @@ def test_lead_zero_rejected():
         Schedule("interleaved", lead=0)
     with pytest.raises(ValueError):
         Schedule("bogus")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.sampled_from([8, 16, 30, 66]), st.booleans())
+def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
+    """balanced_l2_start is a permutation of the pairs, and with it the largest per-pair work
+    (the cost model's: K x rows of every pair tile) is never above the plain round-robin's;
+    it is the optimum over all L2 residue assignments for fixed L1 residues (sorted pairing)."""
+    grid = make_row_grid(counts, block_m=128, n_blocks_l1=16, n_blocks_l2=16, pair_splits_m=pair_splits_m)
+    H, I = 1024, 512
+    start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I, split_tail=True)
+    assert sorted(start) == list(range(G))
+
+    def pair_work(schedule, grid):
+        work = []
+        for g in range(G):
+            w = 0
+            for a, b in zip(enumerate_order(schedule, grid, g, G, 0), enumerate_order(schedule, grid, g, G, 1)):
+                rows = [max(0, min(t.count - t.m_block * 128, 128)) for t in (a, b)]
+                w += (H if a.phase == PHASE_L1 else I) * (64 if max(rows) <= 64 else 128)
+            work.append(w)
+        return work
+
+    plain = pair_work(Schedule("interleaved", lead=2), grid)
+    balanced = pair_work(Schedule("interleaved", lead=2, balance_l2=True), dataclasses.replace(grid, l2_start=start))
+    assert sum(plain) == sum(balanced)
+    assert max(balanced) <= max(plain)
+
+
+def test_balance_l2_needs_the_table():
+    grid = make_row_grid([500, 300], block_m=128, n_blocks_l1=4, n_blocks_l2=4)
+    with pytest.raises(ValueError, match="l2_start"):
+        enumerate_order(Schedule("interleaved", lead=1, balance_l2=True), grid, 0, 3, 0)
+    with pytest.raises(ValueError):
+        Schedule("expert_wave", balance_l2=True)
 
 
 def test_deadlock_possible_with_lead_zero_shows_invariant_matters():
