@@ -96,7 +96,7 @@ EPI_FULL_BARRIER_ID = 2  # tma_ws: staged output tile ready (consumers -> epilog
 EPI_EMPTY_BARRIER_ID = 3  # tma_ws: staging tile free + row metadata in smem (epilogue warps -> consumers)
 EPI_BARRIER_ID = 4  # tma_ws: the epilogue warps among themselves
 DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the Dispatch row pull (all threads)
-DISPATCH_WARP_UNROLL = 8  # the same for the dispatch warps (see AUX_WARPGROUP_REGS)
+DISPATCH_WARP_UNROLL = 12  # the same for the dispatch warps (see AUX_WARPGROUP_REGS)
 NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue warps, then dispatch warps
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
@@ -105,14 +105,13 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 # "insufficient register resources for the wgmma pipeline": a wait after every WGMMA, ~25 %
 # slower mainloops, which build depended on unrelated code such as the scheduler). So the
 # producer warpgroup (TMA, epilogue and dispatch warps) gives registers back and the consumers
-# take them (setmaxnreg, as quack's GemmSm90 / CUTLASS): 128 * AUX + 256 * MMA <= 64512. At
-# 96 / 200 ptxas still serialized some builds (the tanh SwiGLU flipped which ones), at 88 / 208
-# others; 80 / 216 keeps every tested build pipelined, with the dispatch warps' loads in flight
-# cut to DISPATCH_WARP_UNROLL = 8 so the aux warps fit 80 registers -- ptxas then keeps one
-# 8-byte pointer of the exit barrier in local memory (stored before the role split, loaded
-# after all tiles; tests/test_megamoe_compile.py checks none of it is in the consumers' code).
-AUX_WARPGROUP_REGS = 80
-MMA_WARPGROUP_REGS = 216
+# take them (setmaxnreg, as quack's GemmSm90 / CUTLASS): 128 * AUX + 256 * MMA <= 64512 (the
+# launch's pool; 80 / 216 would ask for more and fails at run time). At 96 / 200 ptxas still
+# serialized some builds (the tanh SwiGLU flipped which ones); 88 / 208 keeps the timed builds
+# pipelined (not expert_wave's trace build), with the dispatch warps' loads in flight cut to
+# DISPATCH_WARP_UNROLL = 12 so the aux warps fit 88 registers without spilling.
+AUX_WARPGROUP_REGS = 88
+MMA_WARPGROUP_REGS = 208
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 DRAIN_SLACK_NS = 10_000_000  # tma_ws producer waits for loads to land: beyond the peer's ring bound
 
