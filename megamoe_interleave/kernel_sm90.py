@@ -45,14 +45,16 @@ STATUS -- a *functional subset*, honestly labelled:
   registers into 128-B-swizzled smem, single stage (GPU-validated, ~66-75 TFLOP/s);
   ``"wgmma_cpasync"`` -- the same with a ``stages``-deep cp.async pipeline (GPU tests pass);
   ``"fma"`` -- CUDA-core dot products (GPU-validated reference path, slow).
-  The producer warpgroup hands registers to the consumers (setmaxnreg 96 / 200: at the
-  launch's 168 ptxas serialized the WGMMAs of some builds). A schedule step costs one 16-byte
+  The producer warpgroup hands registers to the consumers (setmaxnreg 88 / 208: at the
+  launch's 168 ptxas serialized the WGMMAs of some builds). The L1 epilogue's SwiGLU takes one
+  tanh.approx per output (``silu="tanh"``). A schedule step costs one 16-byte
   row-record load (:class:`DeviceRowRecords`), which the consumers issue one tile ahead; the
   staging stores are ``stmatrix.x4``.
   Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, clock-matched paired trials,
   results/h200/megamoe/final2): at P = 1 (4 stages) 0.96x the time of the two torch grouped
-  GEMMs alone (faster in every trial), 2.2x faster than the unfused pipeline; at loopback
-  P = 8 (3 stages) 1.04-1.06x their time (slower), 2.8x faster than unfused.
+  GEMMs alone (faster in every trial; 0.95-0.96x with the tanh SwiGLU, tanh_balance), 2.2x
+  faster than the unfused pipeline; at loopback P = 8 (3 stages) 1.04-1.06x their time
+  (slower), 2.8x faster than unfused.
 * NOT done yet: the dispatch *index* computation (counting / prefix sums of the routed tokens)
   runs on the host (:func:`megamoe_interleave.reference.permute_ranks`); the final top-k
   reduction runs after all ranks (torch), as the loopback world requires anyway.
@@ -256,7 +258,7 @@ class MegaMoESm90:
         if stages < 2:
             raise ValueError("stages must be >= 2")
         if silu not in SILU_KINDS:
-            raise ValueError(f"silu must be one of {SILU_KINDS}, got {silu!r}")
+            raise ValueError(f"silu must be one of {sorted(SILU_KINDS)}, got {silu!r}")
         self.swiglu = SILU_KINDS[silu]
         self.stages = stages if mma in MULTISTAGE_KINDS else 1
         if mma != "fma":

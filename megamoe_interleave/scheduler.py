@@ -55,9 +55,9 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any, List, Sequence, Tuple
 
 import numpy as np
-from typing import Any, List, Sequence, Tuple
 
 PHASE_L1 = 1
 PHASE_L2 = 2

@@ -174,8 +174,8 @@ def test_lead_zero_rejected():
 @given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.sampled_from([8, 16, 30, 66]), st.booleans())
 def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
     """balanced_l2_start is a permutation of the pairs, and with it the largest per-pair work
-    (the cost model's: K x rows of every pair tile) is never above the plain round-robin's;
-    it is the optimum over all L2 residue assignments for fixed L1 residues (sorted pairing)."""
+    (the cost model's: K x rows of every pair tile) is never above the plain round-robin's
+    (sorted pairing minimises the largest sum, and the identity is one of the pairings)."""
     grid = make_row_grid(counts, block_m=128, n_blocks_l1=16, n_blocks_l2=16, pair_splits_m=pair_splits_m)
     H, I = 1024, 512
     start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I, split_tail=True)
