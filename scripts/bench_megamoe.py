@@ -116,6 +116,8 @@ def run_case(shape, kind, P, tokens, args, dense):
             kw["silu"] = axes["silu"]
         if axes["balance_l2"] is not None:
             kw["balance_l2"] = bool(axes["balance_l2"])
+        if axes["lead"] is not None:
+            kw["lead"] = axes["lead"]
         return kw
 
     def variant_tag(axes):
@@ -126,10 +128,11 @@ def run_case(shape, kind, P, tokens, args, dense):
     axis_values = {name: getattr(args, name) for name in VARIANT_AXES}
     fused_cases = [(dict(zip(VARIANT_AXES, combo)), sched) for combo in itertools.product(*axis_values.values())
                    for sched in ("expert_wave", "interleaved")]
-    # balance_l2 is an interleaved-only switch: expert_wave runs once per other combination
-    fused_cases = [(dict(axes, balance_l2=None), sched) if sched == "expert_wave" else (axes, sched)
+    # balance_l2 and lead are interleaved-only: expert_wave runs once per other combination
+    fused_cases = [(dict(axes, balance_l2=None, lead=None), sched) if sched == "expert_wave" else (axes, sched)
                    for axes, sched in fused_cases
-                   if sched == "interleaved" or axes["balance_l2"] in (None, axis_values["balance_l2"][0])]
+                   if sched == "interleaved" or all(axes[name] in (None, axis_values[name][0])
+                                                    for name in INTERLEAVED_AXES)]
     fused_cases = [(axes, sched) for axes, sched in fused_cases if kernel_config_ok(H, I, moe_kwargs(sched, axes))]
     if tokens <= args.fused_max_tokens:
         for axes, sched in fused_cases:
@@ -176,9 +179,10 @@ def run_case(shape, kind, P, tokens, args, dense):
 paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
-VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2")
+VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
-                ("balance_l2", "bal"))
+                ("balance_l2", "bal"), ("lead", "D"))
+INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 
 
 def kernel_config_ok(hidden, intermediate, kw) -> bool:
@@ -397,6 +401,8 @@ def main():
     ap.add_argument("--balance-l2", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="interleaved: balance the pairs' L1/L2 shares (scheduler.balanced_l2_start), side by side "
                          "(default: the API's)")
+    ap.add_argument("--lead", nargs="+", type=int, default=[None],
+                    help="interleaved: lead D in scheduler rows, side by side (default: ceil(eq. 16))")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],
