@@ -82,8 +82,21 @@ def grouped_gemms(shape, P, w1, w2, idx, wts):
     return (w1_t, w2_t), run
 
 
-def run_case(shape, kind, P, tokens, args, dense):
+def fused_kwargs(shape, P, tokens, schedule, *, mma="tma_ws_mcast_b", stages=None, block_m=None, block_n=None,
+                 **options):
+    """MegaMoE kwargs of the fused kernel for ``shape`` at P ranks x ``tokens`` (tiles resolved
+    by api.default_tiles, so callers can label variants with them); ``options`` with value None
+    are left to the API's defaults. Shared by the bench, megamoe_object_check and the ncu driver."""
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
+    bm, bn, stages = default_tiles(mma, H, I, block_m, block_n, stages, rows_per_expert=P * tokens * k / E)
+    kw = dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=schedule,
+              backend="fused", block_m=bm, block_n=bn, mma=mma, stages=stages)
+    kw.update({name: v for name, v in options.items() if v is not None})
+    return kw
+
+
+def run_case(shape, kind, P, tokens, args, dense):
+    H, I = shape.hidden, shape.intermediate
     w1, w2, xs, idx, wts = make_problem(shape, kind, P, tokens, args.strength)
     picks = sum(int((i >= 0).sum()) for i in idx)
     flops = 2 * picks * H * I * 3
@@ -106,19 +119,12 @@ def run_case(shape, kind, P, tokens, args, dense):
     def moe_kwargs(sched, axes):
         """MegaMoE kwargs of one fused variant: ``axes`` = this variant's value of every
         side-by-side axis (None = the kernel's default)."""
-        bm, bn, stages = default_tiles(axes["mma"], H, I, args.block_m, args.block_n, axes["stages"],
-                                       rows_per_expert=P * tokens * k / E)
-        kw = dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=sched,
-                  backend="fused", block_m=bm, block_n=bn, mma=axes["mma"], dispatch_warps=axes["dispatch_warps"],
-                  l2_handoffs=axes["l2_handoffs"], stages=stages,
-                  split_tail={"auto": None, "on": True, "off": False}[args.split_tail])
-        if axes["silu"] is not None:
-            kw["silu"] = axes["silu"]
+        options = {name: axes[name] for name in ("dispatch_warps", "l2_handoffs", "silu", "lead")}
         if axes["balance_l2"] is not None:
-            kw["balance_l2"] = bool(axes["balance_l2"])
-        if axes["lead"] is not None:
-            kw["lead"] = axes["lead"]
-        return kw
+            options["balance_l2"] = bool(axes["balance_l2"])
+        return fused_kwargs(shape, P, tokens, sched, mma=axes["mma"], stages=axes["stages"], block_m=args.block_m,
+                            block_n=args.block_n,
+                            split_tail={"auto": None, "on": True, "off": False}[args.split_tail], **options)
 
     def variant_tag(axes):
         """Short names of the axes that were given on the command line (mma and stages are
@@ -192,14 +198,12 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
     from megamoe_interleave.scheduler import Schedule
 
+    kernel_options = {name: kw[name] for name in ("block_m", "block_n", "mma", "stages", "split_tail",
+                                                  "dispatch_warps", "l2_handoffs", "silu") if name in kw}
     try:
-        MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), block_m=kw["block_m"],
-                    block_n=kw["block_n"], mma=kw["mma"], stages=kw["stages"], split_tail=kw["split_tail"],
-                    dispatch_warps=kw["dispatch_warps"], l2_handoffs=kw["l2_handoffs"],
-                    **({"silu": kw["silu"]} if "silu" in kw else {}))
+        MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), **kernel_options)
     except ValueError as e:
-        print(f"skipping {kw['mma']} {kw['schedule']} stages={kw['stages']} dispatch_warps={kw['dispatch_warps']} "
-              f"l2_handoffs={kw['l2_handoffs']}: {e}", flush=True)
+        print(f"skipping {kw['schedule']} {kernel_options}: {e}", flush=True)
         return False
     return True
 

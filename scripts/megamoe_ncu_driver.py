@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_megamoe import make_problem  # noqa: E402
-from megamoe_interleave.api import MegaMoE, default_tiles, make_world  # noqa: E402
+from bench_megamoe import fused_kwargs, make_problem  # noqa: E402
+from megamoe_interleave.api import MegaMoE, make_world  # noqa: E402
 from megamoe_interleave.reference import grouped_mm, permute_for_rank  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 
@@ -31,12 +31,10 @@ ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "in
 args = ap.parse_args()
 P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
-E, H, I, k = s.num_experts, s.hidden, s.intermediate, s.topk
+E, H, I = s.num_experts, s.hidden, s.intermediate
 w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
-bm, bn, st = default_tiles("tma_ws_mcast_b", H, I, None, None, None, rows_per_expert=P * T * k / E)
-moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), num_experts=E, hidden=H, intermediate=I, topk=k,
-              max_tokens_per_rank=T, schedule=args.schedule, backend="fused", block_m=bm, block_n=bn,
-              mma="tma_ws_mcast_b", stages=st, poison_combine=False)
+moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
+              **fused_kwargs(s, P, T, args.schedule))
 moe.load_weights(w1, w2)
 moe.forward(xs, idx, wts)
 moe.forward(xs, idx, wts)

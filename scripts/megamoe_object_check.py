@@ -15,18 +15,16 @@ import os, sys, json
 sys.path.insert(0, os.path.dirname(__file__)); sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch
 import bench_megamoe as bm
-from megamoe_interleave.api import MegaMoE, default_tiles, make_world
+from megamoe_interleave.api import MegaMoE, make_world
 from megamoe_interleave.shapes import get_shape
 
 P, T = 8, 8192
-sh = get_shape("deepseek-v4-flash"); E, H, I, k = sh.num_experts, sh.hidden, sh.intermediate, sh.topk
+sh = get_shape("deepseek-v4-flash")
 w1, w2, xs, idx, wts = bm.make_problem(sh, "balanced", P, T)
 _, gemms = bm.grouped_gemms(sh, P, w1, w2, idx, wts)
 def make(sched, weights_from=None):
-    bm_, bn, st = default_tiles("tma_ws_mcast_b", H, I, None, None, None, rows_per_expert=P * T * k / E)
-    moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), num_experts=E, hidden=H, intermediate=I,
-                  topk=k, max_tokens_per_rank=T, schedule=sched, backend="fused", block_m=bm_, block_n=bn,
-                  mma="tma_ws_mcast_b", stages=st, poison_combine=False)
+    moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
+                  **bm.fused_kwargs(sh, P, T, sched))
     if weights_from is None:
         moe.load_weights(w1, w2)
     else:
