@@ -63,6 +63,8 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
 
 # kernel_sm90.WS_KINDS (that module needs the CuTe DSL; a compile test checks they agree)
 WS_KINDS = ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")
+# kernel_sm90.TRACE_FIELDS, likewise: one trace row per tile (decode_trace)
+TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
 DEEP_RING_MAX_ROWS = 512  # default_tiles: 4 ring stages below this many rows per local expert, else 3
 
 
@@ -203,7 +205,7 @@ class MegaMoE:
         self._split_tail = (mma in WS_KINDS and block_m == 128) if split_tail is None else bool(split_tail)
         self.dispatch_warps = dispatch_warps  # tma_ws*: overlapped Dispatch; None = 1 (kernel_sm90.MegaMoESm90)
         self.l2_handoffs = l2_handoffs  # tma_ws*: L2 output staged in 1 or 2 parts; None = as smem allows
-        self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, 6] (kernel_sm90.TRACE_FIELDS)
+        self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)]
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
@@ -472,10 +474,11 @@ class MegaMoE:
         if self.trace:
             # Tiles per CTA <= ceil(all pair tiles / pairs) (+1 for safety).
             per_cta = -(-grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) // (num_ctas // 2)) + 1
-            trace = torch.full((num_ctas, per_cta, 6), -1, dtype=torch.int64, device=dev)
+            trace = torch.full((num_ctas, per_cta, len(TRACE_FIELDS)), -1, dtype=torch.int64, device=dev)
             self.last_trace[d] = trace
         else:
-            trace = self._scratch_rows(d, "no_trace", 1, 6, torch.int64).view(1, 1, 6)  # unused by the kernel
+            trace = self._scratch_rows(d, "no_trace", 1, len(TRACE_FIELDS), torch.int64).view(
+                1, 1, len(TRACE_FIELDS))  # unused by the kernel
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
                    self.w1[d], self.w2[d], records, sched_table, buf.counters[d],
                    trace)
@@ -552,14 +555,16 @@ def _w1_t_gate_up(w1_il: torch.Tensor) -> torch.Tensor:
 
 def decode_trace(trace: torch.Tensor):
     """Per-tile records of one rank's trace tensor (see ``kernel_sm90.TRACE_FIELDS``):
-    list per CTA of dicts with phase, row, n_block, timestamps (ns) and smid, in execution order."""
+    list per CTA of dicts with phase, row, n_block, timestamps (ns), smid and the SM cycles from
+    tile start to mainloop end, in execution order."""
     out = []
     for cta_rows in trace.cpu().tolist():
         recs = []
-        for key, t0, t1, t2, t3, smid in cta_rows:
+        for key, t0, t1, t2, t3, smid, cycles in cta_rows:
             if key < 0:
                 break
             recs.append(dict(phase=key >> 40, row=(key >> 16) & 0xFFFFFF, n_block=key & 0xFFFF, t_start=t0,
-                             t_ready=t1, t_mainloop=t2, t_epilogue=t3, smid=smid))
+                             t_ready=t1, t_mainloop=t2, t_epilogue=t3, smid=smid,
+                             cycles=cycles))
         out.append(recs)
     return out

@@ -619,6 +619,7 @@ class MegaMoESm90:
                 sA, sB, sC, tiled_mma, mTrace, cta: Int32, n_tile: Int32):
         """L1 tile: block_n interleaved gate/up columns -> block_n/2 SwiGLU columns of h."""
         t0 = self.timestamp()
+        k0 = self.cycle_stamp()
         e = tile.expert
         tok0, count = tile.tok0, tile.count
         if const_expr(self.mma != "fma"):
@@ -626,11 +627,12 @@ class MegaMoESm90:
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
                                 self.hidden, 2 * self.intermediate, sA, sB, sC, tiled_mma, tidx)
         t2 = self.timestamp()
+        k2 = self.cycle_stamp()
         self.l1_epilogue_rows(tile, e, tok0, count, mPoolX, mPoolWeight, mH, mW1, sC, tidx)
         # Publish: all threads' h stores -> CTA barrier -> one release increment.
         cute.arch.sync_threads()
         if const_expr(self.trace):
-            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t0, t2, xdev.globaltimer_ns())
+            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t0, t2, xdev.globaltimer_ns(), k2 - k0)
         if tidx == 0:
             cute.arch.fence_acq_rel_gpu()
             xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
@@ -641,6 +643,7 @@ class MegaMoESm90:
                 n_tile: Int32):
         """L2 tile: wait for the row's L1 tiles, block_n output columns, 16-B stores to the source rank."""
         t0 = self.timestamp()
+        k0 = self.cycle_stamp()
         if tidx == 0:
             xdev.spin_wait_ge(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(2 * self.pairs_l1),
                               timeout, mCounters.iterator + COUNTER_ERROR, ERR_DEPENDENCY_TIMEOUT, True, "gpu")
@@ -653,10 +656,11 @@ class MegaMoESm90:
                                 count - tile.m_block * self.block_m, tile.n_block * self.block_n,
                                 self.intermediate, self.hidden, sA, sB, sC, tiled_mma, tidx)
         t2 = self.timestamp()
+        k2 = self.cycle_stamp()
         self.l2_epilogue_rows(tile, e, tok0, count, mPoolSrc, mPeerCombine, mH, mW2, max_tokens, sC, tidx)
         if const_expr(self.trace):
             cute.arch.sync_threads()  # every thread's Combine stores issued
-            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
+            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
         # No trailing barrier otherwise: the next tile's first CTA barrier orders smem reuse,
         # and h is never overwritten within a call.
 
@@ -738,9 +742,14 @@ class MegaMoESm90:
         """%globaltimer when tracing, else a constant (no instruction emitted)."""
         return xdev.globaltimer_ns() if const_expr(self.trace) else Int64(0)
 
+    def cycle_stamp(self):
+        """%clock64 when tracing, else a constant: with the %globaltimer stamps it gives the SM
+        clock over a tile, hence the mainloop in cycles (comparable with the tensor-pipe peak)."""
+        return xdev.clock64() if const_expr(self.trace) else Int64(0)
+
     @cute.jit
     def record_trace(self, mTrace, cta: Int32, n_tile: Int32, tidx: Int32, tile, t0: Int64, t1: Int64,
-                     t2: Int64, t3: Int64):
+                     t2: Int64, t3: Int64, cycles: Int64):
         """Thread 0 writes one TRACE_FIELDS row (if it fits)."""
         if tidx == 0 and n_tile < cute.size(mTrace, mode=[1]):
             key = (Int64(tile.phase) << 40) | (Int64(tile.row) << 16) | Int64(tile.n_block)
@@ -750,6 +759,7 @@ class MegaMoESm90:
             mTrace[cta, n_tile, 3] = t2
             mTrace[cta, n_tile, 4] = t3
             mTrace[cta, n_tile, 5] = Int64(xdev.smid())
+            mTrace[cta, n_tile, 6] = cycles
 
 
     @cute.jit
@@ -1100,6 +1110,7 @@ class MegaMoESm90:
             tile = Tile(*cur)
             if tile.valid > 0:
                 t0 = self.timestamp()
+                k0 = self.cycle_stamp()
                 count = tile.count
                 # split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split
                 # over the two consumer warpgroups (half the WGMMA work; same ring stages).
@@ -1108,20 +1119,23 @@ class MegaMoESm90:
                     half = count - tile.m_block * self.block_m <= 64
                 t1 = Int64(0)
                 t2 = Int64(0)
+                k2 = Int64(0)
                 if tile.phase == PHASE_L1:
                     state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half, self.hidden // BLOCK_K)
                     t2 = self.timestamp()
+                    k2 = self.cycle_stamp()
                     self.hand_off(frags, half, sC, sRowW, True, 0)
                 else:
                     state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
                                                   self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
+                    k2 = self.cycle_stamp()
                     # BN output columns in l2_handoffs parts (2: the staging tile is half as wide,
                     # so the ring can have a fourth stage at 128 x 256)
                     for part in cutlass.range_constexpr(self.l2_handoffs):
                         self.hand_off(frags, half, sC, sRowW, False, part)
                 if const_expr(self.trace):
-                    self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns())
+                    self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
                 n_tile = n_tile + 1
             c0, c1 = n0, n1
             cur = tile_fields(ahead)
@@ -1337,9 +1351,9 @@ class MegaMoESm90:
 # Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at
 # tile start, after the L1-dependency wait (L2; = start for L1), after the mainloop, after
 # the epilogue (L2: every thread's Combine stores issued; L1: h stored, before the release),
-# and the SM id. tma_ws*: timestamps are the consumers' (thread 0); t_ready = when the tile's
+# the SM id, and the SM cycles (%clock64) from tile start to mainloop end. tma_ws*: timestamps are the consumers' (thread 0); t_ready = when the tile's
 # first ring stage had landed (for L2 tiles that is after the producer's dependency wait).
-TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid")
+TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
 NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
 
 

@@ -309,11 +309,11 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
-                    "t_epilogue_ns", "smid"])
+                    "t_epilogue_ns", "smid", "cycles"])
         for c, cta in enumerate(recs):
             for i, r in enumerate(cta):
                 w.writerow([c, i, r["phase"], r["row"], r["n_block"], r["t_start"] - t_min, r["t_ready"] - t_min,
-                            r["t_mainloop"] - t_min, r["t_epilogue"] - t_min, r["smid"]])
+                            r["t_mainloop"] - t_min, r["t_epilogue"] - t_min, r["smid"], r["cycles"]])
     summary = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens, impl=tag, rank=0)
     for phase, name in ((1, "l1"), (2, "l2")):
         rs = [r for cta in recs for r in cta if r["phase"] == phase]
@@ -321,10 +321,24 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
         summary[f"{name}_wait_ns_median"] = _median([r["t_ready"] - r["t_start"] for r in rs])
         summary[f"{name}_mainloop_ns_median"] = _median([r["t_mainloop"] - r["t_ready"] for r in rs])
         summary[f"{name}_epilogue_ns_median"] = _median([r["t_epilogue"] - r["t_mainloop"] for r in rs])
+        summary.update(mainloop_cycles(rs, name))
     summary["span_ns"] = max(r["t_epilogue"] for cta in recs for r in cta) - t_min
     summary.update(cta_budget(recs))
     print("trace", summary, flush=True)
     return summary
+
+
+def mainloop_cycles(rs, name):
+    """SM clock and mainloop length in cycles of one phase's tiles (medians): each trace row
+    holds the SM cycles from tile start to mainloop end, so its clock is cycles / ns over that
+    span, and the mainloop (first stage landed -> last WGMMA retired) in cycles is that clock
+    times its ns -- comparable with the tensor pipe's ideal, which the GPU's DVFS clock is not."""
+    spans = [(r["cycles"], r["t_mainloop"] - r["t_start"], r["t_mainloop"] - r["t_ready"]) for r in rs
+             if r.get("cycles", 0) > 0 and r["t_mainloop"] > r["t_start"]]
+    if not spans:
+        return {}
+    return {f"{name}_clock_mhz_median": round(_median([c / ns * 1e3 for c, ns, _ in spans]), 1),
+            f"{name}_mainloop_cycles_median": _median([round(c * main / ns) for c, ns, main in spans])}
 
 
 def cta_budget(recs):

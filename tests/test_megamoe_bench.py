@@ -91,3 +91,15 @@ def test_cta_budget_splits_each_ctas_time():
     assert bench.cta_budget([b])["cta_staging_ns_median"] == 6 and bench.cta_budget([b])["cta_wait_ns_median"] == 3
     assert bench.cta_budget([a])["cta_busy_ns_median"] == 28
     assert bench.cta_budget([]) == {}
+
+
+def test_mainloop_cycles_converts_through_each_tiles_clock():
+    """cycles / ns over tile start -> mainloop end is the clock; the mainloop in cycles is that
+    clock times its ns (a 1.5 GHz and a 2 GHz tile, both 3000-cycle mainloops); rows without
+    cycles (older traces) give nothing."""
+    rs = [dict(t_start=0, t_ready=1000, t_mainloop=3000, cycles=4500),  # 1.5 GHz, 2000 ns mainloop
+          dict(t_start=0, t_ready=500, t_mainloop=2000, cycles=4000),  # 2 GHz, 1500 ns mainloop
+          dict(t_start=0, t_ready=500, t_mainloop=2000, cycles=4000)]
+    out = bench.mainloop_cycles(rs, "l1")
+    assert out == {"l1_clock_mhz_median": 2000.0, "l1_mainloop_cycles_median": 3000}
+    assert bench.mainloop_cycles([dict(t_start=0, t_ready=1, t_mainloop=2)], "l2") == {}

@@ -29,9 +29,10 @@ def test_fused_kernel_compiles(schedule, mma):
 
 def test_api_knows_the_kernel_kinds():
     from megamoe_interleave import api
-    from megamoe_interleave.kernel_sm90 import WS_KINDS
+    from megamoe_interleave.kernel_sm90 import TRACE_FIELDS, WS_KINDS
 
     assert api.WS_KINDS == WS_KINDS
+    assert api.TRACE_FIELDS == TRACE_FIELDS
 
 
 @pytest.mark.compile

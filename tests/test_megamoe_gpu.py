@@ -193,6 +193,9 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule, mma):
             assert [(r["phase"], r["row"], r["n_block"]) for r in got] == [(t.phase, t.row, t.n_block) for t in want]
             for r in got:
                 assert r["t_start"] <= r["t_ready"] <= r["t_mainloop"] <= r["t_epilogue"]
+                # SM cycles over tile start -> mainloop end: a clock between 0.3 and 2.5 GHz
+                ns = r["t_mainloop"] - r["t_start"]
+                assert r["cycles"] > 0 and (ns < 5000 or 0.3 * ns < r["cycles"] < 2.5 * ns), r
                 if r["phase"] == PHASE_L1:
                     l1_end[r["row"]] = max(l1_end.get(r["row"], 0), r["t_epilogue"])
         slack_ns = 2000  # %globaltimer update granularity
