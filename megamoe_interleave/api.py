@@ -148,9 +148,7 @@ class MegaMoE:
     epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits), ``silu``
     ("tanh": sigmoid through one tanh.approx, the default; "exp2": quack's ex2 + rcp),
     ``balance_l2`` (interleaved: pair the CTA pairs' L1 and L2 tile shares so the pairs' work
-    evens out, scheduler.balanced_l2_start; default on), ``column_order`` (both schedules: visit
-    each expert's tiles column by column, so the CTAs running at the same time share its weight
-    columns; scheduler._stream_tile).
+    evens out, scheduler.balanced_l2_start; default on).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -173,7 +171,7 @@ class MegaMoE:
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
-                 balance_l2: bool = True, column_order: bool = False):
+                 balance_l2: bool = True):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -194,8 +192,7 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
-                                 column_order=column_order)
+        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved")
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns
@@ -396,8 +393,7 @@ class MegaMoE:
             if self.schedule.balance_l2:
                 grid = dataclasses.replace(grid, l2_start=balanced_l2_start(
                     grid, self.num_ctas(grid) // 2, block_m=self.block_m, hidden=self.hidden,
-                    intermediate=self.intermediate, split_tail=self._split_tail,
-                    column_order=self.schedule.column_order))
+                    intermediate=self.intermediate, split_tail=self._split_tail))
             out[d] = (perm, grid)
         return out
 

@@ -141,7 +141,6 @@ class RowGrid:
     pair_splits_m: bool = False
     row_record: Any = None
     l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
-    row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
 
 
 def make_row_grid(
@@ -188,7 +187,6 @@ def make_row_grid(
         num_waves=num_waves,
         pair_splits_m=pair_splits_m,
         row_record=row_record,
-        row_block=row_block,
     )
 
 
@@ -251,35 +249,12 @@ def _row_record(grid: RowGrid, row, valid):
 
 
 def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
-    return _tile_of_record(grid, valid, phase, row, pair, r, _row_record(grid, row, valid))
-
-
-def _tile_of_record(grid: RowGrid, valid, phase, row, pair, r, record) -> Tile:
-    expert, m_index, tok0, count = record
+    expert, m_index, tok0, count = _row_record(grid, row, valid)
     if grid.pair_splits_m:
         return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
                     tok0=tok0, count=count)
     return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=m_index, n_block=2 * pair + r,
                 tok0=tok0, count=count)
-
-
-def _stream_tile(grid: RowGrid, valid, phase, q, pair, pairs_per_row, r, column_order: bool, record) -> Tile:
-    """Tile at row-major position (row ``q``, pair ``pair``) of a stream of ``pairs_per_row`` pair
-    tiles per row; ``record`` is row ``q``'s row record. Row-major (``column_order`` False): that
-    tile. Expert-column order: the expert's tiles keep their positions
-    ``[O_e, O_e + R_e) * pairs_per_row`` but are visited column by column (local position
-    ``(q - O_e) * pairs_per_row + pair`` -> pair ``local // R_e``, row ``O_e + local % R_e``),
-    so the pairs that run at the same time share the weight columns of one expert (each B slice
-    is read from DRAM once and used ~R_e times at once) instead of spreading over all of them
-    (each slice must then stay in L2 across R_e steps of the stream)."""
-    if not column_order:
-        return _tile_of_record(grid, valid, phase, q, pair, r, record)
-    e, m_q, tok0, count = record
-    rows_e = (count + grid.row_block - 1) // grid.row_block
-    rows_e = select(rows_e > 0, rows_e, 1)  # idle steps carry a zero record
-    local = m_q * pairs_per_row + pair
-    m_index = local % rows_e
-    return _tile_of_record(grid, valid, phase, q - m_q + m_index, local // rows_e, r, (e, m_index, tok0, count))
 
 
 # ---------------------------------------------------------------------------
@@ -302,21 +277,8 @@ def interleaved_init(g, grid: RowGrid | None = None, balance_l2: bool = False):
     return (g, grid.l2_start[g])
 
 
-def stream_rows(grid: RowGrid, pairs_per_row: int, column_order: bool) -> np.ndarray:
-    """Host side: the row of every position of a stream (:func:`_stream_tile`), as an array."""
-    rows = np.repeat(np.arange(grid.num_rows), pairs_per_row)
-    if not column_order:
-        return rows
-    for first, m_index, _, count in ((q - rec[1], rec[1], rec[2], rec[3]) for q, rec in enumerate(grid.row_record)):
-        if m_index == 0:  # one expert: positions [first, first + R) * pairs_per_row
-            n = (count + grid.row_block - 1) // grid.row_block
-            lo = first * pairs_per_row
-            rows[lo:lo + n * pairs_per_row] = first + np.arange(n * pairs_per_row) % n
-    return rows
-
-
 def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: int, intermediate: int,
-                      split_tail: bool, column_order: bool = False) -> List[int]:
+                      split_tail: bool) -> List[int]:
     """``RowGrid.l2_start`` for ``num_pairs`` pairs (host side): pair g keeps L1 residue class g;
     the L2 classes are assigned so that the dearest L1 classes get the cheapest L2 classes
     (sorted pairing, which minimises the largest sum of two assigned costs). A pair tile costs
@@ -334,8 +296,7 @@ def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: in
 
     def class_costs(pairs_per_row, k_dim):
         k = np.arange(len(rows_cost) * pairs_per_row)
-        rows = stream_rows(grid, pairs_per_row, column_order)
-        return np.bincount(k % G, weights=rows_cost[rows] * k_dim, minlength=G)
+        return np.bincount(k % G, weights=np.repeat(rows_cost * k_dim, pairs_per_row), minlength=G)
 
     c1 = class_costs(grid.pairs_l1, hidden)
     c2 = class_costs(grid.pairs_l2, intermediate)
@@ -370,40 +331,13 @@ def interleaved_next(cursor, G, grid: RowGrid, lead):
     return is_l2, row, pair, (k1n, k2n)
 
 
-def interleaved_step(cursor, g, G, r, grid: RowGrid, lead, column_order: bool = False):
+def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
     if _is_py(lead) and lead < 1:
         raise ValueError(f"lead D must be >= 1 for deadlock freedom, got {lead}")
     valid = as_int(logical_not(interleaved_done(cursor, grid)))
-    if column_order:
-        return _interleaved_step_columns(cursor, G, r, grid, lead, valid)
     is_l2, row, pair, nxt = interleaved_next(cursor, G, grid, lead)
     phase = select(is_l2, PHASE_L2, PHASE_L1)
     return _tile(grid, valid, phase, row, pair, r), nxt
-
-
-def _interleaved_step_columns(cursor, G, r, grid: RowGrid, lead, valid):
-    """Algorithm 1 over streams in expert-column order (:func:`_stream_tile`). Within an expert
-    the rows are no longer visited in order, so the lead counts in experts: emit L2 iff the L2
-    stream has tiles left and either the L1 stream is done or the first row of the L1 cursor's
-    expert is at least D past the LAST row of the L2 cursor's expert. Deadlock freedom: the
-    argument of the module docstring with "row" read as "expert" for the L1 cursor -- a CTA's
-    L1 tiles visit experts in increasing order, and when it emits an L2 tile of row q its L1
-    cursor is in an expert starting after q + D - 1 >= q, so all its L1 tiles of row q (and of
-    every smaller row) were emitted before (invariant I)."""
-    k1, k2 = cursor
-    P, P1, P2 = grid.num_rows, grid.pairs_l1, grid.pairs_l2
-    l1_left = k1 < P * P1
-    l2_left = k2 < P * P2
-    q1, q2 = k1 // P1, k2 // P2
-    rec1 = _row_record(grid, q1, as_int(l1_left))
-    rec2 = _row_record(grid, q2, as_int(l2_left))
-    first1 = q1 - rec1[1]  # O_e of the L1 cursor's expert
-    last2 = q2 - rec2[1] + (rec2[3] + grid.row_block - 1) // grid.row_block - 1  # O_e + R_e - 1
-    is_l2 = logical_and(l2_left, logical_or(logical_not(l1_left), last2 + lead <= first1))
-    record = tuple(select(is_l2, a, b) for a, b in zip(rec2, rec1))
-    tile = _stream_tile(grid, valid, select(is_l2, PHASE_L2, PHASE_L1), select(is_l2, q2, q1),
-                        select(is_l2, k2 % P2, k1 % P1), select(is_l2, P2, P1), r, True, record)
-    return tile, (select(is_l2, k1, k1 + G), select(is_l2, k2 + G, k2))
 
 
 def schedule_table(schedule: "Schedule", grid: RowGrid) -> List[int]:
@@ -427,7 +361,7 @@ def expert_wave_done(cursor, grid: RowGrid):
     return t >= grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
 
 
-def expert_wave_step(cursor, g, G, r, grid: RowGrid, column_order: bool = False):
+def expert_wave_step(cursor, g, G, r, grid: RowGrid):
     """Global order = concat over waves w of (L1 tiles of w, row-major; L2 tiles of w).
 
     Wave w occupies global pair indices [(P1+P2)*S_w, (P1+P2)*S_{w+1}) since every row
@@ -446,15 +380,13 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, column_order: bool = False)
     rows_in_wave = s1 - s0
     is_l2 = local >= rows_in_wave * P1
     l2_local = local - rows_in_wave * P1
+    row = select(is_l2, s0 + l2_local // P2, s0 + local // P1)
+    pair = select(is_l2, l2_local % P2, local % P1)
     phase = select(is_l2, PHASE_L2, PHASE_L1)
     valid = as_int(in_wave)
+    row = select(in_wave, row, 0)
     t_next = select(in_wave, t + G, t)
     w_next = select(logical_or(in_wave, done), w, w + 1)
-    row = select(in_wave, select(is_l2, s0 + l2_local // P2, s0 + local // P1), 0)
-    pair = select(is_l2, l2_local % P2, local % P1)
-    if column_order:  # a wave holds whole experts, so the remap stays inside its L1 / L2 part
-        return _stream_tile(grid, valid, phase, row, pair, select(is_l2, P2, P1), r, True,
-                            _row_record(grid, row, valid)), (t_next, w_next)
     return _tile(grid, valid, phase, row, pair, r), (t_next, w_next)
 
 
@@ -468,7 +400,6 @@ class Schedule:
     name: str
     lead: int = 1
     balance_l2: bool = False  # interleaved: see interleaved_init
-    column_order: bool = False  # expert-column order inside each expert (_stream_tile)
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
@@ -490,8 +421,8 @@ class Schedule:
 
     def step(self, cursor, g, G, r, grid: RowGrid):
         if self.name == "interleaved":
-            return interleaved_step(cursor, g, G, r, grid, self.lead, self.column_order)
-        return expert_wave_step(cursor, g, G, r, grid, self.column_order)
+            return interleaved_step(cursor, g, G, r, grid, self.lead)
+        return expert_wave_step(cursor, g, G, r, grid)
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:

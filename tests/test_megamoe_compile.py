@@ -8,22 +8,11 @@ from ptx_utils import try_wait_loops
 from megamoe_interleave.scheduler import Schedule
 
 SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=3, balance_l2=True)]
-# the same with the expert-column tile order (two row-record loads per interleaved step)
-COLUMN_SCHEDULES = [Schedule("expert_wave", column_order=True),
-                    Schedule("interleaved", lead=3, balance_l2=True, column_order=True)]
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 def test_schedule_trace_compiles(schedule):
-    from megamoe_interleave.schedule_trace import compile_schedule_trace
-
-    assert compile_schedule_trace(schedule, 8, 16) is not None
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("schedule", COLUMN_SCHEDULES, ids=lambda s: s.name)
-def test_schedule_trace_compiles_in_column_order(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
     assert compile_schedule_trace(schedule, 8, 16) is not None
@@ -406,22 +395,6 @@ def _cuobjdump():
                          [("tma_ws_mcast_b", 256, 3, False), ("tma_ws_mcast_b", 256, 4, False),
                           ("tma_ws", 256, 3, False), ("tma_ws", 128, 4, False), ("tma_ws_mcast", 128, 4, False)])
 def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace):
-    _check_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("schedule,stages", [
-    (COLUMN_SCHEDULES[0], 3), (COLUMN_SCHEDULES[1], 3), (COLUMN_SCHEDULES[1], 4),
-    pytest.param(COLUMN_SCHEDULES[0], 4, marks=pytest.mark.xfail(
-        strict=True, reason="expert_wave's column-order step at 4 stages: ptxas serializes the WGMMAs"))],
-    ids=["expert_wave-3", "interleaved-3", "interleaved-4", "expert_wave-4"])
-def test_tma_ws_sass_wgmma_pipelined_in_column_order(tmp_path, schedule, stages):
-    """The builds of the expert-column order (P = 8: 3 stages, P = 1: 4) stay pipelined, except
-    expert_wave at 4 stages (known; the option is off by default)."""
-    _check_sass_wgmma_pipelined(tmp_path, schedule, "tma_ws_mcast_b", 256, stages, False)
-
-
-def _check_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the

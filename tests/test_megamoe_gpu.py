@@ -13,11 +13,8 @@ BLOCK_M, BLOCK_N = 64, 64
 
 
 @pytest.mark.parametrize("schedule", [Schedule("expert_wave"), Schedule("interleaved", lead=2),
-                                      Schedule("interleaved", lead=2, balance_l2=True),
-                                      Schedule("expert_wave", column_order=True),
-                                      Schedule("interleaved", lead=2, balance_l2=True, column_order=True)],
-                         ids=["expert_wave", "interleaved", "interleaved_balanced", "expert_wave_columns",
-                              "interleaved_columns"])
+                                      Schedule("interleaved", lead=2, balance_l2=True)],
+                         ids=["expert_wave", "interleaved", "interleaved_balanced"])
 def test_device_schedule_equals_python_reference(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
@@ -25,8 +22,7 @@ def test_device_schedule_equals_python_reference(schedule):
     grid = make_row_grid(counts, block_m=64, n_blocks_l1=8, n_blocks_l2=4, experts_per_wave=3)
     num_ctas = 6
     grid = dataclasses.replace(grid, l2_start=balanced_l2_start(grid, num_ctas // 2, block_m=64, hidden=H,
-                                                                intermediate=I, split_tail=False,
-                                                                column_order=schedule.column_order))
+                                                                intermediate=I, split_tail=False))
     ref = enumerate_all(schedule, grid, num_ctas)
     max_tiles = max(len(s) for s in ref) + 4
     dev = torch.device("cuda")
@@ -255,35 +251,6 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
     problem = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, seed=123, hidden=hidden, inter=inter)
     _check_both_schedules(problem, P, k, mma, block_m=block_m, block_n=block_n, stages=stages, hidden=hidden,
                           inter=inter)
-
-
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
-@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
-def test_column_order_bitwise_equal_to_row_order(schedule, mma):
-    """The expert-column tile order changes no bit of y (every tile's math is the same, only
-    the order of tiles differs), at P = 8 with skewed routing, masked picks and partial blocks;
-    the executed order is the Python reference's (trace)."""
-    from megamoe_interleave.api import decode_trace
-    from megamoe_interleave.reference import reference_moe_fp32
-
-    P, k = 8, 6
-    w1, w2, xs, idx, w = _problem(P, [40, 1, 0, 77, 64, 5, 9, 120], k, "skewed", 0.1, seed=57)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for column_order in (False, True):
-        moe = _make(P, k, schedule, mma, block_m=128, block_n=128, column_order=column_order, trace=True)
-        moe.load_weights(w1, w2)
-        outs.append(moe.forward(xs, idx, w))
-        _check(outs[-1], refs)
-        for d in range(P):
-            _, grid = moe.plan_rank(d)
-            recs = decode_trace(moe.last_trace[d])
-            ref = enumerate_all(moe.schedule, grid, len(recs))
-            for got, want in zip(recs, ref):
-                assert [(r["phase"], r["row"], r["n_block"]) for r in got] == [(t.phase, t.row, t.n_block)
-                                                                                for t in want]
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])

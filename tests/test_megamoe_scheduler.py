@@ -30,24 +30,22 @@ grids = st.builds(
     st.booleans(),  # pair_splits_m (tma_ws_mcast_b): the pair splits a 2*BM row along M
 )
 schedules = st.one_of(
-    st.booleans().map(lambda col: Schedule("expert_wave", column_order=col)),
-    st.tuples(st.integers(1, 6), st.booleans()).map(
-        lambda a: Schedule("interleaved", lead=a[0], column_order=a[1])),
-    st.tuples(st.integers(1, 6), st.booleans()).map(
-        lambda a: Schedule("interleaved", lead=a[0], balance_l2=True, column_order=a[1])),
+    st.just(Schedule("expert_wave")),
+    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d)),
+    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d, balance_l2=True)),
 )
 cta_counts = st.sampled_from([2, 4, 6, 10])
 
 
-def _balanced(grid, G, column_order=False):
+def _balanced(grid, G):
     """``grid`` with the balance_l2 table for G pairs (the correctness properties hold for any
     permutation; this is the one the API uses)."""
     return dataclasses.replace(grid, l2_start=balanced_l2_start(grid, G, block_m=64, hidden=256, intermediate=128,
-                                                                split_tail=False, column_order=column_order))
+                                                                split_tail=False))
 
 
 def _enumerate_all(schedule, grid, num_ctas):
-    return enumerate_all(schedule, _balanced(grid, num_ctas // 2, schedule.column_order), num_ctas)
+    return enumerate_all(schedule, _balanced(grid, num_ctas // 2), num_ctas)
 
 
 def _all_tiles(grid):
@@ -148,15 +146,13 @@ def test_no_deadlock_in_dependency_simulation(grid, schedule, num_ctas):
 
 
 @settings(max_examples=150, deadline=None)
-@given(grids, st.integers(1, 6), cta_counts, st.booleans(), st.booleans())
-def test_interleaved_lead_respected(grid, lead, num_ctas, balance, column_order):
+@given(grids, st.integers(1, 6), cta_counts, st.booleans())
+def test_interleaved_lead_respected(grid, lead, num_ctas, balance):
     """An L2 tile of row p is emitted only when the CTA's L1 cursor is at row >= p + D
-    or the L1 stream is exhausted; in expert-column order only when the first row of the L1
-    cursor's expert is >= D past the last row of p's expert."""
-    schedule = Schedule("interleaved", lead=lead, balance_l2=balance, column_order=column_order)
+    or the L1 stream is exhausted."""
+    schedule = Schedule("interleaved", lead=lead, balance_l2=balance)
     G = num_ctas // 2
-    grid = _balanced(grid, G, column_order)
-    offsets = grid.expert_row_offset
+    grid = _balanced(grid, G)
     for c in range(num_ctas):
         g, r = c // 2, c % 2
         cursor = schedule.init(g, grid)
@@ -164,44 +160,7 @@ def test_interleaved_lead_respected(grid, lead, num_ctas, balance, column_order)
             k1, _ = cursor
             tile, cursor = schedule.step(cursor, g, G, r, grid)
             if tile.phase == PHASE_L2 and k1 < grid.num_rows * grid.pairs_l1:
-                l1_row = k1 // grid.pairs_l1
-                if column_order:
-                    last = offsets[tile.expert + 1] - 1
-                    assert last + lead <= offsets[grid.row_expert[l1_row]]
-                else:
-                    assert tile.row + lead <= l1_row
-
-
-@settings(max_examples=100, deadline=None)
-@given(grids, schedules, cta_counts)
-def test_column_order_visits_each_expert_column_by_column(grid, schedule, num_ctas):
-    """In expert-column order the tiles at consecutive positions of a stream run down one
-    weight column of an expert before the next column starts: merged over the CTA pairs
-    (position k = pair g's i-th tile of the stream, k = start_g + i G), each expert's (row, pair)
-    sequence is column-major; row-major without the option."""
-    G = num_ctas // 2
-    grid = _balanced(grid, G, schedule.column_order)
-    if schedule.name != "interleaved":
-        return  # expert_wave's positions run over the waves; its orders are checked above
-    for phase, per_row in ((PHASE_L1, grid.pairs_l1), (PHASE_L2, grid.pairs_l2)):
-        at = {}
-        for g in range(G):
-            seq = [t for t in enumerate_order(schedule, grid, g, G, 0) if t.phase == phase]
-            start = grid.l2_start[g] if phase == PHASE_L2 and schedule.balance_l2 else g
-            for i, t in enumerate(seq):
-                at[start + i * G] = t
-        assert sorted(at) == list(range(grid.num_rows * per_row))
-        for e in range(len(grid.expert_row_offset) - 1):
-            lo, hi = grid.expert_row_offset[e], grid.expert_row_offset[e + 1]
-            got = [(at[k].row, at[k].n_block) for k in range(lo * per_row, hi * per_row)]
-            if schedule.column_order:
-                want = [(row, n) for n in range(per_row) for row in range(lo, hi)]
-            else:
-                want = [(row, n) for row in range(lo, hi) for n in range(per_row)]
-            if grid.pair_splits_m:
-                assert got == want
-            else:  # member 0 takes n_block 2 * pair
-                assert got == [(row, 2 * n) for row, n in want]
+                assert tile.row + lead <= k1 // grid.pairs_l1
 
 
 def test_lead_zero_rejected():
@@ -212,16 +171,14 @@ def test_lead_zero_rejected():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.sampled_from([8, 16, 30, 66]), st.booleans(),
-       st.booleans())
-def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m, column_order):
+@given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.sampled_from([8, 16, 30, 66]), st.booleans())
+def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
     """balanced_l2_start is a permutation of the pairs, and with it the largest per-pair work
     (the cost model's: K x rows of every pair tile) is never above the plain round-robin's
     (sorted pairing minimises the largest sum, and the identity is one of the pairings)."""
     grid = make_row_grid(counts, block_m=128, n_blocks_l1=16, n_blocks_l2=16, pair_splits_m=pair_splits_m)
     H, I = 1024, 512
-    start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I, split_tail=True,
-                              column_order=column_order)
+    start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I, split_tail=True)
     assert sorted(start) == list(range(G))
 
     def pair_work(schedule, grid):
@@ -234,9 +191,8 @@ def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m, column_order):
             work.append(w)
         return work
 
-    plain = pair_work(Schedule("interleaved", lead=2, column_order=column_order), grid)
-    balanced = pair_work(Schedule("interleaved", lead=2, balance_l2=True, column_order=column_order),
-                         dataclasses.replace(grid, l2_start=start))
+    plain = pair_work(Schedule("interleaved", lead=2), grid)
+    balanced = pair_work(Schedule("interleaved", lead=2, balance_l2=True), dataclasses.replace(grid, l2_start=start))
     assert sum(plain) == sum(balanced)
     assert max(balanced) <= max(plain)
 
