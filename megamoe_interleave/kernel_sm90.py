@@ -253,7 +253,7 @@ class MegaMoESm90:
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
-                 stream_cs: bool = False, dispatch_group: int = 1):
+                 stream_cs: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -265,9 +265,6 @@ class MegaMoESm90:
         # the .cs cache operator (allocated evict-first in L2), so it does not displace the
         # operands the tiles reuse (expert weights, dispatched rows, h).
         self.stream_cache = "cs" if stream_cs else None
-        if dispatch_group < 1:
-            raise ValueError(f"dispatch_group must be >= 1, got {dispatch_group}")
-        self.dispatch_group = dispatch_group  # Dispatch rows per publication (dispatch_rows)
         self.stages = stages if mma in MULTISTAGE_KINDS else 1
         if mma != "fma":
             # One warpgroup per 64 rows (WGMMA M64 x block_n each), K in 64-element swizzled blocks;
@@ -603,33 +600,23 @@ class MegaMoESm90:
         of ``x_ready[row]`` (counter word 2 + num_rows + row). A row is dispatched once its word
         reaches nctas; since every CTA publishes in row order, so are all rows before it. Waits
         for nothing but its own loads and stores, so Dispatch progress never depends on tiles
-        (the scheduler's deadlock argument treats Dispatch exactly so). With ``dispatch_group`` > 1
-        the CTA copies that many rows before one publication of all of them (one proxy fence,
-        barrier and release fence per group instead of per row)."""
+        (the scheduler's deadlock argument treats Dispatch exactly so)."""
         chunks = self.hidden // 8
         rows_per_block = self.pool_rows_per_row
         ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
         row = row_begin
         while row < row_end:
-            # dispatch_group rows, then one publication for all of them (fewer fences)
-            last = cutlass.min(row + self.dispatch_group, row_end)
-            r = row
-            while r < last:
-                _, m_index, tok0, count = grid.row_record[r]
-                p0 = tok0 + m_index * rows_per_block
-                n = (cutlass.min(p0 + rows_per_block, tok0 + count) - p0) * chunks
-                self.copy_chunks(mPeerX, mPoolSrc, mPoolX, p0 * chunks + (cta * n) // nctas,
-                                 p0 * chunks + ((cta + 1) * n) // nctas, warp, num_warps, lane, unroll)
-                r = r + 1
+            _, m_index, tok0, count = grid.row_record[row]
+            p0 = tok0 + m_index * rows_per_block
+            n = (cutlass.min(p0 + rows_per_block, tok0 + count) - p0) * chunks
+            self.copy_chunks(mPeerX, mPoolSrc, mPoolX, p0 * chunks + (cta * n) // nctas,
+                             p0 * chunks + ((cta + 1) * n) // nctas, warp, num_warps, lane, unroll)
             cute.arch.fence_proxy("async.global")
             cute.arch.barrier(barrier_id=DISPATCH_BARRIER_ID, number_of_threads=32 * num_warps)
             if warp == 0 and lane == 0:
                 cute.arch.fence_acq_rel_gpu()
-                r = row
-                while r < last:
-                    xdev.red_add_release(ready + r, Int32(1), "gpu")
-                    r = r + 1
-            row = last
+                xdev.red_add_release(ready + row, Int32(1), "gpu")
+            row = row + 1
 
     @cute.jit
     def l1_tile(self, tile, mPoolX, mPoolWeight, mH, mW1, mCounters, tidx: Int32,

@@ -412,13 +412,12 @@ def _cuobjdump():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("mma,block_n,stages,trace,stream_cs,group",
-                         [("tma_ws_mcast_b", 256, 3, False, False, 1), ("tma_ws_mcast_b", 256, 4, False, False, 1),
-                          ("tma_ws_mcast_b", 256, 3, False, True, 1), ("tma_ws_mcast_b", 256, 4, False, True, 1),
-                          ("tma_ws_mcast_b", 256, 3, False, False, 4),
-                          ("tma_ws", 256, 3, False, False, 1), ("tma_ws", 128, 4, False, False, 1),
-                          ("tma_ws_mcast", 128, 4, False, False, 1)])
-def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, stream_cs, group):
+@pytest.mark.parametrize("mma,block_n,stages,trace,stream_cs",
+                         [("tma_ws_mcast_b", 256, 3, False, False), ("tma_ws_mcast_b", 256, 4, False, False),
+                          ("tma_ws_mcast_b", 256, 3, False, True), ("tma_ws_mcast_b", 256, 4, False, True),
+                          ("tma_ws", 256, 3, False, False), ("tma_ws", 128, 4, False, False),
+                          ("tma_ws_mcast", 128, 4, False, False)])
+def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, stream_cs):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
@@ -438,8 +437,7 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     d = tmp_path / "cubin"
     d.mkdir()
     compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
-                         block_n=block_n, mma=mma, stages=stages, trace=trace, stream_cs=stream_cs,
-                         dispatch_group=group)
+                         block_n=block_n, mma=mma, stages=stages, trace=trace, stream_cs=stream_cs)
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -454,13 +452,6 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
     assert stack <= 16 and len(local) <= 4, f"local memory: {stack} B stack, {len(local)} accesses (spills)"
     assert not [i for i in local if alloc < i < last_mma], "local memory access in the consumers' code"
-
-
-def test_dispatch_group_must_be_positive():
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90
-
-    with pytest.raises(ValueError, match="dispatch_group"):
-        MegaMoESm90(512, 256, SCHEDULES[0], block_m=128, block_n=128, mma="tma_ws", dispatch_group=0)
 
 
 def test_setmaxnreg_fits_the_launch_register_pool():
