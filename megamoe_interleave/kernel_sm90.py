@@ -252,8 +252,7 @@ class MegaMoESm90:
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
-                 dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
-                 stream_cs: bool = False):
+                 dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh"):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -261,10 +260,6 @@ class MegaMoESm90:
         if silu not in SILU_KINDS:
             raise ValueError(f"silu must be one of {sorted(SILU_KINDS)}, got {silu!r}")
         self.swiglu = SILU_KINDS[silu]
-        # Streaming traffic -- the Dispatch row loads and pool stores, the Combine stores -- with
-        # the .cs cache operator (allocated evict-first in L2), so it does not displace the
-        # operands the tiles reuse (expert weights, dispatched rows, h).
-        self.stream_cache = "cs" if stream_cs else None
         self.stages = stages if mma in MULTISTAGE_KINDS else 1
         if mma != "fma":
             # One warpgroup per 64 rows (WGMMA M64 x block_n each), K in 64-element swizzled blocks;
@@ -568,7 +563,7 @@ class MegaMoESm90:
         latency-bound (~0.5 ms for 400 MB at P = 1)."""
         chunks = self.hidden // 8
         seg = 32 * unroll  # chunks per warp-step
-        buf = cute.make_rmem_tensor((4, unroll), Int32)
+        buf = cute.make_rmem_tensor((8, unroll), BFloat16)
         pool_base = Int64(mPoolX.iterator.toint())
         i0 = lo + warp * seg + lane
         while i0 < hi:
@@ -578,15 +573,16 @@ class MegaMoESm90:
                     row = i // chunks
                     addr = Int64(mPeerX[mPoolSrc[row, 0]]) + (Int64(mPoolSrc[row, 1]) * self.hidden
                                                                + Int64((i % chunks) * 8)) * 2
-                    words = xdev.load_v4(addr, self.stream_cache)
-                    for t in cutlass.range_constexpr(4):
-                        buf[t, j] = words[t]
+                    src_t = cute.make_tensor(
+                        cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
+                    buf[None, j].store(src_t.load())
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
                     # chunk i of the pool = row * H + (i % chunks) * 8 elements; 16-byte aligned
-                    xdev.store_v4(pool_base + Int64(i) * 16, buf[0, j], buf[1, j], buf[2, j], buf[3, j],
-                                  self.stream_cache)
+                    dst_t = cute.make_tensor(cute.make_ptr(BFloat16, pool_base + Int64(i) * 16, cute.AddressSpace.gmem,
+                                                           assumed_align=16), cute.make_layout(8))
+                    dst_t.store(buf[None, j].load())
             i0 = i0 + num_warps * seg
 
     @cute.jit
@@ -1221,8 +1217,7 @@ class MegaMoESm90:
                         while u < rows * chunks:
                             m, c = u // chunks, u % chunks
                             k = self.stage_index(m, 4 * c)
-                            xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3],
-                                          self.stream_cache)
+                            xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
                             u = u + self.num_epi_threads
                     self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
             c0 = Int32(nxt[0])

@@ -120,9 +120,8 @@ def run_case(shape, kind, P, tokens, args, dense):
         """MegaMoE kwargs of one fused variant: ``axes`` = this variant's value of every
         side-by-side axis (None = the kernel's default)."""
         options = {name: axes[name] for name in ("dispatch_warps", "l2_handoffs", "silu", "lead")}
-        for name in ("balance_l2", "stream_cs"):
-            if axes[name] is not None:
-                options[name] = bool(axes[name])
+        if axes["balance_l2"] is not None:
+            options["balance_l2"] = bool(axes["balance_l2"])
         return fused_kwargs(shape, P, tokens, sched, mma=axes["mma"], stages=axes["stages"], block_m=args.block_m,
                             block_n=args.block_n,
                             split_tail={"auto": None, "on": True, "off": False}[args.split_tail], **options)
@@ -186,9 +185,9 @@ def run_case(shape, kind, P, tokens, args, dense):
 paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
-VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "stream_cs")
+VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
-                ("balance_l2", "bal"), ("lead", "D"), ("stream_cs", "cs"))
+                ("balance_l2", "bal"), ("lead", "D"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 
 
@@ -200,7 +199,7 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     from megamoe_interleave.scheduler import Schedule
 
     kernel_options = {name: kw[name] for name in ("block_m", "block_n", "mma", "stages", "split_tail",
-                                                  "dispatch_warps", "l2_handoffs", "silu", "stream_cs") if name in kw}
+                                                  "dispatch_warps", "l2_handoffs", "silu") if name in kw}
     try:
         MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), **kernel_options)
     except ValueError as e:
@@ -422,8 +421,6 @@ def main():
                          "(default: the API's)")
     ap.add_argument("--lead", nargs="+", type=int, default=[None],
                     help="interleaved: lead D in scheduler rows, side by side (default: ceil(eq. 16))")
-    ap.add_argument("--stream-cs", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="fused variants side by side: Dispatch copies and Combine stores evict-first (.cs)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

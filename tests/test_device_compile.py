@@ -25,9 +25,6 @@ def helper_ptx():
         xd.store_v4_to_peer(table, bidx % 2, off, tidx, 1, 2, 3)
         xd.store_v4_to_peer(table, bidx % 2, off + 4096, tidx, 1, 2, 3, "cs")
         xd.store_v4(xd.peer_address(table, 0, off + 8192), tidx, 1, 2, 3, "no_allocate")
-        w = xd.load_v4(xd.peer_address(table, 1, off), "cs")
-        v4 = xd.load_v4(xd.peer_address(table, 1, off + 16))
-        xd.store_v4(xd.peer_address(table, 0, off + 12288), w[0] + v4[0], w[1], w[2] + v4[3], w[3], "cs")
         xd.grid_arrive_and_wait(flags.iterator, Int32(2), timeout, err.iterator, tidx)
         if tidx == 0:
             xd.store_release(flags.iterator + 1, 5, "gpu")
@@ -60,8 +57,6 @@ def helper_ptx():
         r"st\.global\.v4\.b32",
         r"st\.global\.cs\.v4\.b32",
         r"st\.global\.L1::no_allocate\.v4\.b32",
-        r"ld\.global\.cs\.v4\.b32",  # load_v4 streaming
-        r"ld\.global\.v4\.b32",
         r"ld\.global(\.nc)?\.b64|ld\.global(\.nc)?\.u64",  # peer table load
         r"mov\.u64\s+%rd\d+, %globaltimer",
         r"mov\.u64\s+%rd\d+, %clock64",

@@ -67,8 +67,6 @@ __all__ = [
     "ERR_BARRIER_TIMEOUT",
     "ERR_MBARRIER_TIMEOUT",
     "peer_address",
-    "LOAD_CACHE_HINTS",
-    "load_v4",
     "store_v4",
     "store_v4_to_peer",
     "globaltimer_ns",
@@ -90,9 +88,6 @@ __all__ = [
 # Cache hints accepted by ``store_v4``: None (plain write-back store),
 # "cs" (streaming, evict-first) and "no_allocate" (do not allocate in L1).
 STORE_CACHE_HINTS = (None, "cs", "no_allocate")
-# Cache hints accepted by ``load_v4``: None (plain load) and "cs" (streaming: allocated
-# evict-first in L1 and L2, for data read once that should not displace a kernel's reused data).
-LOAD_CACHE_HINTS = (None, "cs")
 
 # Error codes written (OR-ed) into a kernel's error word.  Bit flags, so that
 # several failures in one launch stay distinguishable.
@@ -141,22 +136,6 @@ def peer_address(peer_table: cute.Tensor, dst, byte_offset, *, loc=None, ip=None
     from the calling rank (see :meth:`xstage.world.SymmetricTensor.peer_table`).
     """
     return Int64(peer_table[dst]) + Int64(byte_offset)
-
-
-@dsl_user_op
-def load_v4(address, cache: cutlass.Constexpr = None, *, loc=None, ip=None):
-    """16-byte load ``ld.global[.cs].v4.b32 {w0..w3}, [address]``; returns the four Int32 words.
-
-    ``address``: Int64 generic address, 16-byte aligned (promised to the compiler, not
-    checked).  ``cache``: one of :data:`LOAD_CACHE_HINTS`.
-    """
-    if const_expr(cache not in LOAD_CACHE_HINTS):
-        raise ValueError(f"cache must be one of {LOAD_CACHE_HINTS}, got {cache!r}")
-    from cutlass._mlir import ir
-
-    ptr = cute.make_ptr(Int32, Int64(address), cute.AddressSpace.gmem, assumed_align=16, loc=loc, ip=ip)
-    vec = cute.arch.load(ptr.llvm_ptr, ir.VectorType.get([4], Int32.mlir_type), cop=cache, loc=loc, ip=ip)
-    return tuple(Int32(w) for w in Vector(vec, dtype=Int32, loc=loc, ip=ip).to_elements())
 
 
 @dsl_user_op
