@@ -148,7 +148,9 @@ class MegaMoE:
     epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits), ``silu``
     ("tanh": sigmoid through one tanh.approx, the default; "exp2": quack's ex2 + rcp),
     ``balance_l2`` (interleaved: pair the CTA pairs' L1 and L2 tile shares so the pairs' work
-    evens out, scheduler.balanced_l2_start; default on).
+    evens out, scheduler.balanced_l2_start; default on), ``dispatch_copy`` (tma_ws* with one
+    dispatch warp: "lsu", its lanes' 16-byte loads / stores, the default; "bulk", one lane's
+    bulk copies through two shared-memory bounce buffers -- compiled in CI, not yet run on a GPU).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -171,7 +173,7 @@ class MegaMoE:
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
-                 balance_l2: bool = True):
+                 balance_l2: bool = True, dispatch_copy: str = "lsu"):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -210,7 +212,7 @@ class MegaMoE:
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu)
+                                    l2_handoffs=l2_handoffs, silu=silu, dispatch_copy=dispatch_copy)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

@@ -72,7 +72,7 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Boolean, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Boolean, Float32, Int8, Int32, Int64, const_expr
 
 from cutlass.utils import LayoutEnum
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -102,6 +102,9 @@ DISPATCH_WARP_UNROLL = 12  # the same for the dispatch warps (see AUX_WARPGROUP_
 NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue warps, then dispatch warps
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
+DISPATCH_COPIES = ("lsu", "bulk")  # how the dispatch warp copies rows (see dispatch_rows_bulk)
+BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
+BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
 # tma_ws with two consumer warpgroups (384 threads): the launch gives every thread 168 registers
 # (64512 / 384). At that cap ptxas serialized the consumers' WGMMAs in some builds (C7511
 # "insufficient register resources for the wgmma pipeline": a wait after every WGMMA, ~25 %
@@ -252,7 +255,8 @@ class MegaMoESm90:
     def __init__(self, hidden: int, intermediate: int, schedule: Schedule, *, block_m: int = 64,
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
-                 dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh"):
+                 dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
+                 dispatch_copy: str = "lsu"):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -292,6 +296,21 @@ class MegaMoESm90:
             raise ValueError(f"dispatch_warps must be 0 (any mma) or 1, 2 (mma in {WS_KINDS}), got {dispatch_warps!r}")
         self.dispatch_warps = dispatch_warps
         self.num_epi_threads = NUM_AUX_THREADS - 32 * dispatch_warps
+        # The dispatch warp's copy: "lsu" = 16-byte vector loads / stores by its 32 lanes; "bulk" =
+        # one lane moves each row with bulk copies (global -> smem -> pool) through two bounce
+        # buffers. The LSU copy keeps ~24 vector memory instructions per lane in the SM's MIO
+        # queue, which the consumers' WGMMAs issue through too (ncu: HGMMA stalls on MIO
+        # throttle; the mainloops run ~6 % more cycles while Dispatch runs, P = 8 loopback).
+        if dispatch_copy not in DISPATCH_COPIES:
+            raise ValueError(f"dispatch_copy must be one of {DISPATCH_COPIES}, got {dispatch_copy!r}")
+        if dispatch_copy == "bulk" and dispatch_warps != 1:
+            raise ValueError("dispatch_copy='bulk' needs dispatch_warps=1 (one warp, mma in tma_ws*)")
+        self.dispatch_copy = dispatch_copy
+        row_bytes = 2 * hidden
+        self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
+                                if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
+                                and row_bytes // k <= BULK_PIECE_BYTES)
+        self.bulk_piece_bytes = row_bytes // self.bulk_pieces  # per bounce buffer
         # tma_ws_mcast: the two CTAs of a scheduler pair (same row, adjacent N blocks, so the
         # same A tile) form a 2-CTA cluster; each loads half of A and multicasts it to both.
         # tma_ws_mcast_b: the pair splits a 2*BM-row scheduler row along M (adjacent M blocks of
@@ -333,6 +352,8 @@ class MegaMoESm90:
         # The other paths: BN fp32 per row padded by 4 words.
         ab_bytes = self.stages * BLOCK_K * (block_m + block_n) * 2
         extra = 16 * self.stages + 12 * block_m  # ring mbarriers, row weights + Combine addresses
+        if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers
+            extra += 2 * self.bulk_piece_bytes + 128 + 16
         if l2_handoffs is None:
             l2_handoffs = 1 if ab_bytes + block_m * block_n * 2 + extra <= SMEM_BYTES else 2
         if l2_handoffs not in (1, 2):
@@ -343,8 +364,8 @@ class MegaMoESm90:
         self.alias_c = mma == "wgmma_cpasync" and ab_bytes + c_bytes > 200 * 1024
         need = (max(ab_bytes, c_bytes) if self.alias_c else ab_bytes + c_bytes) + extra
         if need > SMEM_BYTES or (self.alias_c and c_bytes > ab_bytes):
-            raise ValueError(f"shared memory (A/B {ab_bytes} B, staging {c_bytes} B) does not fit; "
-                             "lower stages or block_n")
+            raise ValueError(f"shared memory (A/B {ab_bytes} B, staging {c_bytes} B, other {extra} B) does not fit; "
+                             "lower stages or block_n" + (", or dispatch_copy='lsu'" if dispatch_copy == "bulk" else ""))
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -387,6 +408,7 @@ class MegaMoESm90:
             self.sC_layout = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n + 4, 1))
 
         c_size = 1 if self.alias_c else cute.cosize(self.sC_layout)
+        bulk_bytes = 2 * self.bulk_piece_bytes if self.dispatch_copy == "bulk" else 16
 
         @cute.struct
         class SharedStorage:
@@ -399,6 +421,9 @@ class MegaMoESm90:
             # loaded while the tile's mainloop runs (see consumer_tiles)
             row_w: cute.struct.Align[cute.struct.MemRange[Float32, self.block_m], 16]
             row_addr: cute.struct.Align[cute.struct.MemRange[Int64, self.block_m], 16]
+            # dispatch_copy="bulk": the dispatch warp's two bounce buffers and their mbarriers
+            bulk_buf: cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128]
+            bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
 
         self.shared_storage = SharedStorage
         tma = (None,) * 8
@@ -502,7 +527,8 @@ class MegaMoESm90:
             self.warp_specialized_tiles(
                 grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
                 mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
-                max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace)
+                max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace,
+                storage.bulk_buf.data_ptr(), storage.bulk_mbar.data_ptr())
         else:
             g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
             n_tile = Int32(0)
@@ -613,6 +639,68 @@ class MegaMoESm90:
                 cute.arch.fence_acq_rel_gpu()
                 xdev.red_add_release(ready + row, Int32(1), "gpu")
             row = row + 1
+
+    @cute.jit
+    def dispatch_rows_bulk(self, mPeerX, mPoolSrc, mPoolX, grid, mCounters, row_begin: Int32, row_end: Int32,
+                           cta: Int32, nctas: Int32, timeout: Int64, bulk_buf, bulk_mbar):
+        """Overlapped Dispatch by ONE thread with bulk copies (``dispatch_copy="bulk"``): scheduler
+        rows [row_begin, row_end) in row order, of each this CTA's 1/nctas share of its pool rows
+        (whole rows), each row in ``bulk_pieces`` pieces: bulk load of the piece from the source
+        rank's x into bounce buffer j % 2 (completing on that buffer's mbarrier), then a bulk
+        store from the buffer into the pool; the buffer is reused once the store two pieces back
+        has read it (``wait_group.read 1``). A row is published like :meth:`dispatch_rows` once
+        all its stores are complete (``wait_group 0``, proxy fence, release fence, increment of
+        ``x_ready[row]``). Waits for nothing but its own copies (bounded: a load not landed after
+        BULK_WAIT_TRIES try_waits sets ERR_RING_TIMEOUT and the thread stops copying; the L1
+        producers' bounded waits for the rows then time out too), so the deadlock argument of
+        :meth:`dispatch_rows` holds. ``timeout`` is unused: see the comment at the wait."""
+        piece = self.bulk_piece_bytes
+        row_bytes = 2 * self.hidden
+        rows_per_block = self.pool_rows_per_row
+        ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
+        err = mCounters.iterator + COUNTER_ERROR
+        pool_base = Int64(mPoolX.iterator.toint())
+        for b in cutlass.range_constexpr(2):
+            cute.arch.mbarrier_init(bulk_mbar + b, 1)
+        cute.arch.mbarrier_init_fence()
+        ok = Boolean(True)
+        j = Int32(0)  # pieces issued so far: buffer j % 2, its mbarrier phase (j // 2) % 2
+        row = row_begin
+        while row < row_end and ok:
+            _, m_index, tok0, count = grid.row_record[row]
+            p0 = tok0 + m_index * rows_per_block
+            n = cutlass.min(p0 + rows_per_block, tok0 + count) - p0
+            i = p0 + (cta * n) // nctas
+            while i < p0 + ((cta + 1) * n) // nctas and ok:
+                src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * row_bytes
+                dst = pool_base + Int64(i) * row_bytes
+                for q in cutlass.range_constexpr(self.bulk_pieces):
+                    b = j % 2
+                    buf = bulk_buf + b * piece
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
+                    cute.arch.mbarrier_arrive_and_expect_tx(bulk_mbar + b, piece)
+                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b)
+                    # bounded by a count of try_waits (each suspends for at most the hardware's
+                    # time limit): the %globaltimer loop of xdev.mbarrier_wait_bounded here made
+                    # ptxas serialize the consumers' WGMMAs of the interleaved build
+                    done = cute.arch.mbarrier_try_wait(bulk_mbar + b, (j // 2) % 2)
+                    tries = Int32(0)
+                    while not done and tries < BULK_WAIT_TRIES:
+                        done = cute.arch.mbarrier_try_wait(bulk_mbar + b, (j // 2) % 2)
+                        tries = tries + 1
+                    if not done:
+                        xdev.atomic_or_relaxed(err, Int32(ERR_RING_TIMEOUT), "gpu")
+                        ok = Boolean(False)
+                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece)
+                    cute.arch.cp_async_bulk_commit_group()
+                    j = j + 1
+                i = i + 1
+            cute.arch.cp_async_bulk_wait_group(0)  # the row's stores are complete
+            cute.arch.fence_proxy("async.global")
+            cute.arch.fence_acq_rel_gpu()
+            xdev.red_add_release(ready + row, Int32(1), "gpu")
+            row = row + 1
+        cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def l1_tile(self, tile, mPoolX, mPoolWeight, mH, mW1, mCounters, tidx: Int32,
@@ -957,7 +1045,8 @@ class MegaMoESm90:
     def warp_specialized_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, timeout: Int64, ab_pipe,
                                tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerX, mPeerCombine, mPoolSrc,
                                mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
-                               max_tokens: Int32, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace):
+                               max_tokens: Int32, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace, bulk_buf,
+                               bulk_mbar):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         producer = self.num_mma_threads // 32
         first_dispatch_warp = producer + 1 + self.num_epi_threads // 32
@@ -975,10 +1064,16 @@ class MegaMoESm90:
                                     mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
             if const_expr(self.dispatch_warps > 0):
                 if warp >= first_dispatch_warp:
-                    self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
-                                       self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
-                                       warp - first_dispatch_warp, self.dispatch_warps, tidx % 32,
-                                       DISPATCH_WARP_UNROLL)
+                    if const_expr(self.dispatch_copy == "bulk"):
+                        if tidx % 32 == 0:
+                            self.dispatch_rows_bulk(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
+                                                    self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
+                                                    timeout, bulk_buf, bulk_mbar)
+                    else:
+                        self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
+                                           self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
+                                           warp - first_dispatch_warp, self.dispatch_warps, tidx % 32,
+                                           DISPATCH_WARP_UNROLL)
         else:
             if const_expr(self.rebalance_registers):
                 cute.arch.setmaxregister_increase(MMA_WARPGROUP_REGS)

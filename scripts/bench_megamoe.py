@@ -119,7 +119,7 @@ def run_case(shape, kind, P, tokens, args, dense):
     def moe_kwargs(sched, axes):
         """MegaMoE kwargs of one fused variant: ``axes`` = this variant's value of every
         side-by-side axis (None = the kernel's default)."""
-        options = {name: axes[name] for name in ("dispatch_warps", "l2_handoffs", "silu", "lead")}
+        options = {name: axes[name] for name in ("dispatch_warps", "l2_handoffs", "silu", "lead", "dispatch_copy")}
         if axes["balance_l2"] is not None:
             options["balance_l2"] = bool(axes["balance_l2"])
         return fused_kwargs(shape, P, tokens, sched, mma=axes["mma"], stages=axes["stages"], block_m=args.block_m,
@@ -185,9 +185,9 @@ def run_case(shape, kind, P, tokens, args, dense):
 paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
-VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead")
+VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
-                ("balance_l2", "bal"), ("lead", "D"))
+                ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 
 
@@ -199,7 +199,7 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     from megamoe_interleave.scheduler import Schedule
 
     kernel_options = {name: kw[name] for name in ("block_m", "block_n", "mma", "stages", "split_tail",
-                                                  "dispatch_warps", "l2_handoffs", "silu") if name in kw}
+                                                  "dispatch_warps", "l2_handoffs", "silu", "dispatch_copy") if name in kw}
     try:
         MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), **kernel_options)
     except ValueError as e:
@@ -421,6 +421,8 @@ def main():
                          "(default: the API's)")
     ap.add_argument("--lead", nargs="+", type=int, default=[None],
                     help="interleaved: lead D in scheduler rows, side by side (default: ceil(eq. 16))")
+    ap.add_argument("--dispatch-copy", nargs="+", default=[None], choices=["lsu", "bulk"],
+                    help="fused variants side by side: the dispatch warp's copy (vector loads / stores or bulk copies)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

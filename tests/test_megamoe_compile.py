@@ -391,10 +391,12 @@ def _cuobjdump():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("mma,block_n,stages,trace",
-                         [("tma_ws_mcast_b", 256, 3, False), ("tma_ws_mcast_b", 256, 4, False),
-                          ("tma_ws", 256, 3, False), ("tma_ws", 128, 4, False), ("tma_ws_mcast", 128, 4, False)])
-def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace):
+@pytest.mark.parametrize("mma,block_n,stages,trace,dispatch_copy",
+                         [("tma_ws_mcast_b", 256, 3, False, "lsu"), ("tma_ws_mcast_b", 256, 4, False, "lsu"),
+                          ("tma_ws_mcast_b", 256, 3, False, "bulk"),
+                          ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
+                          ("tma_ws_mcast", 128, 4, False, "lsu")])
+def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch_copy):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
@@ -414,7 +416,7 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     d = tmp_path / "cubin"
     d.mkdir()
     compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
-                         block_n=block_n, mma=mma, stages=stages, trace=trace)
+                         block_n=block_n, mma=mma, stages=stages, trace=trace, dispatch_copy=dispatch_copy)
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -429,6 +431,43 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
     assert stack <= 16 and len(local) <= 4, f"local memory: {stack} B stack, {len(local)} accesses (spills)"
     assert not [i for i in local if alloc < i < last_mma], "local memory access in the consumers' code"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+def test_bulk_dispatch_ptx(tmp_path, schedule):
+    """dispatch_copy="bulk" (the P = 8 tiles: 128 x 256, 3 stages): the dispatch warp moves rows
+    with non-tensor bulk copies -- a load completing on an mbarrier, a store in a bulk group,
+    the buffer reused after wait_group.read, rows published after wait_group 0 -- and its
+    16-byte vector copy is gone (only the prologue's, by all threads, remains)."""
+    from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
+
+    ptx = _compile_ptx(tmp_path, 4096, 2048, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3,
+                       dispatch_copy="bulk")
+    assert re.search(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx)
+    assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", ptx)
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+    # the prologue's unrolled copy + the row-record loads; no second unrolled copy
+    assert len(re.findall(r"ld\.global\.v4", ptx)) < 2 * DISPATCH_UNROLL
+
+
+def test_bulk_dispatch_validation():
+    """dispatch_copy: a known kind, one dispatch warp, and room for the bounce buffers (none
+    next to the 4-stage 128 x 256 ring of P = 1)."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+
+    kw = dict(block_m=128, block_n=256, mma="tma_ws_mcast_b")
+    MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", **kw)
+    with pytest.raises(ValueError, match="dispatch_copy must be"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="tma", **kw)
+    with pytest.raises(ValueError, match="dispatch_warps=1"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", dispatch_warps=2, **kw)
+    with pytest.raises(ValueError, match="does not fit"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=4, dispatch_copy="bulk", **kw)
+    # rows longer than one piece go in equal pieces of <= 8 KB, multiples of 16 bytes
+    op = MegaMoESm90(7168, 3072, SCHEDULES[1], stages=2, dispatch_copy="bulk", **kw)
+    assert (op.bulk_pieces, op.bulk_piece_bytes) == (2, 7168)
 
 
 def test_setmaxnreg_fits_the_launch_register_pool():

@@ -69,6 +69,8 @@ __all__ = [
     "peer_address",
     "store_v4",
     "store_v4_to_peer",
+    "bulk_copy_g2s",
+    "bulk_copy_s2g",
     "globaltimer_ns",
     "clock64",
     "smid",
@@ -165,6 +167,30 @@ def store_v4_to_peer(
 ) -> None:
     """16-byte store of ``{w0..w3}`` to ``peer_table[dst] + byte_offset``."""
     store_v4(peer_address(peer_table, dst, byte_offset, loc=loc, ip=ip), w0, w1, w2, w3, cache, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes``: the bulk-copy
+    engine reads ``nbytes`` (a multiple of 16) from global ``address`` (Int64, 16-byte aligned;
+    a peer's or mapped host memory works alike) into shared memory at ``smem`` (16-byte
+    aligned) and signals them to the mbarrier ``mbar`` (arm it with
+    ``mbarrier_arrive_and_expect_tx`` first). One instruction instead of ``nbytes / 16``
+    vector loads: no LSU / register traffic on the issuing SM."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk.global.shared::cta.bulk_group``: ``nbytes`` from shared memory at ``smem``
+    to global ``address`` (both 16-byte aligned), tracked by the issuing thread's bulk async-groups
+    (``cute.arch.cp_async_bulk_commit_group`` / ``cp_async_bulk_wait_group``; ``read=True``
+    waits only until the source may be overwritten)."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
+        read_only_args=[Int64(address), Int32(smem.toint()), Int32(nbytes)], loc=loc, ip=ip)
 
 
 @dsl_user_op
