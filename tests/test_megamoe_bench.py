@@ -1,5 +1,7 @@
 """scripts/bench_megamoe.py on the CPU: the paired fused-vs-grouped-GEMM comparison (trial
-rotation and the verdicts) with fake timed calls; the bench itself needs a GPU."""
+rotation and the verdicts) with fake timed calls; the bench itself needs a GPU. Also
+scripts/megamoe_trace_timeline.py on a hand-made trace."""
+import csv
 import importlib.util
 import random
 from pathlib import Path
@@ -10,6 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_megamoe", ROOT / "scripts" / "bench_megamoe.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
+_spec = importlib.util.spec_from_file_location("megamoe_trace_timeline", ROOT / "scripts" / "megamoe_trace_timeline.py")
+timeline_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timeline_script)
 
 
 def _bimodal_baseline(n=21, seed=1):
@@ -103,3 +108,29 @@ def test_mainloop_cycles_converts_through_each_tiles_clock():
     out = bench.mainloop_cycles(rs, "l1")
     assert out == {"l1_clock_mhz_median": 2000.0, "l1_mainloop_cycles_median": 3000}
     assert bench.mainloop_cycles([dict(t_start=0, t_ready=1, t_mainloop=2)], "l2") == {}
+
+
+def test_trace_timeline_buckets_mainloop_cycles():
+    """scripts/megamoe_trace_timeline.py: per phase and time bucket, the median mainloop in
+    cycles (clock from cycles / ns over tile start -> mainloop end) and the median clock."""
+    import gzip
+    import os
+    import tempfile
+
+    tl = timeline_script
+
+    def row(phase, t0, wait, main, clock_ghz):
+        return dict(phase=phase, t_start_ns=t0, t_ready_ns=t0 + wait, t_mainloop_ns=t0 + wait + main,
+                    cycles=round(clock_ghz * (wait + main)))
+    rows = [row(1, 0, 100, 40000, 1.5), row(1, 10000, 100, 50000, 1.5), row(2, 260000, 0, 20000, 2.0),
+            dict(phase=1, t_start_ns=5, t_ready_ns=6, t_mainloop_ns=7, cycles=0)]  # no cycles: skipped
+    out = tl.timeline(rows, bucket_us=250)
+    assert out[1] == [(0.0, 2, 67500, 1500.0)]  # medians of 60000 and 75000 cycles
+    assert out[2] == [(250.0, 1, 40000, 2000.0)]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "t.csv.gz")
+        with gzip.open(path, "wt", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows[:3])
+        assert tl.timeline(tl.read_trace(path), 250) == {1: out[1], 2: out[2]}
