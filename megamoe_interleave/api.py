@@ -555,6 +555,18 @@ def _w1_t_gate_up(w1_il: torch.Tensor) -> torch.Tensor:
     return untransform_w1(w1_il).transpose(1, 2)
 
 
+def trace_mainloop_cycles(cycles: int, t_start: int, t_ready: int, t_mainloop: int):
+    """(SM clock in GHz, mainloop in cycles) of one trace row, or None without cycles (older
+    traces) or for an empty span: the row's cycles cover tile start -> mainloop end, so its
+    clock is cycles / ns over that span, and the mainloop (first stage landed -> last WGMMA
+    retired) in cycles is that clock times its ns -- comparable with the tensor pipe's ideal
+    (4096 bf16 FLOP per cycle per SM), which the GPU's DVFS clock is not."""
+    if cycles <= 0 or t_mainloop <= t_start:
+        return None
+    clock = cycles / (t_mainloop - t_start)
+    return clock, clock * (t_mainloop - t_ready)
+
+
 def decode_trace(trace: torch.Tensor):
     """Per-tile records of one rank's trace tensor (see ``kernel_sm90.TRACE_FIELDS``):
     list per CTA of dicts with phase, row, n_block, timestamps (ns), smid and the SM cycles from

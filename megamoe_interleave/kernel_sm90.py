@@ -642,7 +642,7 @@ class MegaMoESm90:
 
     @cute.jit
     def dispatch_rows_bulk(self, mPeerX, mPoolSrc, mPoolX, grid, mCounters, row_begin: Int32, row_end: Int32,
-                           cta: Int32, nctas: Int32, timeout: Int64, bulk_buf, bulk_mbar):
+                           cta: Int32, nctas: Int32, bulk_buf, bulk_mbar):
         """Overlapped Dispatch by ONE thread with bulk copies (``dispatch_copy="bulk"``): scheduler
         rows [row_begin, row_end) in row order, of each this CTA's 1/nctas share of its pool rows
         (whole rows), each row in ``bulk_pieces`` pieces: bulk load of the piece from the source
@@ -653,7 +653,7 @@ class MegaMoESm90:
         ``x_ready[row]``). Waits for nothing but its own copies (bounded: a load not landed after
         BULK_WAIT_TRIES try_waits sets ERR_RING_TIMEOUT and the thread stops copying; the L1
         producers' bounded waits for the rows then time out too), so the deadlock argument of
-        :meth:`dispatch_rows` holds. ``timeout`` is unused: see the comment at the wait."""
+        :meth:`dispatch_rows` holds."""
         piece = self.bulk_piece_bytes
         row_bytes = 2 * self.hidden
         rows_per_block = self.pool_rows_per_row
@@ -1068,7 +1068,7 @@ class MegaMoESm90:
                         if tidx % 32 == 0:
                             self.dispatch_rows_bulk(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
                                                     self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
-                                                    timeout, bulk_buf, bulk_mbar)
+                                                    bulk_buf, bulk_mbar)
                     else:
                         self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
                                            self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
@@ -1446,8 +1446,9 @@ class MegaMoESm90:
 # Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at
 # tile start, after the L1-dependency wait (L2; = start for L1), after the mainloop, after
 # the epilogue (L2: every thread's Combine stores issued; L1: h stored, before the release),
-# the SM id, and the SM cycles (%clock64) from tile start to mainloop end. tma_ws*: timestamps are the consumers' (thread 0); t_ready = when the tile's
-# first ring stage had landed (for L2 tiles that is after the producer's dependency wait).
+# the SM id, and the SM cycles (%clock64) from tile start to mainloop end. tma_ws*: timestamps
+# are the consumers' (thread 0); t_ready = when the tile's first ring stage had landed (for L2
+# tiles that is after the producer's dependency wait).
 TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
 NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
 

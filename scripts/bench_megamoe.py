@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megamoe_interleave.api import MegaMoE, decode_trace, default_tiles, make_world  # noqa: E402
+from megamoe_interleave.api import (MegaMoE, decode_trace, default_tiles, make_world,  # noqa: E402
+                                    trace_mainloop_cycles)
 from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline  # noqa: E402
 from megamoe_interleave.routing import make_routing  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
@@ -329,16 +330,14 @@ def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, ar
 
 
 def mainloop_cycles(rs, name):
-    """SM clock and mainloop length in cycles of one phase's tiles (medians): each trace row
-    holds the SM cycles from tile start to mainloop end, so its clock is cycles / ns over that
-    span, and the mainloop (first stage landed -> last WGMMA retired) in cycles is that clock
-    times its ns -- comparable with the tensor pipe's ideal, which the GPU's DVFS clock is not."""
-    spans = [(r["cycles"], r["t_mainloop"] - r["t_start"], r["t_mainloop"] - r["t_ready"]) for r in rs
-             if r.get("cycles", 0) > 0 and r["t_mainloop"] > r["t_start"]]
+    """Median SM clock and mainloop length in cycles of one phase's tiles
+    (api.trace_mainloop_cycles per row); nothing for rows without cycles."""
+    spans = [m for m in (trace_mainloop_cycles(r.get("cycles", 0), r["t_start"], r["t_ready"], r["t_mainloop"])
+                         for r in rs) if m is not None]
     if not spans:
         return {}
-    return {f"{name}_clock_mhz_median": round(_median([c / ns * 1e3 for c, ns, _ in spans]), 1),
-            f"{name}_mainloop_cycles_median": _median([round(c * main / ns) for c, ns, main in spans])}
+    return {f"{name}_clock_mhz_median": round(_median([1e3 * clock for clock, _ in spans]), 1),
+            f"{name}_mainloop_cycles_median": _median([round(cycles) for _, cycles in spans])}
 
 
 def cta_budget(recs):

@@ -1,17 +1,21 @@
 #!/usr/bin/env python
 """Mainloop cycles of a fused-kernel trace over time: median per phase (L1 / L2) and time
-bucket, from a bench_megamoe --trace CSV (plain or .gz). Each trace row holds the SM cycles
-from tile start to mainloop end, so a tile's clock is cycles / ns over that span and its
-mainloop (first stage landed -> last WGMMA retired) in cycles is that clock times its ns --
-comparable with the tensor pipe's ideal (4096 bf16 FLOP per cycle per SM: 65536 cycles for a
-128 x 256 x 4096 tile). Shows, e.g., the mainloops slowing while the overlapped Dispatch runs.
+bucket, from a bench_megamoe --trace CSV (plain or .gz), per row through
+api.trace_mainloop_cycles (the tensor pipe's ideal: 65536 cycles for a 128 x 256 x 4096
+tile). Shows, e.g., the mainloops slowing while the overlapped Dispatch runs.
 
     python scripts/megamoe_trace_timeline.py TRACE.csv[.gz] [--bucket-us 250]
 """
 import argparse
 import csv
 import gzip
+import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megamoe_interleave.api import trace_mainloop_cycles  # noqa: E402
 
 
 def read_trace(path):
@@ -23,20 +27,17 @@ def read_trace(path):
 def timeline(rows, bucket_us: float = 250.0):
     """{phase: [(bucket start us, tiles, median mainloop cycles, median clock MHz)]} over the
     trace rows (dicts with t_start_ns, t_ready_ns, t_mainloop_ns, cycles, phase); rows without
-    cycles (older traces) or with an empty span are skipped."""
-    out = {}
+    cycles (older traces) or with an empty span are skipped (api.trace_mainloop_cycles)."""
     buckets = {}
     for r in rows:
-        t0, t1, t2 = int(r["t_start_ns"]), int(r["t_ready_ns"]), int(r["t_mainloop_ns"])
-        cycles = int(r.get("cycles") or 0)
-        if cycles <= 0 or t2 <= t0:
-            continue
-        clock = cycles / (t2 - t0)  # GHz
-        key = (int(r["phase"]), int(t0 / (bucket_us * 1e3)))
-        buckets.setdefault(key, []).append((clock * (t2 - t1), clock))
+        t0 = int(r["t_start_ns"])
+        m = trace_mainloop_cycles(int(r.get("cycles") or 0), t0, int(r["t_ready_ns"]), int(r["t_mainloop_ns"]))
+        if m is not None:
+            buckets.setdefault((int(r["phase"]), int(t0 / (bucket_us * 1e3))), []).append(m)
+    out = {}
     for (phase, b), vals in sorted(buckets.items()):
-        out.setdefault(phase, []).append((b * bucket_us, len(vals), round(statistics.median(v[0] for v in vals)),
-                                          round(1e3 * statistics.median(v[1] for v in vals), 1)))
+        out.setdefault(phase, []).append((b * bucket_us, len(vals), round(statistics.median(v[1] for v in vals)),
+                                          round(1e3 * statistics.median(v[0] for v in vals), 1)))
     return out
 
 
