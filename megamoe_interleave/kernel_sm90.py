@@ -1069,6 +1069,9 @@ class MegaMoESm90:
                             self.dispatch_rows_bulk(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
                                                     self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,
                                                     bulk_buf, bulk_mbar)
+                        # the other lanes wait here for lane 0: the CTA barriers after the roles
+                        # (bar.sync, warp-aligned) need the whole warp converged
+                        cute.arch.sync_warp()
                     else:
                         self.dispatch_rows(mPeerX, mPoolSrc, mPoolX, grid, mCounters,
                                            self.prologue_rows(grid, nctas), grid.num_rows, cta, nctas,

@@ -450,6 +450,15 @@ def test_bulk_dispatch_ptx(tmp_path, schedule):
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the prologue's unrolled copy + the row-record loads; no second unrolled copy
     assert len(re.findall(r"ld\.global\.v4", ptx)) < 2 * DISPATCH_UNROLL
+    # a row is published only after its stores completed: wait_group 0 -> proxy fence ->
+    # release fence -> release increment, in this order with nothing but arithmetic between
+    pub = re.search(r"cp\.async\.bulk\.wait_group\s+0;(.*?)red\.release\.gpu\.global\.add", ptx, re.S)
+    assert pub, "no publication after a bulk wait_group 0"
+    between = pub.group(1)
+    assert between.index("fence.proxy.async.global") < between.index("fence.acq_rel.gpu")
+    assert not re.search(r"\b(st|ld|cp)\.(global|async)", between)
+    # lane 0 copies alone; the warp reconverges before the CTA-wide (warp-aligned) barriers
+    assert re.search(r"bar\.warp\.sync", ptx)
 
 
 def test_bulk_dispatch_validation():
