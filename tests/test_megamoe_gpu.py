@@ -256,23 +256,26 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 def test_bulk_dispatch_bitwise_equal(mma, hidden):
-    """dispatch_copy="bulk" changes no bit of y against the LSU copy (P = 8, skewed routing,
-    masked picks, partial blocks, zero-token experts, both schedules), and repeated calls stay
-    correct (mbarrier phases and bulk groups restart per call)."""
+    """dispatch_copy="bulk" changes no bit of y against the LSU copy, in both schedules, with
+    masked picks and partial blocks; 8 SMs, so the prologue covers few rows and the dispatch
+    warp's bulk copies move nearly all of them; repeated calls check that the bounce buffers'
+    mbarrier phases and bulk groups start afresh each call."""
     from megamoe_interleave.reference import reference_moe_fp32
 
-    P, k = 8, 6
-    w1, w2, xs, idx, w = _problem(P, [40, 1, 0, 77, 64, 5, 9, 120], k, "skewed", 0.1, seed=61, hidden=hidden)
+    P, k, inter = 2, 6, 128
+    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     for schedule in ("expert_wave", "interleaved"):
         outs = []
         for copy in ("lsu", "bulk"):
-            moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, dispatch_copy=copy, hidden=hidden)
+            moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
+                        num_sms=8, dispatch_copy=copy)
             moe.load_weights(w1, w2)
             for _ in range(3):
                 y = moe.forward(xs, idx, w)
                 _check(y, refs)
             outs.append(y)
+            assert moe.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
         for a, b in zip(*outs):
             assert torch.equal(a, b)
 
