@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from . import reference
+from .kernel_config import TRACE_FIELDS, WS_KINDS, resolve_split_tail
 from .scheduler import SCHEDULES, Schedule, balanced_l2_start, default_lead, schedule_table
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
@@ -61,10 +62,6 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
     return torch.stack([g, u], dim=2).reshape(E, two_i, H).contiguous(), w2.contiguous()
 
 
-# kernel_sm90.WS_KINDS (that module needs the CuTe DSL; a compile test checks they agree)
-WS_KINDS = ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")
-# kernel_sm90.TRACE_FIELDS, likewise: one trace row per tile (decode_trace)
-TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
 DEEP_RING_MAX_ROWS = 512  # default_tiles: 4 ring stages below this many rows per local expert, else 3
 
 
@@ -203,8 +200,8 @@ class MegaMoE:
         self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
         self.trace = trace  # record per-tile timelines (fused backend) into last_trace
         self.split_tail = split_tail  # tma_ws* with block_m=128: None = on (kernel_sm90.MegaMoESm90)
-        # resolved as the kernel does (MegaMoESm90.split_tail): the L2 balancing's cost model needs it
-        self._split_tail = (mma in WS_KINDS and block_m == 128) if split_tail is None else bool(split_tail)
+        # resolved as the kernel does: the L2 balancing's cost model needs it
+        self._split_tail = resolve_split_tail(mma, block_m, split_tail)
         self.dispatch_warps = dispatch_warps  # tma_ws*: overlapped Dispatch; None = 1 (kernel_sm90.MegaMoESm90)
         self.l2_handoffs = l2_handoffs  # tma_ws*: L2 output staged in 1 or 2 parts; None = as smem allows
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)]
@@ -568,7 +565,7 @@ def trace_mainloop_cycles(cycles: int, t_start: int, t_ready: int, t_mainloop: i
 
 
 def decode_trace(trace: torch.Tensor):
-    """Per-tile records of one rank's trace tensor (see ``kernel_sm90.TRACE_FIELDS``):
+    """Per-tile records of one rank's trace tensor (see ``kernel_config.TRACE_FIELDS``):
     list per CTA of dicts with phase, row, n_block, timestamps (ns), smid and the SM cycles from
     tile start to mainloop end, in execution order."""
     out = []

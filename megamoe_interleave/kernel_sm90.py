@@ -82,6 +82,7 @@ from quack.pipeline import PipelineTmaAsync, make_pipeline_state
 from quack.activation import swiglu, tanh
 from xstage import device as xdev
 
+from .kernel_config import MMA_KINDS, TRACE_FIELDS, WS_KINDS, resolve_split_tail  # noqa: F401 (re-exported)
 from .scheduler import PHASE_L1, RowGrid, Schedule, Tile
 
 COUNTER_ERROR = 0
@@ -90,8 +91,6 @@ COUNTER_L2_FULL = 2
 ERR_DEPENDENCY_TIMEOUT = xdev.ERR_SPIN_TIMEOUT
 ERR_RING_TIMEOUT = xdev.ERR_MBARRIER_TIMEOUT  # tma_ws: a full/empty barrier of the A/B ring
 INTERLEAVE = 8  # gate/up interleave granularity (api.transform_weights)
-MMA_KINDS = ("fma", "wgmma", "wgmma_cpasync", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")
-WS_KINDS = ("tma_ws", "tma_ws_mcast", "tma_ws_mcast_b")  # warp-specialized TMA mainloops
 MULTISTAGE_KINDS = ("wgmma_cpasync",) + WS_KINDS
 CONSUMER_BARRIER_ID = 1  # named barrier of the tma_ws consumer warpgroups (0 = __syncthreads)
 EPI_FULL_BARRIER_ID = 2  # tma_ws: staged output tile ready (consumers -> epilogue warps)
@@ -283,9 +282,7 @@ class MegaMoESm90:
         self.ws = mma in WS_KINDS
         # tma_ws with 128-row tiles: m-blocks with <= 64 valid rows (an expert's last block)
         # run as 64-row tiles with N split over the two consumer warpgroups (None = on).
-        if split_tail and not (self.ws and block_m == 128):
-            raise ValueError("split_tail needs mma in tma_ws* and block_m=128")
-        self.split_tail = (self.ws and block_m == 128) if split_tail is None else bool(split_tail)
+        self.split_tail = resolve_split_tail(mma, block_m, split_tail)
         # tma_ws: Dispatch overlapped with the tiles (see dispatch_rows): after a short prologue
         # by all threads, ``dispatch_warps`` of the three auxiliary warps copy the remaining rows
         # while the others run the epilogues; 0 = every thread copies every row before a grid
@@ -1446,13 +1443,6 @@ class MegaMoESm90:
                                  words[3])
 
 
-# Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at
-# tile start, after the L1-dependency wait (L2; = start for L1), after the mainloop, after
-# the epilogue (L2: every thread's Combine stores issued; L1: h stored, before the release),
-# the SM id, and the SM cycles (%clock64) from tile start to mainloop end. tma_ws*: timestamps
-# are the consumers' (thread 0); t_ready = when the tile's first ring stage had landed (for L2
-# tiles that is after the producer's dependency wait).
-TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
 NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
 
 

@@ -286,13 +286,11 @@ def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: in
     pair's members both hold <= 64 rows of the block), else ``block_m``."""
     G = num_pairs
     per_member = 2 * block_m if grid.pair_splits_m else block_m
-    rows_cost = []
-    for _, m_index, _, count in grid.row_record:
-        left = count - m_index * per_member  # rows of this scheduler row
-        member_rows = [min(max(left - r * block_m, 0), block_m) for r in (0, 1)] if grid.pair_splits_m else [left]
-        half = split_tail and max(member_rows) <= 64
-        rows_cost.append(64 if half else block_m)
-    rows_cost = np.asarray(rows_cost, dtype=np.float64)
+    records = np.asarray(grid.row_record, dtype=np.int64).reshape(-1, 4)
+    left = records[:, 3] - records[:, 1] * per_member  # rows of each scheduler row
+    # the fuller member's rows (pair_splits_m: member 0 takes the first block_m of them)
+    most = np.clip(left, 0, block_m) if grid.pair_splits_m else left
+    rows_cost = np.where(split_tail & (most <= 64), 64, block_m).astype(np.float64)
 
     def class_costs(pairs_per_row, k_dim):
         k = np.arange(len(rows_cost) * pairs_per_row)

@@ -27,12 +27,20 @@ def test_fused_kernel_compiles(schedule, mma):
     assert compile_megamoe_sm90(256, 128, schedule, block_n=64, mma=mma) is not None
 
 
-def test_api_knows_the_kernel_kinds():
-    from megamoe_interleave import api
-    from megamoe_interleave.kernel_sm90 import TRACE_FIELDS, WS_KINDS
+def test_kernel_and_api_share_the_kernel_config():
+    """One definition of the kinds, the trace row and the split-tail rule (kernel_config)."""
+    from megamoe_interleave import api, kernel_config, kernel_sm90
+    from megamoe_interleave.scheduler import Schedule
 
-    assert api.WS_KINDS == WS_KINDS
-    assert api.TRACE_FIELDS == TRACE_FIELDS
+    assert kernel_sm90.WS_KINDS is kernel_config.WS_KINDS is api.WS_KINDS
+    assert kernel_sm90.TRACE_FIELDS is kernel_config.TRACE_FIELDS is api.TRACE_FIELDS
+    for mma, block_m, asked in (("tma_ws_mcast_b", 128, None), ("tma_ws", 64, None), ("wgmma", 128, None),
+                                ("tma_ws", 128, False)):
+        op = kernel_sm90.MegaMoESm90(512, 256, Schedule("expert_wave"), block_m=block_m, block_n=128, mma=mma,
+                                     split_tail=asked)
+        assert op.split_tail == kernel_config.resolve_split_tail(mma, block_m, asked)
+    with pytest.raises(ValueError, match="split_tail"):
+        kernel_config.resolve_split_tail("wgmma", 128, True)
 
 
 @pytest.mark.compile
