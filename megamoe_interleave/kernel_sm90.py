@@ -570,6 +570,12 @@ class MegaMoESm90:
             cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
 
+    def pool_rows_of(self, grid, row):
+        """(first pool row, pool rows) of scheduler row ``row``: its block of the expert's rows."""
+        _, m_index, tok0, count = grid.row_record[row]
+        p0 = tok0 + m_index * self.pool_rows_per_row
+        return p0, cutlass.min(p0 + self.pool_rows_per_row, tok0 + count) - p0
+
     def prologue_rows(self, grid, nctas):
         """Rows [0, n) that every thread copies before the roles split: those the CTAs' first
         tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
@@ -621,15 +627,13 @@ class MegaMoESm90:
         for nothing but its own loads and stores, so Dispatch progress never depends on tiles
         (the scheduler's deadlock argument treats Dispatch exactly so)."""
         chunks = self.hidden // 8
-        rows_per_block = self.pool_rows_per_row
         ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
         row = row_begin
         while row < row_end:
-            _, m_index, tok0, count = grid.row_record[row]
-            p0 = tok0 + m_index * rows_per_block
-            n = (cutlass.min(p0 + rows_per_block, tok0 + count) - p0) * chunks
-            self.copy_chunks(mPeerX, mPoolSrc, mPoolX, p0 * chunks + (cta * n) // nctas,
-                             p0 * chunks + ((cta + 1) * n) // nctas, warp, num_warps, lane, unroll)
+            p0, n = self.pool_rows_of(grid, row)
+            p0, n = p0 * chunks, n * chunks  # in 16-byte chunks
+            self.copy_chunks(mPeerX, mPoolSrc, mPoolX, p0 + (cta * n) // nctas, p0 + ((cta + 1) * n) // nctas,
+                             warp, num_warps, lane, unroll)
             cute.arch.fence_proxy("async.global")
             cute.arch.barrier(barrier_id=DISPATCH_BARRIER_ID, number_of_threads=32 * num_warps)
             if warp == 0 and lane == 0:
@@ -653,7 +657,6 @@ class MegaMoESm90:
         :meth:`dispatch_rows` holds."""
         piece = self.bulk_piece_bytes
         row_bytes = 2 * self.hidden
-        rows_per_block = self.pool_rows_per_row
         ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
         err = mCounters.iterator + COUNTER_ERROR
         pool_base = Int64(mPoolX.iterator.toint())
@@ -664,9 +667,7 @@ class MegaMoESm90:
         j = Int32(0)  # pieces issued so far: buffer j % 2, its mbarrier phase (j // 2) % 2
         row = row_begin
         while row < row_end and ok:
-            _, m_index, tok0, count = grid.row_record[row]
-            p0 = tok0 + m_index * rows_per_block
-            n = cutlass.min(p0 + rows_per_block, tok0 + count) - p0
+            p0, n = self.pool_rows_of(grid, row)
             i = p0 + (cta * n) // nctas
             while i < p0 + ((cta + 1) * n) // nctas and ok:
                 src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * row_bytes
@@ -677,17 +678,11 @@ class MegaMoESm90:
                     cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
                     cute.arch.mbarrier_arrive_and_expect_tx(bulk_mbar + b, piece)
                     xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b)
-                    # bounded by a count of try_waits (each suspends for at most the hardware's
-                    # time limit): the %globaltimer loop of xdev.mbarrier_wait_bounded here made
-                    # ptxas serialize the consumers' WGMMAs of the interleaved build
-                    done = cute.arch.mbarrier_try_wait(bulk_mbar + b, (j // 2) % 2)
-                    tries = Int32(0)
-                    while not done and tries < BULK_WAIT_TRIES:
-                        done = cute.arch.mbarrier_try_wait(bulk_mbar + b, (j // 2) % 2)
-                        tries = tries + 1
-                    if not done:
-                        xdev.atomic_or_relaxed(err, Int32(ERR_RING_TIMEOUT), "gpu")
-                        ok = Boolean(False)
+                    # bounded by a count of try_waits: the %globaltimer loop of
+                    # xdev.mbarrier_wait_bounded here made ptxas serialize the consumers' WGMMAs
+                    # of the interleaved build
+                    ok = ok & xdev.mbarrier_wait_tries(bulk_mbar + b, (j // 2) % 2, BULK_WAIT_TRIES, err,
+                                                       ERR_RING_TIMEOUT)
                     xdev.bulk_copy_s2g(dst + q * piece, buf, piece)
                     cute.arch.cp_async_bulk_commit_group()
                     j = j + 1

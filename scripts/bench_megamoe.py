@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import itertools
 import os
 import statistics
@@ -120,7 +121,7 @@ def run_case(shape, kind, P, tokens, args, dense):
     def moe_kwargs(sched, axes):
         """MegaMoE kwargs of one fused variant: ``axes`` = this variant's value of every
         side-by-side axis (None = the kernel's default)."""
-        options = {name: axes[name] for name in ("dispatch_warps", "l2_handoffs", "silu", "lead", "dispatch_copy")}
+        options = {name: axes[name] for name in VARIANT_AXES if name not in ("mma", "stages")}
         if axes["balance_l2"] is not None:
             options["balance_l2"] = bool(axes["balance_l2"])
         return fused_kwargs(shape, P, tokens, sched, mma=axes["mma"], stages=axes["stages"], block_m=args.block_m,
@@ -199,8 +200,8 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
     from megamoe_interleave.scheduler import Schedule
 
-    kernel_options = {name: kw[name] for name in ("block_m", "block_n", "mma", "stages", "split_tail",
-                                                  "dispatch_warps", "l2_handoffs", "silu", "dispatch_copy") if name in kw}
+    accepted = set(inspect.signature(MegaMoESm90).parameters) - {"hidden", "intermediate", "schedule"}
+    kernel_options = {name: value for name, value in kw.items() if name in accepted}
     try:
         MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), **kernel_options)
     except ValueError as e:

@@ -77,16 +77,17 @@ def test_helper_ptx_contains(helper_ptx, pattern):
 
 def test_bulk_copy_helpers_ptx():
     """bulk_copy_g2s / bulk_copy_s2g emit the non-tensor bulk copies with 32-bit shared
-    addresses, completing on the mbarrier (load) and on a bulk async-group (store)."""
+    addresses, completing on the mbarrier (load, waited with mbarrier_wait_tries) and on a bulk
+    async-group (store)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Int64
+    from cutlass import BFloat16, Int32, Int64
 
     from xstage import device as xd
     from xstage.cute_compile import compile_hopper, fake_stream
 
     @cute.kernel
-    def copy(g: cute.Tensor):
+    def copy(g: cute.Tensor, err: cute.Tensor):
         smem = cutlass.utils.SmemAllocator()
         buf = smem.allocate_array(BFloat16, 4096, byte_alignment=128)
         mbar = smem.allocate_array(Int64, 1, byte_alignment=8)
@@ -96,21 +97,25 @@ def test_bulk_copy_helpers_ptx():
             cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, 8192)
             xd.bulk_copy_g2s(buf, g.iterator.toint(), 8192, mbar)
-            cute.arch.mbarrier_wait(mbar, 0)
-            xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 8192, buf, 8192)
+            if xd.mbarrier_wait_tries(mbar, Int32(0), 1000, err.iterator):
+                xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 8192, buf, 8192)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def launch(g, stream):
-        copy(g).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream, smem=16384)
+    def launch(g, err, stream):
+        copy(g, err).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream, smem=16384)
 
-    ptx = compile_hopper(launch, cute.runtime.make_fake_compact_tensor(BFloat16, (8192,), assumed_align=16),
-                         fake_stream(), keep_ptx=True).ptx
+    mk = cute.runtime.make_fake_compact_tensor
+    ptx = compile_hopper(launch, mk(BFloat16, (8192,), assumed_align=16), mk(Int32, (1,)), fake_stream(),
+                         keep_ptx=True).ptx
     assert re.search(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes \[%r\d+\], "
                      r"\[%rd\d+\], 8192, \[%r\d+\];", ptx)
     assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group \[%rd\d+\], \[%r\d+\], 8192;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+    # mbarrier_wait_tries: try_waits bounded by a count (no timer), then the error word
+    assert "globaltimer" not in ptx and re.search(r"mbarrier\.try_wait", ptx)
+    assert re.search(rf"atom(\.relaxed\.gpu)?\.global\.or\.b32\s+%r\d+, \[%rd\d+\], {xd.ERR_MBARRIER_TIMEOUT};", ptx)
 
 
 def test_store_v4_rejects_unknown_cache_hint():

@@ -82,6 +82,7 @@ __all__ = [
     "atomic_or_relaxed",
     "spin_wait_ge",
     "mbarrier_wait_bounded",
+    "mbarrier_wait_tries",
     "grid_arrive_and_wait",
     "raise_on_device_error",
     "DeviceError",
@@ -363,6 +364,30 @@ def mbarrier_wait_bounded(
             else:
                 done = cute.arch.mbarrier_try_wait(mbar, phase)
     if timed_out:
+        atomic_or_relaxed(error_word, Int32(error_code), "gpu")
+    return done
+
+
+@cute.jit
+def mbarrier_wait_tries(
+    mbar: cute.Pointer,
+    phase: Int32,
+    max_tries: cutlass.Constexpr,
+    error_word: cute.Pointer,
+    error_code: cutlass.Constexpr = ERR_MBARRIER_TIMEOUT,
+) -> Boolean:
+    """:func:`mbarrier_wait_bounded` bounded by a count of ``try_wait``s instead of
+    ``%globaltimer`` (each may suspend the thread for a hardware-chosen time, so the bound in
+    time is hardware-dependent): no timer reads, for code where they cost registers that matter
+    (the fused MoE kernel's bulk Dispatch: the timer loop made ptxas serialize other warps'
+    WGMMAs). Returns True when the phase completed; otherwise ORs ``error_code`` into
+    ``*error_word`` and returns False."""
+    done = cute.arch.mbarrier_try_wait(mbar, phase)
+    tries = Int32(0)
+    while not done and tries < max_tries:
+        done = cute.arch.mbarrier_try_wait(mbar, phase)
+        tries = tries + 1
+    if not done:
         atomic_or_relaxed(error_word, Int32(error_code), "gpu")
     return done
 
