@@ -147,7 +147,8 @@ class MegaMoE:
     ``balance_l2`` (interleaved: pair the CTA pairs' L1 and L2 tile shares so the pairs' work
     evens out, scheduler.balanced_l2_start; default on), ``dispatch_copy`` (tma_ws* with one
     dispatch warp: "lsu", its lanes' 16-byte loads / stores, the default; "bulk", one lane's
-    bulk copies through two shared-memory bounce buffers -- compiled in CI, not yet run on a GPU).
+    bulk copies through two shared-memory bounce buffers), ``dispatch_evict_first`` (bulk Dispatch:
+    its loads and stores carry an L2 evict-first policy).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -170,7 +171,7 @@ class MegaMoE:
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
-                 balance_l2: bool = True, dispatch_copy: str = "lsu"):
+                 balance_l2: bool = True, dispatch_copy: str = "lsu", dispatch_evict_first: bool = False):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -209,7 +210,8 @@ class MegaMoE:
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu, dispatch_copy=dispatch_copy)
+                                    l2_handoffs=l2_handoffs, silu=silu, dispatch_copy=dispatch_copy,
+                                    dispatch_evict_first=dispatch_evict_first)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

@@ -255,7 +255,7 @@ class MegaMoESm90:
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
-                 dispatch_copy: str = "lsu"):
+                 dispatch_copy: str = "lsu", dispatch_evict_first: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -303,6 +303,12 @@ class MegaMoESm90:
         if dispatch_copy == "bulk" and dispatch_warps != 1:
             raise ValueError("dispatch_copy='bulk' needs dispatch_warps=1 (one warp, mma in tma_ws*)")
         self.dispatch_copy = dispatch_copy
+        # Each source row is read once per pick and each pool row written once; marking them
+        # evict-first keeps them from pushing the reused weight / activation tiles out of L2.
+        # (Evict-first on the loads alone made ptxas serialize the WGMMAs: not offered.)
+        if dispatch_evict_first and dispatch_copy != "bulk":
+            raise ValueError("dispatch_evict_first applies to dispatch_copy='bulk' only")
+        self.dispatch_evict_first = bool(dispatch_evict_first)
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
@@ -677,13 +683,14 @@ class MegaMoESm90:
                     buf = bulk_buf + b * piece
                     cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
                     cute.arch.mbarrier_arrive_and_expect_tx(bulk_mbar + b, piece)
-                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b)
+                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b,
+                                       evict_first=self.dispatch_evict_first)
                     # bounded by a count of try_waits: the %globaltimer loop of
                     # xdev.mbarrier_wait_bounded here made ptxas serialize the consumers' WGMMAs
                     # of the interleaved build
                     ok = ok & xdev.mbarrier_wait_tries(bulk_mbar + b, (j // 2) % 2, BULK_WAIT_TRIES, err,
                                                        ERR_RING_TIMEOUT)
-                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece)
+                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece, evict_first=self.dispatch_evict_first)
                     cute.arch.cp_async_bulk_commit_group()
                     j = j + 1
                 i = i + 1

@@ -187,9 +187,11 @@ def run_case(shape, kind, P, tokens, args, dense):
 paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
-VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy")
+VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
+               "dispatch_evict_first")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
-                ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="))
+                ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
+                ("dispatch_evict_first", "ef"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 
 
@@ -423,6 +425,8 @@ def main():
                     help="interleaved: lead D in scheduler rows, side by side (default: ceil(eq. 16))")
     ap.add_argument("--dispatch-copy", nargs="+", default=[None], choices=["lsu", "bulk"],
                     help="fused variants side by side: the dispatch warp's copy (vector loads / stores or bulk copies)")
+    ap.add_argument("--dispatch-evict-first", nargs="+", type=int, default=[None], choices=[0, 1],
+                    help="bulk Dispatch: L2 evict-first policy on its copies, off / on side by side")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

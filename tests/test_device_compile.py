@@ -99,6 +99,11 @@ def test_bulk_copy_helpers_ptx():
             xd.bulk_copy_g2s(buf, g.iterator.toint(), 8192, mbar)
             if xd.mbarrier_wait_tries(mbar, Int32(0), 1000, err.iterator):
                 xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 8192, buf, 8192)
+            # the same pair with an evict-first L2 cache policy
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, 4096)
+            xd.bulk_copy_g2s(buf, g.iterator.toint(), 4096, mbar, evict_first=True)
+            if xd.mbarrier_wait_tries(mbar, Int32(1), 1000, err.iterator):
+                xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 4096, buf, 4096, evict_first=True)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -113,6 +118,12 @@ def test_bulk_copy_helpers_ptx():
                      r"\[%rd\d+\], 8192, \[%r\d+\];", ptx)
     assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group \[%rd\d+\], \[%r\d+\], 8192;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+    # the evict-first copies: a policy created in each copy's own asm block (scoped register)
+    assert len(re.findall(r"createpolicy\.fractional\.L2::evict_first\.b64 xs_pol, 1\.0;", ptx)) == 2
+    assert re.search(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes\.L2::cache_hint "
+                     r"\[%r\d+\], \[%rd\d+\], 4096, \[%r\d+\], xs_pol;", ptx)
+    assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group\.L2::cache_hint \[%rd\d+\], \[%r\d+\], "
+                     r"4096, xs_pol;", ptx)
     # mbarrier_wait_tries: try_waits bounded by a count (no timer), then the error word
     assert "globaltimer" not in ptx and re.search(r"mbarrier\.try_wait", ptx)
     assert re.search(rf"atom(\.relaxed\.gpu)?\.global\.or\.b32\s+%r\d+, \[%rd\d+\], {xd.ERR_MBARRIER_TIMEOUT};", ptx)

@@ -399,12 +399,12 @@ def _cuobjdump():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("mma,block_n,stages,trace,dispatch_copy",
+@pytest.mark.parametrize("mma,block_n,stages,trace,dispatch",
                          [("tma_ws_mcast_b", 256, 3, False, "lsu"), ("tma_ws_mcast_b", 256, 4, False, "lsu"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk"),
+                          ("tma_ws_mcast_b", 256, 3, False, "bulk"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
-def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch_copy):
+def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
@@ -423,8 +423,10 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
         pytest.skip("no cuobjdump (CUDA toolkit or triton)")
     d = tmp_path / "cubin"
     d.mkdir()
+    copy, _, evict_first = dispatch.partition("/")  # "copy[/ef]": with dispatch_evict_first
     compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
-                         block_n=block_n, mma=mma, stages=stages, trace=trace, dispatch_copy=dispatch_copy)
+                         block_n=block_n, mma=mma, stages=stages, trace=trace, dispatch_copy=copy,
+                         dispatch_evict_first=evict_first == "ef")
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -443,17 +445,24 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-def test_bulk_dispatch_ptx(tmp_path, schedule):
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_bulk_dispatch_ptx(tmp_path, schedule, evict_first):
     """dispatch_copy="bulk" (the P = 8 tiles: 128 x 256, 3 stages): the dispatch warp moves rows
     with non-tensor bulk copies -- a load completing on an mbarrier, a store in a bulk group,
     the buffer reused after wait_group.read, rows published after wait_group 0 -- and its
-    16-byte vector copy is gone (only the prologue's, by all threads, remains)."""
+    16-byte vector copy is gone (only the prologue's, by all threads, remains). The L2
+    evict-first policy is on both copies exactly when ``dispatch_evict_first``."""
     from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
 
     ptx = _compile_ptx(tmp_path, 4096, 2048, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3,
-                       dispatch_copy="bulk")
-    assert re.search(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes", ptx)
-    assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group", ptx)
+                       dispatch_copy="bulk", dispatch_evict_first=evict_first)
+    hint = r"\.L2::cache_hint \[[^\]]+\], \[[^\]]+\], \d+(, \[[^\]]+\])?, xs_pol;"
+    load = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
+    store = r"cp\.async\.bulk\.global\.shared::cta\.bulk_group"
+    assert re.search(load, ptx) and re.search(store, ptx)
+    assert bool(re.search(load + hint, ptx)) == evict_first
+    assert bool(re.search(store + hint, ptx)) == evict_first
+    assert ("createpolicy.fractional.L2::evict_first" in ptx) == evict_first
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the prologue's unrolled copy + the row-record loads; no second unrolled copy
@@ -482,6 +491,8 @@ def test_bulk_dispatch_validation():
         MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", dispatch_warps=2, **kw)
     with pytest.raises(ValueError, match="does not fit"):
         MegaMoESm90(4096, 2048, SCHEDULES[1], stages=4, dispatch_copy="bulk", **kw)
+    with pytest.raises(ValueError, match="bulk' only"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="lsu", dispatch_evict_first=True, **kw)
     # rows longer than one piece go in equal pieces of <= 8 KB, multiples of 16 bytes
     op = MegaMoESm90(7168, 3072, SCHEDULES[1], stages=2, dispatch_copy="bulk", **kw)
     assert (op.bulk_pieces, op.bulk_piece_bytes) == (2, 7168)

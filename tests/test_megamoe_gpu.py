@@ -256,7 +256,8 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 def test_bulk_dispatch_bitwise_equal(mma, hidden):
-    """dispatch_copy="bulk" changes no bit of y against the LSU copy, in both schedules, with
+    """dispatch_copy="bulk" (with and without the L2 evict-first policy) changes no bit of y
+    against the LSU copy, in both schedules, with
     masked picks and partial blocks; 8 SMs, so the prologue covers few rows and the dispatch
     warp's bulk copies move nearly all of them; repeated calls check that the bounce buffers'
     mbarrier phases and bulk groups start afresh each call."""
@@ -267,17 +268,18 @@ def test_bulk_dispatch_bitwise_equal(mma, hidden):
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     for schedule in ("expert_wave", "interleaved"):
         outs = []
-        for copy in ("lsu", "bulk"):
+        for copy, evict_first in (("lsu", False), ("bulk", False), ("bulk", True)):
             moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
-                        num_sms=8, dispatch_copy=copy)
+                        num_sms=8, dispatch_copy=copy, dispatch_evict_first=evict_first)
             moe.load_weights(w1, w2)
             for _ in range(3):
                 y = moe.forward(xs, idx, w)
                 _check(y, refs)
             outs.append(y)
             assert moe.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
-        for a, b in zip(*outs):
-            assert torch.equal(a, b)
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])

@@ -170,28 +170,46 @@ def store_v4_to_peer(
     store_v4(peer_address(peer_table, dst, byte_offset, loc=loc, ip=ip), w0, w1, w2, w3, cache, loc=loc, ip=ip)
 
 
+# ``evict_first`` of the bulk copies: an L2 cache policy created inside the copy's own asm block
+# (a scoped register), so no 64-bit policy stays live across the caller's loop -- in the fused
+# MoE kernel a live policy register made ptxas serialize the consumers' WGMMAs.
+_EVICT_FIRST_BEGIN = "{ .reg .b64 xs_pol; createpolicy.fractional.L2::evict_first.b64 xs_pol, 1.0; "
+
+
 @dsl_user_op
-def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, *, loc=None, ip=None) -> None:
+def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, evict_first: cutlass.Constexpr = False,
+                  *, loc=None, ip=None) -> None:
     """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes``: the bulk-copy
     engine reads ``nbytes`` (a multiple of 16) from global ``address`` (Int64, 16-byte aligned;
     a peer's or mapped host memory works alike) into shared memory at ``smem`` (16-byte
     aligned) and signals them to the mbarrier ``mbar`` (arm it with
     ``mbarrier_arrive_and_expect_tx`` first). One instruction instead of ``nbytes / 16``
-    vector loads: no LSU / register traffic on the issuing SM."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())], loc=loc, ip=ip)
+    vector loads: no LSU / register traffic on the issuing SM. ``evict_first``: with an L2
+    evict-first cache policy (``.L2::cache_hint``): for data read once, so it does not push
+    reused lines out of L2."""
+    args = [Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())]
+    op = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    if cutlass.const_expr(evict_first):
+        cute.arch.inline_ptx(_EVICT_FIRST_BEGIN + op + ".L2::cache_hint [{$r0}], [{$r1}], {$r2}, [{$r3}], xs_pol; }",
+                             read_only_args=args, loc=loc, ip=ip)
+    else:
+        cute.arch.inline_ptx(op + " [{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=args, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, *, loc=None, ip=None) -> None:
+def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, evict_first: cutlass.Constexpr = False, *, loc=None,
+                  ip=None) -> None:
     """``cp.async.bulk.global.shared::cta.bulk_group``: ``nbytes`` from shared memory at ``smem``
     to global ``address`` (both 16-byte aligned), tracked by the issuing thread's bulk async-groups
     (``cute.arch.cp_async_bulk_commit_group`` / ``cp_async_bulk_wait_group``; ``read=True``
-    waits only until the source may be overwritten)."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
-        read_only_args=[Int64(address), Int32(smem.toint()), Int32(nbytes)], loc=loc, ip=ip)
+    waits only until the source may be overwritten). ``evict_first`` as in :func:`bulk_copy_g2s`."""
+    args = [Int64(address), Int32(smem.toint()), Int32(nbytes)]
+    op = "cp.async.bulk.global.shared::cta.bulk_group"
+    if cutlass.const_expr(evict_first):
+        cute.arch.inline_ptx(_EVICT_FIRST_BEGIN + op + ".L2::cache_hint [{$r0}], [{$r1}], {$r2}, xs_pol; }",
+                             read_only_args=args, loc=loc, ip=ip)
+    else:
+        cute.arch.inline_ptx(op + " [{$r0}], [{$r1}], {$r2};", read_only_args=args, loc=loc, ip=ip)
 
 
 @dsl_user_op
