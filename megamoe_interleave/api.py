@@ -88,6 +88,24 @@ def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_
     return block_m, block_n, stages
 
 
+def default_dispatch_copy(hidden: int, intermediate: int, schedule, kernel_options: dict) -> str:
+    """``dispatch_copy=None``: "bulk" wherever the kernel takes it (tma_ws* with one dispatch
+    warp and room for the two bounce buffers next to the ring: the 3-stage 128 x 256 tiles of
+    loopback P = 8, not P = 1's 4 stages), else "lsu". Measured on the H200 (DeepSeek-V4-Flash,
+    P = 8, 8192 tokens/rank, results/h200/megamoe/bulk): the bulk copies take the Dispatch off
+    the SM's load/store pipe, which the WGMMAs share; paired against the grouped GEMMs
+    interleaved 1.044-1.061x -> 1.014-1.031x (with the evict-first policy)."""
+    from .kernel_sm90 import MegaMoESm90
+
+    if kernel_options["mma"] not in WS_KINDS or kernel_options.get("dispatch_warps") not in (None, 1):
+        return "lsu"
+    try:
+        MegaMoESm90(hidden, intermediate, schedule, **dict(kernel_options, dispatch_copy="bulk"))
+    except ValueError:  # no room for the bounce buffers
+        return "lsu"
+    return "bulk"
+
+
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
     """Inverse of the w1 part of :func:`transform_weights`."""
     E, two_i, H = w1_il.shape
@@ -146,9 +164,10 @@ class MegaMoE:
     ("tanh": sigmoid through one tanh.approx, the default; "exp2": quack's ex2 + rcp),
     ``balance_l2`` (interleaved: pair the CTA pairs' L1 and L2 tile shares so the pairs' work
     evens out, scheduler.balanced_l2_start; default on), ``dispatch_copy`` (tma_ws* with one
-    dispatch warp: "lsu", its lanes' 16-byte loads / stores, the default; "bulk", one lane's
-    bulk copies through two shared-memory bounce buffers), ``dispatch_evict_first`` (bulk Dispatch:
-    its loads and stores carry an L2 evict-first policy).
+    dispatch warp: "lsu", its lanes' 16-byte loads / stores; "bulk", one lane's bulk copies
+    through two shared-memory bounce buffers; None = :func:`default_dispatch_copy`),
+    ``dispatch_evict_first`` (bulk Dispatch: its loads and stores carry an L2 evict-first
+    policy; None = on with "bulk").
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -171,7 +190,8 @@ class MegaMoE:
                  timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
-                 balance_l2: bool = True, dispatch_copy: str = "lsu", dispatch_evict_first: bool = False):
+                 balance_l2: bool = True, dispatch_copy: Optional[str] = None,
+                 dispatch_evict_first: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -210,8 +230,13 @@ class MegaMoE:
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu, dispatch_copy=dispatch_copy,
-                                    dispatch_evict_first=dispatch_evict_first)
+                                    l2_handoffs=l2_handoffs, silu=silu)
+        if dispatch_copy is None:
+            dispatch_copy = (default_dispatch_copy(hidden, intermediate, self.schedule, self._kernel_options)
+                             if backend == "fused" else "lsu")
+        if dispatch_evict_first is None:
+            dispatch_evict_first = dispatch_copy == "bulk"
+        self._kernel_options.update(dispatch_copy=dispatch_copy, dispatch_evict_first=dispatch_evict_first)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

@@ -174,9 +174,12 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
+            refs = unfused_pipeline(xs, idx, wts, w1_t, w2_t)
             for axes, sched in fused_cases:
-                fns[f"fused[{sched},{axes['mma']}{variant_tag(axes)}]"] = fused_kernel_timed(
-                    moe_kwargs(sched, axes), w1, w2, xs, idx, wts, P, args.world)
+                name = f"fused[{sched},{axes['mma']}{variant_tag(axes)}]"
+                fns[name] = fused_kernel_timed(moe_kwargs(sched, axes), w1, w2, xs, idx, wts, P, args.world,
+                                               refs=refs, name=name)
+            del refs
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
@@ -225,11 +228,28 @@ def event_timed(fn):
     return timed
 
 
-def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world):
-    """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``)."""
-    moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=False, **kwargs)
+def check_against(ys, refs, name):
+    """Every element of the fused output ``ys`` finite and within 2 % of the output's range of
+    ``refs`` (the unfused torch pipeline, bf16): a bench number only counts for a kernel that
+    computes the right thing at the benched shape."""
+    for rank, (y, ref) in enumerate(zip(ys, refs)):
+        if not torch.isfinite(y).all():
+            raise RuntimeError(f"{name}: rank {rank} output has non-finite values")
+        err = (y.float() - ref.float()).abs().max().item()
+        scale = ref.float().abs().max().item()
+        if err > 0.02 * scale + 1e-3:
+            raise RuntimeError(f"{name}: rank {rank} max |fused - unfused| = {err:.4g} (output range {scale:.4g})")
+
+
+def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="fused"):
+    """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``);
+    the first call's output is checked against ``refs`` when given."""
+    moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=True, **kwargs)
     moe.load_weights(w1, w2)
-    moe.forward(xs, idx, wts)  # compile + warm-up
+    ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
+    if refs is not None:
+        check_against(ys, refs, name)
+    moe.poison_combine = False
 
     def timed():
         moe.forward(xs, idx, wts)

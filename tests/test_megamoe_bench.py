@@ -134,3 +134,23 @@ def test_trace_timeline_buckets_mainloop_cycles():
             w.writeheader()
             w.writerows(rows[:3])
         assert tl.timeline(tl.read_trace(path), 250) == {1: out[1], 2: out[2]}
+
+
+def test_check_against_flags_wrong_outputs():
+    """The bench checks each fused variant's first output against the unfused pipeline: within
+    2 % of the output range passes; a NaN (an unwritten, poisoned Combine slot) or a larger
+    error anywhere raises, naming the rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    refs = [torch.randn(64, 32, generator=g).bfloat16() for _ in range(2)]
+    close = [r.float() * (1 + 0.005 * torch.randn(r.shape, generator=g)) for r in refs]
+    bench.check_against([c.bfloat16() for c in close], refs, "v")
+    nan = [r.clone() for r in refs]
+    nan[1][7, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="rank 1 output has non-finite"):
+        bench.check_against(nan, refs, "v")
+    off = [r.clone() for r in refs]
+    off[0][63, 31] += 0.5 * refs[0].float().abs().max().item()
+    with pytest.raises(RuntimeError, match="rank 0 max"):
+        bench.check_against(off, refs, "v")

@@ -498,6 +498,26 @@ def test_bulk_dispatch_validation():
     assert (op.bulk_pieces, op.bulk_piece_bytes) == (2, 7168)
 
 
+def test_default_dispatch_copy():
+    """dispatch_copy=None: bulk copies (with the evict-first policy) where the kernel takes them
+    -- the 3-stage 128 x 256 tiles of loopback P = 8 at DeepSeek-V4-Flash -- and the LSU copy
+    where the bounce buffers do not fit (P = 1's 4 stages), without one dispatch warp, or
+    outside the warp-specialized kinds."""
+    from megamoe_interleave.api import default_dispatch_copy, default_tiles
+
+    H, I, E, k = 4096, 2048, 256, 6
+
+    def resolved(P, mma="tma_ws_mcast_b", **kw):
+        bm, bn, stages = default_tiles(mma, H, I, rows_per_expert=P * 8192 * k / E)
+        options = dict(block_m=bm, block_n=bn, mma=mma, stages=stages, **kw)
+        return default_dispatch_copy(H, I, SCHEDULES[1], options)
+
+    assert resolved(8) == "bulk"
+    assert resolved(1) == "lsu"
+    assert resolved(8, dispatch_warps=2) == "lsu"
+    assert resolved(8, mma="wgmma") == "lsu"
+
+
 def test_setmaxnreg_fits_the_launch_register_pool():
     """setmaxnreg only moves registers within the launch's pool (384 threads x 168 = 64512): a
     split asking for more (e.g. 80 / 216 = 65536) makes the consumers' increase fail at run
