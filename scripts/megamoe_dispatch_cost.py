@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What does the Dispatch copy cost the fused kernel in the loopback world? DeepSeek-V4-Flash,
 P ranks (default 8) x 8192 tokens, balanced routing: the fused kernel of both schedules as
-shipped, and the same kernel with the Dispatch copy skipped (a subclass whose ``copy_chunks``
-does nothing; rows are still published), timed side by side against the two grouped GEMMs
+shipped (API defaults: bulk Dispatch copies at P = 8), and the same kernel with the Dispatch
+copy skipped (a subclass whose ``copy_chunks`` does nothing; rows are still published), timed side by side against the two grouped GEMMs
 (clock-matched paired trials, bench_megamoe.paired_trials). The no-copy objects first get the
 real kernel's dispatched pool, so they compute the same y from the same data -- checked
 bitwise -- without the Dispatch traffic. (Without that refill their pool holds stale memory,
@@ -29,7 +29,8 @@ from xstage import provenance  # noqa: E402
 
 
 class NoDispatchCopy(kernel_sm90.MegaMoESm90):
-    """The fused kernel with the Dispatch row copy skipped (rows are still published)."""
+    """The fused kernel with the Dispatch row copy skipped (rows are still published). Built
+    with ``dispatch_copy="lsu"``, whose per-row copy is ``copy_chunks``."""
 
     def copy_chunks(self, *args, **kwargs):
         return None
@@ -69,7 +70,8 @@ def main():
         shipped = kernel_sm90.MegaMoESm90
         kernel_sm90.MegaMoESm90 = NoDispatchCopy  # compile_megamoe_sm90 builds this class
         try:  # a timeout 1 ns longer: its own entry in the API's compile cache
-            moe, _, timed = timed_object(bench.fused_kwargs(shape, P, T, sched, timeout_ns=2_000_000_001),
+            moe, _, timed = timed_object(bench.fused_kwargs(shape, P, T, sched, timeout_ns=2_000_000_001,
+                                                            dispatch_copy="lsu", dispatch_evict_first=False),
                                          w1, w2, xs, idx, wts, P)
         finally:
             kernel_sm90.MegaMoESm90 = shipped
@@ -81,6 +83,7 @@ def main():
         fns[f"fused[{sched},no-dispatch-copy]"] = timed
     samples, clocks = bench.paired_trials(fns, args.trials, args.cooldown_s)
     row = dict(shape=shape.name, P=P, tokens_per_rank=T, bitwise_equal=bitwise,
+               shipped_options={sched: real[sched][0]._kernel_options for sched in real},
                **bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0))
     bench.print_paired(row)
     os.makedirs(args.out, exist_ok=True)
