@@ -252,7 +252,7 @@ def analyse_row(row: dict, samples: dict, clocks: dict, tol_mhz: float, min_matc
 def load_platform(name):
     from xstage import profiles
 
-    candidates = [name] if name else ["h200-nvlink", "h200-pcie-host", "paper-b200-nvlink"]
+    candidates = [name] if name else ["h200-nvlink-peer", "h200-pcie-host", "paper-b200-nvlink"]
     for c in candidates:
         try:
             return profiles.load(c)

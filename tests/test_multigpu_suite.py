@@ -630,3 +630,11 @@ def test_correctness_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
     lines = (out / "ranks" / "correctness-rank0.jsonl").read_text().splitlines()
     assert len(lines) == len(d["results"])
     assert "| megamoe | 8 | 8 | 0 |" in report.report_correctness(d)
+
+
+def test_topology_block_strips_ansi_escapes():
+    """nvidia-smi topo -m underlines its header with ANSI escapes (seen on the 2 x H200 host);
+    the report's code block carries the table without them."""
+    raw = "\x1b[4mGPU0\tGPU1\tCPU Affinity\x1b[0m\nGPU0\t X \tNV18\n"
+    block = "\n".join(report._topology_block({"topology": raw}))
+    assert "\x1b" not in block and "GPU0\tGPU1\tCPU Affinity" in block and "NV18" in block

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def _world_line(d: dict) -> str:
 
 
 def _topology_block(d: dict) -> list:
-    topo = (d.get("topology") or "").rstrip()
+    # nvidia-smi underlines the header with ANSI escapes; markdown shows them as text
+    topo = re.sub(r"\x1b\[[0-9;]*m", "", d.get("topology") or "").rstrip()
     return ["", "NVLink topology (`nvidia-smi topo -m`):", "", "```", topo or "<not recorded>", "```"]
 
 
