@@ -176,6 +176,16 @@ def store_v4_to_peer(
 _EVICT_FIRST_BEGIN = "{ .reg .b64 xs_pol; createpolicy.fractional.L2::evict_first.b64 xs_pol, 1.0; "
 
 
+def _bulk_copy(op: str, operands: str, args, evict_first, loc, ip) -> None:
+    """``op operands;``, or with ``evict_first`` ``op.L2::cache_hint operands, policy;`` in a
+    block that creates the evict-first policy."""
+    if evict_first:
+        code = _EVICT_FIRST_BEGIN + op + ".L2::cache_hint " + operands + ", xs_pol; }"
+    else:
+        code = op + " " + operands + ";"
+    cute.arch.inline_ptx(code, read_only_args=args, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, evict_first: cutlass.Constexpr = False,
                   *, loc=None, ip=None) -> None:
@@ -187,13 +197,8 @@ def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, evict
     vector loads: no LSU / register traffic on the issuing SM. ``evict_first``: with an L2
     evict-first cache policy (``.L2::cache_hint``): for data read once, so it does not push
     reused lines out of L2."""
-    args = [Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())]
-    op = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-    if cutlass.const_expr(evict_first):
-        cute.arch.inline_ptx(_EVICT_FIRST_BEGIN + op + ".L2::cache_hint [{$r0}], [{$r1}], {$r2}, [{$r3}], xs_pol; }",
-                             read_only_args=args, loc=loc, ip=ip)
-    else:
-        cute.arch.inline_ptx(op + " [{$r0}], [{$r1}], {$r2}, [{$r3}];", read_only_args=args, loc=loc, ip=ip)
+    _bulk_copy("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "[{$r0}], [{$r1}], {$r2}, [{$r3}]",
+               [Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())], evict_first, loc, ip)
 
 
 @dsl_user_op
@@ -203,13 +208,8 @@ def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, evict_first: cutlass.Cons
     to global ``address`` (both 16-byte aligned), tracked by the issuing thread's bulk async-groups
     (``cute.arch.cp_async_bulk_commit_group`` / ``cp_async_bulk_wait_group``; ``read=True``
     waits only until the source may be overwritten). ``evict_first`` as in :func:`bulk_copy_g2s`."""
-    args = [Int64(address), Int32(smem.toint()), Int32(nbytes)]
-    op = "cp.async.bulk.global.shared::cta.bulk_group"
-    if cutlass.const_expr(evict_first):
-        cute.arch.inline_ptx(_EVICT_FIRST_BEGIN + op + ".L2::cache_hint [{$r0}], [{$r1}], {$r2}, xs_pol; }",
-                             read_only_args=args, loc=loc, ip=ip)
-    else:
-        cute.arch.inline_ptx(op + " [{$r0}], [{$r1}], {$r2};", read_only_args=args, loc=loc, ip=ip)
+    _bulk_copy("cp.async.bulk.global.shared::cta.bulk_group", "[{$r0}], [{$r1}], {$r2}",
+               [Int64(address), Int32(smem.toint()), Int32(nbytes)], evict_first, loc, ip)
 
 
 @dsl_user_op
