@@ -94,7 +94,7 @@ def default_dispatch_copy(hidden: int, intermediate: int, schedule, kernel_optio
     loopback P = 8, not P = 1's 4 stages), else "lsu". Measured on the H200 (DeepSeek-V4-Flash,
     P = 8, 8192 tokens/rank, results/h200/megamoe/bulk): the bulk copies take the Dispatch off
     the SM's load/store pipe, which the WGMMAs share; paired against the grouped GEMMs
-    interleaved 1.044-1.061x -> 1.014-1.031x (with the evict-first policy)."""
+    interleaved 1.044-1.061x -> 1.017-1.031x, 1.014x with the evict-first policy."""
     from .kernel_sm90 import MegaMoESm90
 
     if kernel_options["mma"] not in WS_KINDS or kernel_options.get("dispatch_warps") not in (None, 1):

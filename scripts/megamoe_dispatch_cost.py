@@ -2,8 +2,9 @@
 """What does the Dispatch copy cost the fused kernel in the loopback world? DeepSeek-V4-Flash,
 P ranks (default 8) x 8192 tokens, balanced routing: the fused kernel of both schedules as
 shipped (API defaults: bulk Dispatch copies at P = 8), and the same kernel with the Dispatch
-copy skipped (a subclass whose ``copy_chunks`` does nothing; rows are still published), timed side by side against the two grouped GEMMs
-(clock-matched paired trials, bench_megamoe.paired_trials). The no-copy objects first get the
+copy skipped (a subclass whose ``copy_chunks`` does nothing; rows are still published), timed
+side by side against the two grouped GEMMs (clock-matched paired trials,
+bench_megamoe.paired_trials). The no-copy objects first get the
 real kernel's dispatched pool, so they compute the same y from the same data -- checked
 bitwise -- without the Dispatch traffic. (Without that refill their pool holds stale memory,
 and the tensor cores, multiplying mostly zeros, run at higher clocks under the power limit:

@@ -257,10 +257,10 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 def test_bulk_dispatch_bitwise_equal(mma, hidden):
     """dispatch_copy="bulk" (with and without the L2 evict-first policy) changes no bit of y
-    against the LSU copy, in both schedules, with
-    masked picks and partial blocks; 8 SMs, so the prologue covers few rows and the dispatch
-    warp's bulk copies move nearly all of them; repeated calls check that the bounce buffers'
-    mbarrier phases and bulk groups start afresh each call."""
+    against the LSU copy, in both schedules, with masked picks and partial blocks; 8 SMs, so
+    the prologue covers few rows and the dispatch warp's bulk copies move nearly all of them;
+    repeated calls check that the bounce buffers' mbarrier phases and bulk groups start afresh
+    each call."""
     from megamoe_interleave.reference import reference_moe_fp32
 
     P, k, inter = 2, 6, 128
