@@ -499,10 +499,10 @@ def test_bulk_dispatch_validation():
 
 
 def test_default_dispatch_copy():
-    """dispatch_copy=None: bulk copies (with the evict-first policy) where the kernel takes them
-    -- the 3-stage 128 x 256 tiles of loopback P = 8 at DeepSeek-V4-Flash -- and the LSU copy
-    where the bounce buffers do not fit (P = 1's 4 stages), without one dispatch warp, or
-    outside the warp-specialized kinds."""
+    """dispatch_copy=None: bulk copies where the kernel takes them -- the 3-stage 128 x 256
+    tiles of loopback P = 8 at DeepSeek-V4-Flash -- and the LSU copy where the bounce buffers
+    do not fit (P = 1's 4 stages), without one dispatch warp, or outside the warp-specialized
+    kinds."""
     from megamoe_interleave.api import default_dispatch_copy, default_tiles
 
     H, I, E, k = 4096, 2048, 256, 6
