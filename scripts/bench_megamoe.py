@@ -66,19 +66,21 @@ def make_problem(shape, kind, P, tokens, strength=1.0):
     return w1, w2, xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
 
 
-def grouped_gemms(shape, P, w1, w2, idx, wts):
+def grouped_gemms(shape, P, w1, w2, idx, wts, ranks=None):
     """The two grouped GEMMs alone, per destination rank on pre-permuted (random) inputs: returns
-    (the global-weight views each rank's GEMMs use as (w1_t, w2_t), a callable running all ranks)."""
+    (the global-weight views each rank's GEMMs use as (w1_t, w2_t), a callable running the GEMMs
+    of ``ranks``, default all)."""
     E, H, I = shape.num_experts, shape.hidden, shape.intermediate
     el = E // P
     w1_t = [w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
     w2_t = [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
-    perms = [permute_for_rank(idx, wts, d, el) for d in range(P)]
-    a1 = [torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16() for p in perms]
-    a2 = [torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16() for p in perms]
+    ranks = range(P) if ranks is None else ranks
+    perms = {d: permute_for_rank(idx, wts, d, el) for d in ranks}
+    a1 = {d: torch.randn(p.src_rank.numel(), H, device="cuda").bfloat16() for d, p in perms.items()}
+    a2 = {d: torch.randn(p.src_rank.numel(), I, device="cuda").bfloat16() for d, p in perms.items()}
 
     def run():
-        for d, p in enumerate(perms):
+        for d, p in perms.items():
             grouped_mm(a1[d], w1_t[d], p.counts)
             grouped_mm(a2[d], w2_t[d], p.counts)
     return (w1_t, w2_t), run
