@@ -218,6 +218,61 @@ def test_deadlock_possible_with_lead_zero_shows_invariant_matters():
     assert not _simulate_deadlock_free(bad, 2 * grid.pairs_l1)
 
 
+def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace):
+    """The dependency simulation with Dispatch threads, one per CTA, that copy rows 0, 1, ... in
+    order (a row is dispatched once every thread is past it; an L1 tile needs its row
+    dispatched) and are paced by the tiles: a thread copies row r only if r < ``window`` or
+    row r - window's L1 tiles have ``pace`` = "started" (at least one) or "done" (all). This is
+    the windowed Dispatch proposed in docs/status.md, which keeps the pool rows in L2 until
+    read. Returns True if every CTA and every Dispatch thread finishes."""
+    heads = [0] * len(seqs)
+    disp = [0] * len(seqs)
+    started, done = Counter(), Counter()
+    while True:
+        progressed = False
+        for c, seq in enumerate(seqs):
+            if heads[c] < len(seq):
+                t = seq[heads[c]]
+                ready = min(disp) > t.row if t.phase == PHASE_L1 else done[t.row] == num_l1_per_row
+                if ready:
+                    if t.phase == PHASE_L1:
+                        started[t.row] += 1
+                        done[t.row] += 1
+                    heads[c] += 1
+                    progressed = True
+            r = disp[c]
+            if r < num_rows:
+                q = r - window
+                if q < 0 or (started[q] >= 1 if pace == "started" else done[q] == num_l1_per_row):
+                    disp[c] += 1
+                    progressed = True
+        if all(h == len(s) for h, s in zip(heads, seqs)) and min(disp) == num_rows:
+            return True
+        if not progressed:
+            return False
+
+
+@settings(max_examples=100, deadline=None)
+@given(grids, schedules, cta_counts, st.integers(1, 4), st.sampled_from(["started", "done"]))
+def test_windowed_dispatch_cannot_deadlock(grid, schedule, num_ctas, window, pace):
+    """A Dispatch that waits for the tiles keeps the schedules deadlock-free as long as it waits
+    only on rows it has already dispatched (window >= 1). Take the lowest row at which any
+    Dispatch thread waits: every thread is past row r - W, so that row's L1 tiles have their
+    input, and the tiles before them in their CTAs depend on lower rows only (invariant I, the
+    lead)."""
+    seqs = _enumerate_all(schedule, grid, num_ctas)
+    assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, window, pace)
+
+
+def test_windowed_dispatch_waiting_on_its_own_row_deadlocks():
+    """The simulation can fail: with window 0 a Dispatch thread waits for the tiles of the row
+    it is about to copy."""
+    grid = make_row_grid([300, 200], block_m=64, n_blocks_l1=4, n_blocks_l2=4)
+    seqs = _enumerate_all(Schedule("interleaved", lead=2), grid, 4)
+    assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, 1, "done")
+    assert not _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, 0, "started")
+
+
 @pytest.mark.parametrize("p1,p2", [(8, 16), (4, 4), (16, 8), (6, 14)])
 @pytest.mark.parametrize("lead", [1, 3, 8])
 def test_interleaved_long_run_ratio_fixed_by_tile_shapes(p1, p2, lead):
