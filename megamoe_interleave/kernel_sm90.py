@@ -49,12 +49,13 @@ STATUS -- a *functional subset*, honestly labelled:
   launch's 168 ptxas serialized the WGMMAs of some builds). The L1 epilogue's SwiGLU takes one
   tanh.approx per output (``silu="tanh"``). A schedule step costs one 16-byte
   row-record load (:class:`DeviceRowRecords`), which the consumers issue one tile ahead; the
-  staging stores are ``stmatrix.x4``.
+  staging stores are ``stmatrix.x4``. The dispatch warp moves rows with bulk copies where
+  their bounce buffers fit (``dispatch_copy``, api.default_dispatch_copy).
   Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, clock-matched paired trials,
-  results/h200/megamoe/final2): at P = 1 (4 stages) 0.96x the time of the two torch grouped
-  GEMMs alone (faster in every trial; 0.95-0.96x with the tanh SwiGLU, tanh_balance), 2.2x
-  faster than the unfused pipeline; at loopback P = 8 (3 stages) 1.04-1.06x their time
-  (slower), 2.8x faster than unfused.
+  results/h200/megamoe/final4): at P = 1 (4 stages) 0.95-0.96x the time of the two torch
+  grouped GEMMs alone (faster in every trial), 2.3x faster than the unfused pipeline; at
+  loopback P = 8 (3 stages, bulk Dispatch) 1.02-1.04x their time (slower), 3.0-3.2x faster
+  than unfused.
 * NOT done yet: the dispatch *index* computation (counting / prefix sums of the routed tokens)
   runs on the host (:func:`megamoe_interleave.reference.permute_ranks`); the final top-k
   reduction runs after all ranks (torch), as the loopback world requires anyway.
@@ -384,8 +385,8 @@ class MegaMoESm90:
         mW2: cute.Tensor,  # (E_l, H, I) bf16
         mRowRecord: cute.Tensor,  # (max(P_rows,1), 4) int32, 16-byte aligned: RowGrid.row_record
         mScheduleTable: cute.Tensor,  # int32 scheduler.schedule_table: wave_row_start / l2_start
-        mCounters: cute.Tensor,  # (>= 2 + P_rows,) int32
-        mTrace: cute.Tensor,  # (num_ctas, max_tiles, 6) int64 when trace, else any (unused)
+        mCounters: cute.Tensor,  # (>= 2 + 2 * P_rows,) int32: see the counter layout above
+        mTrace: cute.Tensor,  # (num_ctas, max_tiles, len(TRACE_FIELDS)) int64 when trace, else any (unused)
         num_rows: Int32,
         num_pool: Int32,
         max_tokens: Int32,
