@@ -106,6 +106,12 @@ def default_dispatch_copy(hidden: int, intermediate: int, schedule, kernel_optio
     return "bulk"
 
 
+def default_dispatch_window(dispatch_copy: str) -> int:
+    """``dispatch_window=None``: 0 (the Dispatch copies as fast as it can) until a window is
+    measured faster (scripts/bench_megamoe.py --dispatch-window)."""
+    return 0
+
+
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
     """Inverse of the w1 part of :func:`transform_weights`."""
     E, two_i, H = w1_il.shape
@@ -167,7 +173,10 @@ class MegaMoE:
     dispatch warp: "lsu", its lanes' 16-byte loads / stores; "bulk", one lane's bulk copies
     through two shared-memory bounce buffers; None = :func:`default_dispatch_copy`),
     ``dispatch_evict_first`` (bulk Dispatch: its loads and stores carry an L2 evict-first
-    policy; None = on with "bulk").
+    policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
+    row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
+    ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
+    once their L1 tiles are done; None = on with a window).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -191,7 +200,8 @@ class MegaMoE:
                  trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
-                 dispatch_evict_first: Optional[bool] = None):
+                 dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
+                 dispatch_keep: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -236,7 +246,12 @@ class MegaMoE:
                              if backend == "fused" else "lsu")
         if dispatch_evict_first is None:
             dispatch_evict_first = dispatch_copy == "bulk"
-        self._kernel_options.update(dispatch_copy=dispatch_copy, dispatch_evict_first=dispatch_evict_first)
+        if dispatch_window is None:
+            dispatch_window = default_dispatch_window(dispatch_copy)
+        if dispatch_keep is None:
+            dispatch_keep = dispatch_window > 0
+        self._kernel_options.update(dispatch_copy=dispatch_copy, dispatch_evict_first=dispatch_evict_first,
+                                    dispatch_window=dispatch_window, dispatch_keep=dispatch_keep)
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

@@ -105,6 +105,7 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 DISPATCH_COPIES = ("lsu", "bulk")  # how the dispatch warp copies rows (see dispatch_rows_bulk)
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
+DISPATCH_POLL_NS = 256  # windowed Dispatch: sleep between polls of a row counter (counted bound, no timer)
 # tma_ws with two consumer warpgroups (384 threads): the launch gives every thread 168 registers
 # (64512 / 384). At that cap ptxas serialized the consumers' WGMMAs in some builds (C7511
 # "insufficient register resources for the wgmma pipeline": a wait after every WGMMA, ~25 %
@@ -256,7 +257,8 @@ class MegaMoESm90:
                  block_n: int = 64, num_threads: int | None = None, timeout_ns: int = 2_000_000_000,
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
-                 dispatch_copy: str = "lsu", dispatch_evict_first: bool = False):
+                 dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -310,6 +312,21 @@ class MegaMoESm90:
         if dispatch_evict_first and dispatch_copy != "bulk":
             raise ValueError("dispatch_evict_first applies to dispatch_copy='bulk' only")
         self.dispatch_evict_first = bool(dispatch_evict_first)
+        # Windowed Dispatch (bulk): row r is copied only once row r - W has a finished L1 tile,
+        # so the copy runs a few rows ahead of the L1 stream instead of finishing early (rows
+        # written long before their tiles read them have left L2: a DRAM write-back plus a
+        # DRAM read each). Deadlock-free for W >= 1 (dispatch_rows_bulk).
+        if dispatch_window < 0 or (dispatch_window and dispatch_copy != "bulk"):
+            raise ValueError(f"dispatch_window must be 0, or >= 1 with dispatch_copy='bulk', got {dispatch_window!r}")
+        self.dispatch_window = int(dispatch_window)
+        # dispatch_keep: the pool stores are evict-last, so the L1 tiles read the rows from L2,
+        # and once a row's L1 tiles are all done its pool lines are discarded from L2 (dead
+        # scratch: no DRAM write-back, and the pinned lines stay bounded by the window).
+        if dispatch_keep and not self.dispatch_window:
+            raise ValueError("dispatch_keep needs dispatch_window >= 1 (it bounds the evict-last pool lines)")
+        self.dispatch_keep = bool(dispatch_keep)
+        self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
+        self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
@@ -337,6 +354,9 @@ class MegaMoESm90:
         self.schedule = schedule
         self.block_m, self.block_n, self.num_threads = block_m, block_n, num_threads
         self.timeout_ns = timeout_ns
+        # the dispatch thread's row-counter waits: bounded by a count of polls (no timer, see
+        # xdev.spin_wait_ge_tries), about timeout_ns in all
+        self.dispatch_polls = max(1, timeout_ns // DISPATCH_POLL_NS)
         # tma_ws ring waits: a consumer's wait for an L2 tile's first stage legitimately spans the
         # producer's row-counter spin (bounded by timeout_ns), so the ring bound is longer; a
         # timed-out spin is then reported alone rather than together with a ring timeout.
@@ -661,7 +681,16 @@ class MegaMoESm90:
         ``x_ready[row]``). Waits for nothing but its own copies (bounded: a load not landed after
         BULK_WAIT_TRIES try_waits sets ERR_RING_TIMEOUT and the thread stops copying; the L1
         producers' bounded waits for the rows then time out too), so the deadlock argument of
-        :meth:`dispatch_rows` holds."""
+        :meth:`dispatch_rows` holds.
+
+        ``dispatch_window`` W >= 1: before copying row r >= W the thread waits (bounded) until row
+        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). The deadlock argument extends
+        (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock): take the
+        lowest row r at which some dispatch thread waits; every dispatch thread is past r - W,
+        so row r - W is dispatched, and the tiles ahead of its L1 tiles in their CTAs' sequences
+        depend on rows below it only, which are dispatched too. ``dispatch_keep``: before each
+        row, and for the rows still live after the last one, this CTA's share of the pool lines
+        of each row whose L1 tiles are all done is discarded from L2 (:meth:`discard_dead_rows`)."""
         piece = self.bulk_piece_bytes
         row_bytes = 2 * self.hidden
         ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
@@ -672,8 +701,16 @@ class MegaMoESm90:
         cute.arch.mbarrier_init_fence()
         ok = Boolean(True)
         j = Int32(0)  # pieces issued so far: buffer j % 2, its mbarrier phase (j // 2) % 2
+        l1_done = mCounters.iterator + COUNTER_L2_FULL  # l2_full[row]: finished L1 tiles of the row
+        dead = Int32(0)  # dispatch_keep: rows [0, dead) have had this CTA's pool lines discarded
         row = row_begin
         while row < row_end and ok:
+            if const_expr(self.dispatch_window > 0):
+                if row >= self.dispatch_window:
+                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.dispatch_window), Int32(1),
+                                                 self.dispatch_polls, DISPATCH_POLL_NS, err, ERR_DEPENDENCY_TIMEOUT)
+                if const_expr(self.dispatch_keep):
+                    dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
             p0, n = self.pool_rows_of(grid, row)
             i = p0 + (cta * n) // nctas
             while i < p0 + ((cta + 1) * n) // nctas and ok:
@@ -684,14 +721,13 @@ class MegaMoESm90:
                     buf = bulk_buf + b * piece
                     cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
                     cute.arch.mbarrier_arrive_and_expect_tx(bulk_mbar + b, piece)
-                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b,
-                                       evict_first=self.dispatch_evict_first)
+                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b, self.bulk_load_policy)
                     # bounded by a count of try_waits: the %globaltimer loop of
                     # xdev.mbarrier_wait_bounded here made ptxas serialize the consumers' WGMMAs
                     # of the interleaved build
                     ok = ok & xdev.mbarrier_wait_tries(bulk_mbar + b, (j // 2) % 2, BULK_WAIT_TRIES, err,
                                                        ERR_RING_TIMEOUT)
-                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece, evict_first=self.dispatch_evict_first)
+                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece, self.bulk_store_policy)
                     cute.arch.cp_async_bulk_commit_group()
                     j = j + 1
                 i = i + 1
@@ -701,6 +737,41 @@ class MegaMoESm90:
             xdev.red_add_release(ready + row, Int32(1), "gpu")
             row = row + 1
         cute.arch.cp_async_bulk_wait_group(0)
+        if const_expr(self.dispatch_keep):
+            # the rows still live: poll (bounded) until all are discarded
+            polls = Int32(0)
+            while ok and dead < grid.num_rows:
+                dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, grid.num_rows, cta, nctas)
+                xdev.nanosleep(Int32(DISPATCH_POLL_NS))
+                polls = polls + 1
+                if polls > self.dispatch_polls:
+                    xdev.atomic_or_relaxed(err, Int32(ERR_DEPENDENCY_TIMEOUT), "gpu")
+                    ok = Boolean(False)
+
+    @cute.jit
+    def discard_dead_rows(self, grid, mPoolX, mCounters, dead: Int32, row_end: Int32, cta: Int32, nctas: Int32,
+                          ) -> Int32:
+        """``dispatch_keep``: rows from ``dead`` on, up to ``row_end`` and up to the first row whose
+        L1 tiles are not all done (acquire of ``l2_full[row]``; no waiting): discard this CTA's
+        1/nctas share of the row's pool lines (128 B each) from L2. The L1 tiles were the pool
+        rows' only readers, so the lines are dead: no DRAM write-back, and they stop pinning L2
+        (the stores were evict-last). Returns the new ``dead``. (A variant that spun on each
+        row here made ptxas serialize the consumers' WGMMAs; callers poll instead.)"""
+        l1_done = mCounters.iterator + COUNTER_L2_FULL
+        full = Int32(2 * self.pairs_l1)
+        line_base = Int64(mPoolX.iterator.toint()) // 128
+        lines_per_pool_row = (2 * self.hidden) // 128
+        going = Boolean(True)
+        while dead < row_end and going:
+            going = xdev.load_acquire(l1_done + dead, "gpu") >= full
+            if going:
+                p0, n = self.pool_rows_of(grid, dead)
+                lines = n * lines_per_pool_row
+                line0 = line_base + Int64(p0 * lines_per_pool_row)
+                for k in cutlass.range((cta * lines) // nctas, ((cta + 1) * lines) // nctas, unroll=1):
+                    xdev.discard_l2((line0 + Int64(k)) * 128)
+                dead = dead + 1
+        return dead
 
     @cute.jit
     def l1_tile(self, tile, mPoolX, mPoolWeight, mH, mW1, mCounters, tidx: Int32,
@@ -1495,6 +1566,8 @@ def check_launch_arguments(hidden: int, intermediate: int, tensors) -> None:
             raise ValueError(f"{name} must be contiguous")
         if name == "mRowRecord" and t.data_ptr() % 16:
             raise ValueError("mRowRecord must be 16-byte aligned (one vector load per record)")
+        if name == "mPoolX" and t.is_cuda and t.data_ptr() % 128:
+            raise ValueError("mPoolX must be 128-byte aligned (TMA tiles; dispatch_keep discards its 128-B L2 lines)")
 
 
 def compile_megamoe_sm90(hidden: int, intermediate: int, schedule: Schedule, *, options: str = "", **kw):

@@ -193,10 +193,10 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
-                ("dispatch_evict_first", "ef"))
+                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 
 
@@ -449,6 +449,12 @@ def main():
                     help="fused variants side by side: the dispatch warp's copy (vector loads / stores or bulk copies)")
     ap.add_argument("--dispatch-evict-first", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="bulk Dispatch: L2 evict-first policy on its copies, off / on side by side")
+    ap.add_argument("--dispatch-window", nargs="+", type=int, default=[None],
+                    help="bulk Dispatch: copy row r once row r - W has a finished L1 tile (0 = unpaced), side by "
+                         "side (default: api.default_dispatch_window)")
+    ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
+                    help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
+                         "off / on side by side (default: on with a window)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

@@ -4,9 +4,10 @@ P ranks (default 8) x 8192 tokens, balanced routing: the fused kernel of both sc
 shipped (API defaults: bulk Dispatch copies at P = 8), and the same kernel with the Dispatch
 copy skipped (a subclass whose ``copy_chunks`` does nothing; rows are still published), timed
 side by side against the two grouped GEMMs (clock-matched paired trials,
-bench_megamoe.paired_trials). The no-copy objects first get the
-real kernel's dispatched pool, so they compute the same y from the same data -- checked
-bitwise -- without the Dispatch traffic. (Without that refill their pool holds stale memory,
+bench_megamoe.paired_trials). The no-copy objects first get their pool filled by torch (each
+pool row gathered from its source rank's x, as the Dispatch copies it: the shipped kernel's
+own pool may be dead after the call, ``dispatch_keep`` discards it from L2), so they compute
+the real kernel's y from the same data -- checked bitwise -- without the Dispatch traffic. (Without that refill their pool holds stale memory,
 and the tensor cores, multiplying mostly zeros, run at higher clocks under the power limit:
 0.86x, an artefact.) Diagnostic only: writes dispatch_cost_P{P}.json to --out.
 
@@ -35,6 +36,15 @@ class NoDispatchCopy(kernel_sm90.MegaMoESm90):
 
     def copy_chunks(self, *args, **kwargs):
         return None
+
+
+def fill_pool(moe, d):
+    """Rank ``d``'s dispatched pool, gathered with torch: pool row i = x[src rank][src token]."""
+    perm, _ = moe.plan_rank(d)
+    n = perm.src_rank.numel()
+    x_all = torch.stack([moe.buffer.x.local(r) for r in range(moe.world.world_size)])
+    pool = moe._scratch[d]["pool_x"][: n * moe.hidden].view(n, moe.hidden)
+    pool.copy_(x_all[perm.src_rank.long(), perm.src_token.long()])
 
 
 def timed_object(kw, w1, w2, xs, idx, wts, P):
@@ -72,12 +82,13 @@ def main():
         kernel_sm90.MegaMoESm90 = NoDispatchCopy  # compile_megamoe_sm90 builds this class
         try:  # a timeout 1 ns longer: its own entry in the API's compile cache
             moe, _, timed = timed_object(bench.fused_kwargs(shape, P, T, sched, timeout_ns=2_000_000_001,
-                                                            dispatch_copy="lsu", dispatch_evict_first=False),
+                                                            dispatch_copy="lsu", dispatch_evict_first=False,
+                                                            dispatch_window=0, dispatch_keep=False),
                                          w1, w2, xs, idx, wts, P)
         finally:
             kernel_sm90.MegaMoESm90 = shipped
         for d in range(P):
-            moe._scratch[d]["pool_x"].copy_(real[sched][0]._scratch[d]["pool_x"])
+            fill_pool(moe, d)
         y = moe.forward(xs, idx, wts)
         bitwise[sched] = all(torch.equal(a, b) for a, b in zip(y, real[sched][1]))
         print(f"{sched}: no-copy kernel on the real pool gives the real y bitwise: {bitwise[sched]}", flush=True)

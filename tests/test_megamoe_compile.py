@@ -397,11 +397,20 @@ def _cuobjdump():
     return path if os.path.exists(path) else None
 
 
+def _dispatch_options(spec: str) -> dict:
+    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep]"."""
+    copy, *flags = spec.split("/")
+    window = next((int(f[1:]) for f in flags if f.startswith("W")), 0)
+    return dict(dispatch_copy=copy, dispatch_evict_first="ef" in flags, dispatch_window=window,
+                dispatch_keep="keep" in flags)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 @pytest.mark.parametrize("mma,block_n,stages,trace,dispatch",
                          [("tma_ws_mcast_b", 256, 3, False, "lsu"), ("tma_ws_mcast_b", 256, 4, False, "lsu"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef"),
+                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
 def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
@@ -423,10 +432,8 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
         pytest.skip("no cuobjdump (CUDA toolkit or triton)")
     d = tmp_path / "cubin"
     d.mkdir()
-    copy, _, evict_first = dispatch.partition("/")  # "copy[/ef]": with dispatch_evict_first
     compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
-                         block_n=block_n, mma=mma, stages=stages, trace=trace, dispatch_copy=copy,
-                         dispatch_evict_first=evict_first == "ef")
+                         block_n=block_n, mma=mma, stages=stages, trace=trace, **_dispatch_options(dispatch))
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -445,28 +452,36 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("evict_first", [False, True])
-def test_bulk_dispatch_ptx(tmp_path, schedule, evict_first):
+@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep"])
+def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     """dispatch_copy="bulk" (the P = 8 tiles: 128 x 256, 3 stages): the dispatch warp moves rows
     with non-tensor bulk copies -- a load completing on an mbarrier, a store in a bulk group,
     the buffer reused after wait_group.read, rows published after wait_group 0 -- and its
     16-byte vector copy is gone (only the prologue's, by all threads, remains). The L2
-    evict-first policy is on both copies exactly when ``dispatch_evict_first``."""
+    evict-first policy is on the loads exactly when ``dispatch_evict_first``, and on the stores
+    unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` discards lines and
+    only a window waits on the L1 tiles' row counters (acquire loads of l2_full)."""
     from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
 
+    opts = _dispatch_options(dispatch)
+    evict_first, keep = opts["dispatch_evict_first"], opts["dispatch_keep"]
     ptx = _compile_ptx(tmp_path, 4096, 2048, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3,
-                       dispatch_copy="bulk", dispatch_evict_first=evict_first)
+                       **opts)
+    policy = r"\{ \.reg \.b64 xs_pol; createpolicy\.fractional\.L2::(evict_\w+)\.b64 xs_pol, 1\.0; "
     hint = r"\.L2::cache_hint \[[^\]]+\], \[[^\]]+\], \d+(, \[[^\]]+\])?, xs_pol;"
     load = r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes"
     store = r"cp\.async\.bulk\.global\.shared::cta\.bulk_group"
     assert re.search(load, ptx) and re.search(store, ptx)
-    assert bool(re.search(load + hint, ptx)) == evict_first
-    assert bool(re.search(store + hint, ptx)) == evict_first
-    assert ("createpolicy.fractional.L2::evict_first" in ptx) == evict_first
+    load_policies = {m.group(1) for m in re.finditer(policy + load + hint, ptx)}
+    store_policies = {m.group(1) for m in re.finditer(policy + store + hint, ptx)}
+    assert load_policies == ({"evict_first"} if evict_first else set())
+    assert store_policies == ({"evict_last"} if keep else {"evict_first"} if evict_first else set())
+    assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == keep
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
-    # the prologue's unrolled copy + the row-record loads; no second unrolled copy
-    assert len(re.findall(r"ld\.global\.v4", ptx)) < 2 * DISPATCH_UNROLL
+    # the prologue's unrolled copy + the row-record loads (keep: two more, discard_dead_rows
+    # inlined twice); no second unrolled copy
+    assert len(re.findall(r"ld\.global\.v4", ptx)) < 2 * DISPATCH_UNROLL + (2 if keep else 0)
     # a row is published only after its stores completed: wait_group 0 -> proxy fence ->
     # release fence -> release increment, in this order with nothing but arithmetic between
     pub = re.search(r"cp\.async\.bulk\.wait_group\s+0;(.*?)red\.release\.gpu\.global\.add", ptx, re.S)
@@ -493,6 +508,14 @@ def test_bulk_dispatch_validation():
         MegaMoESm90(4096, 2048, SCHEDULES[1], stages=4, dispatch_copy="bulk", **kw)
     with pytest.raises(ValueError, match="bulk' only"):
         MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="lsu", dispatch_evict_first=True, **kw)
+    # the windowed Dispatch: bulk only; keep needs a window (it bounds the pinned lines)
+    MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", dispatch_window=6, dispatch_keep=True, **kw)
+    with pytest.raises(ValueError, match="dispatch_window"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="lsu", dispatch_window=6, **kw)
+    with pytest.raises(ValueError, match="dispatch_window"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", dispatch_window=-1, **kw)
+    with pytest.raises(ValueError, match="needs dispatch_window"):
+        MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", dispatch_keep=True, **kw)
     # rows longer than one piece go in equal pieces of <= 8 KB, multiples of 16 bytes
     op = MegaMoESm90(7168, 3072, SCHEDULES[1], stages=2, dispatch_copy="bulk", **kw)
     assert (op.bulk_pieces, op.bulk_piece_bytes) == (2, 7168)

@@ -256,11 +256,12 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 def test_bulk_dispatch_bitwise_equal(mma, hidden):
-    """dispatch_copy="bulk" (with and without the L2 evict-first policy) changes no bit of y
-    against the LSU copy, in both schedules, with masked picks and partial blocks; 8 SMs, so
-    the prologue covers few rows and the dispatch warp's bulk copies move nearly all of them;
-    repeated calls check that the bounce buffers' mbarrier phases and bulk groups start afresh
-    each call."""
+    """dispatch_copy="bulk" (with and without the L2 evict-first policy; windowed, W = 1 with
+    the pool rows kept in L2 and discarded after their L1 tiles, W = 3 without) changes no bit
+    of y against the LSU copy, in both schedules, with masked picks and partial blocks; 8 SMs,
+    so the prologue covers few rows and the dispatch warp's bulk copies move nearly all of
+    them; repeated calls check that the bounce buffers' mbarrier phases and bulk groups start
+    afresh each call, and that the discarded pool lines are rewritten before they are read."""
     from megamoe_interleave.reference import reference_moe_fp32
 
     P, k, inter = 2, 6, 128
@@ -268,9 +269,12 @@ def test_bulk_dispatch_bitwise_equal(mma, hidden):
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     for schedule in ("expert_wave", "interleaved"):
         outs = []
-        for copy, evict_first in (("lsu", False), ("bulk", False), ("bulk", True)):
+        for copy, evict_first, window, keep in (("lsu", False, 0, False), ("bulk", False, 0, False),
+                                                ("bulk", True, 0, False), ("bulk", True, 1, True),
+                                                ("bulk", True, 3, False)):
             moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
-                        num_sms=8, dispatch_copy=copy, dispatch_evict_first=evict_first)
+                        num_sms=8, dispatch_copy=copy, dispatch_evict_first=evict_first, dispatch_window=window,
+                        dispatch_keep=keep)
             moe.load_weights(w1, w2)
             for _ in range(3):
                 y = moe.forward(xs, idx, w)

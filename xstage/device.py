@@ -83,6 +83,10 @@ __all__ = [
     "spin_wait_ge",
     "mbarrier_wait_bounded",
     "mbarrier_wait_tries",
+    "spin_wait_ge_tries",
+    "nanosleep",
+    "discard_l2",
+    "BULK_CACHE_POLICIES",
     "grid_arrive_and_wait",
     "raise_on_device_error",
     "DeviceError",
@@ -170,46 +174,61 @@ def store_v4_to_peer(
     store_v4(peer_address(peer_table, dst, byte_offset, loc=loc, ip=ip), w0, w1, w2, w3, cache, loc=loc, ip=ip)
 
 
-# ``evict_first`` of the bulk copies: an L2 cache policy created inside the copy's own asm block
-# (a scoped register), so no 64-bit policy stays live across the caller's loop -- in the fused
-# MoE kernel a live policy register made ptxas serialize the consumers' WGMMAs.
-_EVICT_FIRST_BEGIN = "{ .reg .b64 xs_pol; createpolicy.fractional.L2::evict_first.b64 xs_pol, 1.0; "
+# L2 cache policies of the bulk copies (``.L2::cache_hint``): None, "evict_first" (data used
+# once: it does not push reused lines out of L2) or "evict_last" (data to be read again soon;
+# whoever pins lines this way must bound how many stay pinned, e.g. with :func:`discard_l2`).
+# The policy is created inside the copy's own asm block (a scoped register), so no 64-bit
+# policy stays live across the caller's loop -- in the fused MoE kernel a live policy register
+# made ptxas serialize the consumers' WGMMAs.
+BULK_CACHE_POLICIES = (None, "evict_first", "evict_last")
 
 
-def _bulk_copy(op: str, operands: str, args, evict_first, loc, ip) -> None:
-    """``op operands;``, or with ``evict_first`` ``op.L2::cache_hint operands, policy;`` in a
-    block that creates the evict-first policy."""
-    if evict_first:
-        code = _EVICT_FIRST_BEGIN + op + ".L2::cache_hint " + operands + ", xs_pol; }"
-    else:
+def _bulk_copy(op: str, operands: str, args, policy, loc, ip) -> None:
+    """``op operands;``, or with a ``policy`` ``op.L2::cache_hint operands, policy;`` in a block
+    that creates the policy."""
+    if policy not in BULK_CACHE_POLICIES:
+        raise ValueError(f"bulk copy cache policy must be one of {BULK_CACHE_POLICIES}, got {policy!r}")
+    if policy is None:
         code = op + " " + operands + ";"
+    else:
+        code = ("{ .reg .b64 xs_pol; createpolicy.fractional.L2::" + policy + ".b64 xs_pol, 1.0; "
+                + op + ".L2::cache_hint " + operands + ", xs_pol; }")
     cute.arch.inline_ptx(code, read_only_args=args, loc=loc, ip=ip)
 
 
 @dsl_user_op
-def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, evict_first: cutlass.Constexpr = False,
+def bulk_copy_g2s(smem: cute.Pointer, address, nbytes, mbar: cute.Pointer, policy: cutlass.Constexpr = None,
                   *, loc=None, ip=None) -> None:
     """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes``: the bulk-copy
     engine reads ``nbytes`` (a multiple of 16) from global ``address`` (Int64, 16-byte aligned;
     a peer's or mapped host memory works alike) into shared memory at ``smem`` (16-byte
     aligned) and signals them to the mbarrier ``mbar`` (arm it with
     ``mbarrier_arrive_and_expect_tx`` first). One instruction instead of ``nbytes / 16``
-    vector loads: no LSU / register traffic on the issuing SM. ``evict_first``: with an L2
-    evict-first cache policy (``.L2::cache_hint``): for data read once, so it does not push
-    reused lines out of L2."""
+    vector loads: no LSU / register traffic on the issuing SM. ``policy``: an L2 cache policy
+    of :data:`BULK_CACHE_POLICIES`."""
     _bulk_copy("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "[{$r0}], [{$r1}], {$r2}, [{$r3}]",
-               [Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())], evict_first, loc, ip)
+               [Int32(smem.toint()), Int64(address), Int32(nbytes), Int32(mbar.toint())], policy, loc, ip)
 
 
 @dsl_user_op
-def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, evict_first: cutlass.Constexpr = False, *, loc=None,
+def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, policy: cutlass.Constexpr = None, *, loc=None,
                   ip=None) -> None:
     """``cp.async.bulk.global.shared::cta.bulk_group``: ``nbytes`` from shared memory at ``smem``
     to global ``address`` (both 16-byte aligned), tracked by the issuing thread's bulk async-groups
     (``cute.arch.cp_async_bulk_commit_group`` / ``cp_async_bulk_wait_group``; ``read=True``
-    waits only until the source may be overwritten). ``evict_first`` as in :func:`bulk_copy_g2s`."""
+    waits only until the source may be overwritten). ``policy`` as in :func:`bulk_copy_g2s`."""
     _bulk_copy("cp.async.bulk.global.shared::cta.bulk_group", "[{$r0}], [{$r1}], {$r2}",
-               [Int64(address), Int32(smem.toint()), Int32(nbytes)], evict_first, loc, ip)
+               [Int64(address), Int32(smem.toint()), Int32(nbytes)], policy, loc, ip)
+
+
+@dsl_user_op
+def discard_l2(address, *, loc=None, ip=None) -> None:
+    """``discard.global.L2 [address], 128``: drop the 128-byte L2 line at ``address`` (Int64,
+    128-byte aligned) without writing it back; the memory then holds indeterminate values (PTX:
+    a weak write of an unstable value). For scratch whose contents are dead: a dirty line that
+    would otherwise cost a DRAM write-back, or an evict-last line that would stay pinned. Order
+    it after every reader with an acquire of their completion."""
+    cute.arch.inline_ptx("discard.global.L2 [{$r0}], 128;", read_only_args=[Int64(address)], loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -343,6 +362,40 @@ def spin_wait_ge(
                 value = load_relaxed(flag, scope)
     ok = Boolean(True)
     if timed_out:
+        atomic_or_relaxed(error_word, Int32(error_code), "gpu")
+        ok = Boolean(False)
+    return ok
+
+
+@dsl_user_op
+def nanosleep(ns, *, loc=None, ip=None) -> None:
+    """``nanosleep.u32 ns``: suspend the thread for about ``ns`` nanoseconds (PTX: within [0, 2 ns])."""
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[Int32(ns)], loc=loc, ip=ip)
+
+
+@cute.jit
+def spin_wait_ge_tries(
+    flag: cute.Pointer,
+    target: Int32,
+    max_polls: cutlass.Constexpr,
+    sleep_ns: cutlass.Constexpr,
+    error_word: cute.Pointer,
+    error_code: cutlass.Constexpr = ERR_SPIN_TIMEOUT,
+) -> Boolean:
+    """:func:`spin_wait_ge` (acquire, gpu scope) bounded by a count of polls instead of
+    ``%globaltimer``, with a ``nanosleep`` of ``sleep_ns`` between polls: about
+    ``max_polls * sleep_ns`` at most (nanosleep is approximate). No timer reads, for code
+    where they cost registers that matter (the fused MoE kernel's dispatch thread: the timer
+    loop made ptxas serialize the consumers' WGMMAs). Returns True when ``*flag >= target``;
+    otherwise ORs ``error_code`` into ``*error_word`` and returns False."""
+    value = load_acquire(flag, "gpu")
+    polls = Int32(0)
+    while value < target and polls < max_polls:
+        nanosleep(Int32(sleep_ns))
+        value = load_acquire(flag, "gpu")
+        polls = polls + 1
+    ok = Boolean(True)
+    if value < target:
         atomic_or_relaxed(error_word, Int32(error_code), "gpu")
         ok = Boolean(False)
     return ok
