@@ -112,6 +112,25 @@ def default_dispatch_window(dispatch_copy: str) -> int:
     return 0
 
 
+DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
+
+
+def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, fused: bool = True,
+                             **given) -> dict:
+    """The fused kernel's :data:`DISPATCH_OPTIONS` with the API's defaults for those not given
+    (None): :func:`default_dispatch_copy` ("lsu" off the fused backend), evict-first with
+    bulk copies, :func:`default_dispatch_window`, keep with a window."""
+    copy = given.get("dispatch_copy")
+    if copy is None:
+        copy = default_dispatch_copy(hidden, intermediate, schedule, kernel_options) if fused else "lsu"
+    evict_first = given.get("dispatch_evict_first")
+    window = given.get("dispatch_window")
+    window = default_dispatch_window(copy) if window is None else window
+    keep = given.get("dispatch_keep")
+    return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
+                dispatch_window=window, dispatch_keep=window > 0 if keep is None else keep)
+
+
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
     """Inverse of the w1 part of :func:`transform_weights`."""
     E, two_i, H = w1_il.shape
@@ -241,17 +260,9 @@ class MegaMoE:
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
                                     l2_handoffs=l2_handoffs, silu=silu)
-        if dispatch_copy is None:
-            dispatch_copy = (default_dispatch_copy(hidden, intermediate, self.schedule, self._kernel_options)
-                             if backend == "fused" else "lsu")
-        if dispatch_evict_first is None:
-            dispatch_evict_first = dispatch_copy == "bulk"
-        if dispatch_window is None:
-            dispatch_window = default_dispatch_window(dispatch_copy)
-        if dispatch_keep is None:
-            dispatch_keep = dispatch_window > 0
-        self._kernel_options.update(dispatch_copy=dispatch_copy, dispatch_evict_first=dispatch_evict_first,
-                                    dispatch_window=dispatch_window, dispatch_keep=dispatch_keep)
+        self._kernel_options.update(resolve_dispatch_options(
+            hidden, intermediate, self.schedule, self._kernel_options, backend == "fused", dispatch_copy=dispatch_copy,
+            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

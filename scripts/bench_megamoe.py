@@ -207,10 +207,15 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
     from megamoe_interleave.scheduler import Schedule
 
+    from megamoe_interleave.api import DISPATCH_OPTIONS, resolve_dispatch_options
+
     accepted = set(inspect.signature(MegaMoESm90).parameters) - {"hidden", "intermediate", "schedule"}
-    kernel_options = {name: value for name, value in kw.items() if name in accepted}
-    try:
-        MegaMoESm90(hidden, intermediate, Schedule(kw["schedule"], lead=1), **kernel_options)
+    kernel_options = {name: value for name, value in kw.items() if name in accepted and name not in DISPATCH_OPTIONS}
+    schedule = Schedule(kw["schedule"], lead=1)
+    try:  # the Dispatch options resolved as the API resolves them
+        kernel_options.update(resolve_dispatch_options(hidden, intermediate, schedule, kernel_options,
+                                                       **{name: kw.get(name) for name in DISPATCH_OPTIONS}))
+        MegaMoESm90(hidden, intermediate, schedule, **kernel_options)
     except ValueError as e:
         print(f"skipping {kw['schedule']} {kernel_options}: {e}", flush=True)
         return False

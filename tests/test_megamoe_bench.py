@@ -79,6 +79,12 @@ def test_kernel_config_ok_skips_what_does_not_fit():
     assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=4))
     assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, l2_handoffs=1))
     assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=4, l2_handoffs=1))
+    # the Dispatch options resolve as in the API: no dispatch_copy given = bulk where the bounce
+    # buffers fit (3 stages), so a window is accepted there and not at 4 stages (LSU copy)
+    assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, dispatch_copy=None, dispatch_window=6,
+                                                    dispatch_keep=1))
+    assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=4, dispatch_copy=None, dispatch_window=6))
+    assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, dispatch_window=0, dispatch_keep=1))
 
 
 def test_cta_budget_splits_each_ctas_time():
