@@ -27,6 +27,7 @@ on): "api" = poison on, "api,no-poison" = poison off (one k*T*H bf16 fill per ra
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import inspect
 import itertools
@@ -177,10 +178,11 @@ def run_case(shape, kind, P, tokens, args, dense):
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
             refs = unfused_pipeline(xs, idx, wts, w1_t, w2_t)
+            weight_cache = {}
             for axes, sched in fused_cases:
                 name = f"fused[{sched},{axes['mma']}{variant_tag(axes)}]"
                 fns[name] = fused_kernel_timed(moe_kwargs(sched, axes), w1, w2, xs, idx, wts, P, args.world,
-                                               refs=refs, name=name)
+                                               refs=refs, name=name, weight_cache=weight_cache)
             del refs
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
@@ -248,11 +250,18 @@ def check_against(ys, refs, name):
             raise RuntimeError(f"{name}: rank {rank} max |fused - unfused| = {err:.4g} (output range {scale:.4g})")
 
 
-def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="fused"):
+def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="fused", weight_cache=None):
     """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``);
-    the first call's output is checked against ``refs`` when given."""
+    the first call's output is checked against ``refs`` when given. ``weight_cache`` (a dict
+    per problem): the variants share one copy of the kernel-layout weights (12 GB at
+    DeepSeek-V4-Flash, P = 8: one copy per variant ran out of memory at 14 variants)."""
     moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=True, **kwargs)
-    moe.load_weights(w1, w2)
+    if weight_cache is None or "w" not in weight_cache:
+        moe.load_weights(w1, w2)
+        if weight_cache is not None:
+            weight_cache["w"] = (moe.w1, moe.w2)
+    else:
+        moe.w1, moe.w2 = (copy.copy(w) for w in weight_cache["w"])
     ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
     if refs is not None:
         check_against(ys, refs, name)
