@@ -106,29 +106,39 @@ def default_dispatch_copy(hidden: int, intermediate: int, schedule, kernel_optio
     return "bulk"
 
 
-def default_dispatch_window(dispatch_copy: str) -> int:
-    """``dispatch_window=None``: 0 (the Dispatch copies as fast as it can) until a window is
-    measured faster (scripts/bench_megamoe.py --dispatch-window)."""
-    return 0
+def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, kernel_options: dict,
+                            num_sms: int) -> int:
+    """``dispatch_window=None``: for expert_wave with bulk copies, one row more than the L1 rows
+    in flight, (num_sms / 2 CTA pairs) // (L1 pair tiles per row) + 1 = 5 at DeepSeek-V4-Flash
+    with 128 x 256 tiles on 132 SMs; else 0 (unpaced). Measured on the H200 (P = 8 loopback,
+    8192 tokens/rank, paired vs the grouped GEMMs, results/h200/megamoe/window): expert_wave
+    W = 0 / 4 / 5 / 6 / 7 / 8 / 14: 1.048 / 1.088 / 1.009 / 1.017 / 1.033 / 1.044 / 1.050x (W = 4
+    <= the rows in flight stalls the L1 stream); interleaved no W in 5..14 beat W = 0 (1.029x)."""
+    if dispatch_copy != "bulk" or schedule.name != "expert_wave":
+        return 0
+    per_pair = 1 if kernel_options["mma"] == "tma_ws_mcast_b" else 2  # N blocks per pair tile
+    pairs_l1 = (2 * intermediate) // kernel_options["block_n"] // per_pair
+    return (num_sms // 2) // pairs_l1 + 1
 
 
 DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
-def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, fused: bool = True,
-                             **given) -> dict:
+def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, num_sms: int,
+                             fused: bool = True, **given) -> dict:
     """The fused kernel's :data:`DISPATCH_OPTIONS` with the API's defaults for those not given
     (None): :func:`default_dispatch_copy` ("lsu" off the fused backend), evict-first with
-    bulk copies, :func:`default_dispatch_window`, keep with a window."""
+    bulk copies, :func:`default_dispatch_window`, no keep (measured slower: with W = 6 expert_wave
+    1.017 -> 1.037x, interleaved 1.047 -> 1.044x; W = 10 1.047 -> 1.035x, 1.026 -> 1.035x)."""
     copy = given.get("dispatch_copy")
     if copy is None:
         copy = default_dispatch_copy(hidden, intermediate, schedule, kernel_options) if fused else "lsu"
     evict_first = given.get("dispatch_evict_first")
     window = given.get("dispatch_window")
-    window = default_dispatch_window(copy) if window is None else window
-    keep = given.get("dispatch_keep")
+    if window is None:
+        window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
     return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=window > 0 if keep is None else keep)
+                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -195,7 +205,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = on with a window).
+    once their L1 tiles are done; None = off, measured slower).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -261,7 +271,8 @@ class MegaMoE:
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
                                     l2_handoffs=l2_handoffs, silu=silu)
         self._kernel_options.update(resolve_dispatch_options(
-            hidden, intermediate, self.schedule, self._kernel_options, backend == "fused", dispatch_copy=dispatch_copy,
+            hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
+            dispatch_copy=dispatch_copy,
             dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90

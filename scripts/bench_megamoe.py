@@ -216,6 +216,7 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     schedule = Schedule(kw["schedule"], lead=1)
     try:  # the Dispatch options resolved as the API resolves them
         kernel_options.update(resolve_dispatch_options(hidden, intermediate, schedule, kernel_options,
+                                                       kw.get("num_sms", 132),
                                                        **{name: kw.get(name) for name in DISPATCH_OPTIONS}))
         MegaMoESm90(hidden, intermediate, schedule, **kernel_options)
     except ValueError as e:
@@ -468,7 +469,7 @@ def main():
                          "side (default: api.default_dispatch_window)")
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
-                         "off / on side by side (default: on with a window)")
+                         "off / on side by side (default: off)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

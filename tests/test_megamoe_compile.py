@@ -541,6 +541,24 @@ def test_default_dispatch_copy():
     assert resolved(8, mma="wgmma") == "lsu"
 
 
+def test_default_dispatch_window():
+    """dispatch_window=None: expert_wave with bulk copies paces its Dispatch one row beyond the
+    L1 rows in flight (66 CTA pairs // 16 L1 pair tiles per row + 1 = 5 at DeepSeek-V4-Flash on
+    132 SMs, the measured best); interleaved and the LSU copy run unpaced; keep stays off. The
+    resolved options construct a kernel."""
+    from megamoe_interleave.api import default_tiles, resolve_dispatch_options
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+
+    H, I, E, k = 4096, 2048, 256, 6
+    for P, schedule, want in ((8, SCHEDULES[0], 5), (8, SCHEDULES[1], 0), (1, SCHEDULES[0], 0)):
+        bm, bn, stages = default_tiles("tma_ws_mcast_b", H, I, rows_per_expert=P * 8192 * k / E)
+        options = dict(block_m=bm, block_n=bn, mma="tma_ws_mcast_b", stages=stages)
+        got = resolve_dispatch_options(H, I, schedule, options, 132)
+        assert (got["dispatch_window"], got["dispatch_keep"]) == (want, False), (P, schedule.name)
+        MegaMoESm90(H, I, schedule, **options, **got)
+    assert resolve_dispatch_options(H, I, SCHEDULES[0], options, 132, dispatch_window=3)["dispatch_window"] == 3
+
+
 def test_setmaxnreg_fits_the_launch_register_pool():
     """setmaxnreg only moves registers within the launch's pool (384 threads x 168 = 64512): a
     split asking for more (e.g. 80 / 216 = 65536) makes the consumers' increase fail at run
