@@ -50,12 +50,13 @@ STATUS -- a *functional subset*, honestly labelled:
   tanh.approx per output (``silu="tanh"``). A schedule step costs one 16-byte
   row-record load (:class:`DeviceRowRecords`), which the consumers issue one tile ahead; the
   staging stores are ``stmatrix.x4``. The dispatch warp moves rows with bulk copies where
-  their bounce buffers fit (``dispatch_copy``, api.default_dispatch_copy).
+  their bounce buffers fit (``dispatch_copy``, api.default_dispatch_copy); expert_wave paces
+  them a few rows behind the L1 tiles (``dispatch_window``, api.default_dispatch_window).
   Measured (H200, DeepSeek-V4-Flash, 8192 tokens/rank, clock-matched paired trials,
-  results/h200/megamoe/final4): at P = 1 (4 stages) 0.95-0.96x the time of the two torch
-  grouped GEMMs alone (faster in every trial), 2.3x faster than the unfused pipeline; at
-  loopback P = 8 (3 stages, bulk Dispatch) 1.02-1.04x their time (slower), 3.0-3.2x faster
-  than unfused.
+  results/h200/megamoe/final4 and final5): at P = 1 (4 stages) 0.95-0.96x the time of the two
+  torch grouped GEMMs alone (faster in every trial), 2.3x faster than the unfused pipeline; at
+  loopback P = 8 (3 stages, bulk Dispatch) 1.007x (expert_wave, windowed) / 1.028x
+  (interleaved) their time (slower), 2.75x faster than unfused.
 * NOT done yet: the dispatch *index* computation (counting / prefix sums of the routed tokens)
   runs on the host (:func:`megamoe_interleave.reference.permute_ranks`); the final top-k
   reduction runs after all ranks (torch), as the loopback world requires anyway.
