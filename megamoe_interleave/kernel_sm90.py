@@ -314,9 +314,9 @@ class MegaMoESm90:
             raise ValueError("dispatch_evict_first applies to dispatch_copy='bulk' only")
         self.dispatch_evict_first = bool(dispatch_evict_first)
         # Windowed Dispatch (bulk): row r is copied only once row r - W has a finished L1 tile,
-        # so the copy runs a few rows ahead of the L1 stream instead of finishing early (rows
-        # written long before their tiles read them have left L2: a DRAM write-back plus a
-        # DRAM read each). Deadlock-free for W >= 1 (dispatch_rows_bulk).
+        # so the copy runs just ahead of the L1 stream instead of finishing early. Measured to
+        # help expert_wave only (api.default_dispatch_window). Deadlock-free for W >= 1
+        # (dispatch_rows_bulk).
         if dispatch_window < 0 or (dispatch_window and dispatch_copy != "bulk"):
             raise ValueError(f"dispatch_window must be 0, or >= 1 with dispatch_copy='bulk', got {dispatch_window!r}")
         self.dispatch_window = int(dispatch_window)

@@ -206,10 +206,9 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     """Whether the fused kernel accepts the variant (the side-by-side axes may combine into a
     configuration that does not fit, e.g. 4 stages with one L2 handoff at 128 x 256): skipped
     with a note instead of aborting the run."""
+    from megamoe_interleave.api import DISPATCH_OPTIONS, resolve_dispatch_options
     from megamoe_interleave.kernel_sm90 import MegaMoESm90
     from megamoe_interleave.scheduler import Schedule
-
-    from megamoe_interleave.api import DISPATCH_OPTIONS, resolve_dispatch_options
 
     accepted = set(inspect.signature(MegaMoESm90).parameters) - {"hidden", "intermediate", "schedule"}
     kernel_options = {name: value for name, value in kw.items() if name in accepted and name not in DISPATCH_OPTIONS}

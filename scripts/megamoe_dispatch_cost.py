@@ -5,11 +5,11 @@ shipped (API defaults: bulk Dispatch copies at P = 8), and the same kernel with 
 copy skipped (a subclass whose ``copy_chunks`` does nothing; rows are still published), timed
 side by side against the two grouped GEMMs (clock-matched paired trials,
 bench_megamoe.paired_trials). The no-copy objects first get their pool filled by torch (each
-pool row gathered from its source rank's x, as the Dispatch copies it: the shipped kernel's
-own pool may be dead after the call, ``dispatch_keep`` discards it from L2), so they compute
-the real kernel's y from the same data -- checked bitwise -- without the Dispatch traffic. (Without that refill their pool holds stale memory,
-and the tensor cores, multiplying mostly zeros, run at higher clocks under the power limit:
-0.86x, an artefact.) Diagnostic only: writes dispatch_cost_P{P}.json to --out.
+pool row gathered from its source rank's x, as the Dispatch copies it; a shipped kernel's own
+pool may be dead after the call, since ``dispatch_keep`` discards it from L2), so they compute
+the real kernel's y from the same data -- checked bitwise -- without the Dispatch traffic.
+(Without that fill their pool holds stale memory, and the tensor cores, multiplying mostly
+zeros, run at higher clocks under the power limit: 0.86x, an artefact.) Diagnostic only: writes dispatch_cost_P{P}.json to --out.
 
     python scripts/megamoe_dispatch_cost.py [--P 8] [--trials 15] [--out DIR]
 """

@@ -410,7 +410,8 @@ def _dispatch_options(spec: str) -> dict:
 @pytest.mark.parametrize("mma,block_n,stages,trace,dispatch",
                          [("tma_ws_mcast_b", 256, 3, False, "lsu"), ("tma_ws_mcast_b", 256, 4, False, "lsu"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
+                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"),
+                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
 def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
@@ -459,8 +460,8 @@ def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     the buffer reused after wait_group.read, rows published after wait_group 0 -- and its
     16-byte vector copy is gone (only the prologue's, by all threads, remains). The L2
     evict-first policy is on the loads exactly when ``dispatch_evict_first``, and on the stores
-    unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` discards lines and
-    only a window waits on the L1 tiles' row counters (acquire loads of l2_full)."""
+    unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` discards lines, and
+    only a window polls the L1 tiles' row counters (with a nanosleep between polls)."""
     from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
 
     opts = _dispatch_options(dispatch)
@@ -477,6 +478,7 @@ def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     assert load_policies == ({"evict_first"} if evict_first else set())
     assert store_policies == ({"evict_last"} if keep else {"evict_first"} if evict_first else set())
     assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == keep
+    assert bool(re.search(r"nanosleep\.u32", ptx)) == (opts["dispatch_window"] > 0)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the prologue's unrolled copy + the row-record loads (keep: two more, discard_dead_rows
