@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .kernel_config import TRACE_FIELDS, WS_KINDS, resolve_split_tail
+from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
 from .scheduler import SCHEDULES, Schedule, balanced_l2_start, default_lead, schedule_table
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
@@ -116,8 +116,7 @@ def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, ker
     <= the rows in flight stalls the L1 stream); interleaved no W in 5..14 beat W = 0 (1.029x)."""
     if dispatch_copy != "bulk" or schedule.name != "expert_wave":
         return 0
-    per_pair = 1 if kernel_options["mma"] == "tma_ws_mcast_b" else 2  # N blocks per pair tile
-    pairs_l1 = (2 * intermediate) // kernel_options["block_n"] // per_pair
+    pairs_l1 = pair_tiles_per_row(kernel_options["mma"], 2 * intermediate, kernel_options["block_n"])
     return (num_sms // 2) // pairs_l1 + 1
 
 

@@ -1,5 +1,5 @@
 """Configuration facts of the fused kernel that the host side needs without the CuTe DSL: the
-tile-math kinds, the trace row layout, and the split-tail rule. :mod:`kernel_sm90` and
+tile-math kinds, the trace row layout, the split-tail rule and the pair tiles per row. :mod:`kernel_sm90` and
 :mod:`api` both take them from here (one definition, no mirrored copies)."""
 from __future__ import annotations
 
@@ -23,3 +23,9 @@ def resolve_split_tail(mma: str, block_m: int, split_tail: bool | None) -> bool:
     if split_tail and not can:
         raise ValueError("split_tail needs mma in tma_ws* and block_m=128")
     return can if split_tail is None else bool(split_tail)
+
+
+def pair_tiles_per_row(mma: str, n_cols: int, block_n: int) -> int:
+    """Pair tiles of one scheduler row over ``n_cols`` output columns: a CTA pair covers one
+    N block (tma_ws_mcast_b: the pair splits M) or two adjacent ones (the other kinds)."""
+    return n_cols // block_n // (1 if mma == "tma_ws_mcast_b" else 2)

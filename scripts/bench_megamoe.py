@@ -200,6 +200,7 @@ VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
+MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
 
 
 def kernel_config_ok(hidden, intermediate, kw) -> bool:
@@ -215,7 +216,7 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
     schedule = Schedule(kw["schedule"], lead=1)
     try:  # the Dispatch options resolved as the API resolves them
         kernel_options.update(resolve_dispatch_options(hidden, intermediate, schedule, kernel_options,
-                                                       kw.get("num_sms", 132),
+                                                       kw.get("num_sms", MEGAMOE_DEFAULT_SMS),
                                                        **{name: kw.get(name) for name in DISPATCH_OPTIONS}))
         MegaMoESm90(hidden, intermediate, schedule, **kernel_options)
     except ValueError as e:
