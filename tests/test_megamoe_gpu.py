@@ -366,3 +366,70 @@ def test_overlapped_dispatch_bitwise_equal(mma, num_sms):
     for key, ys in outs.items():
         for a, b in zip(base, ys):
             assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
+def test_claimed_tiles_bitwise_equal(mma):
+    """dynamic_tiles (the CTA pairs claim the grid-wide order's tiles from a counter) changes no
+    bit of y against the strided deal, in both schedules, with masked picks and partial blocks;
+    8 SMs (many claims per pair) and the full H200 grid; repeated calls with changing token
+    counts move the claim area (it follows the row counters) and check that it is reset."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    P, k = 2, 6
+    w1, w2, _, _, _ = _problem(P, [1, 1], k, "balanced", 0.0, seed=71)
+    for schedule in ("expert_wave", "interleaved"):
+        for num_sms in (8, 132):
+            static = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, num_sms=num_sms)
+            claimed = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, num_sms=num_sms,
+                            dynamic_tiles=True)
+            for moe in (static, claimed):
+                moe.load_weights(w1, w2)
+            assert claimed.schedule.dynamic and not static.schedule.dynamic
+            for it, tokens in enumerate(([250, 170], [90, 240], [250, 170])):
+                _, _, xs, idx, w = _problem(P, tokens, k, "skewed", 0.1, seed=72 + it)
+                refs = reference_moe_fp32(xs, idx, w, w1, w2)
+                ys = claimed.forward(xs, idx, w)
+                _check(ys, refs)
+                for a, b in zip(static.forward(xs, idx, w), ys):
+                    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
+@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
+def test_claimed_tiles_trace(schedule, mma):
+    """The executed tiles with claimed tiles: every tile once over the CTAs, both CTAs of a pair
+    the same tiles in the same order, each pair's tiles in increasing grid-wide order, and every
+    L2 tile ready only after all L1 tiles of its row had finished."""
+    from megamoe_interleave.api import decode_trace
+    from megamoe_interleave.reference import reference_moe_fp32
+    from megamoe_interleave.scheduler import PHASE_L1, PHASE_L2, global_order
+
+    P, k = 2, 6
+    w1, w2, xs, idx, w = _problem(P, [150, 90], k, "skewed", 0.0, seed=23)
+    moe = _make(P, k, schedule, mma, trace=True, block_m=128, block_n=128, stages=2, num_sms=8, dynamic_tiles=True)
+    moe.load_weights(w1, w2)
+    _check(moe.forward(xs, idx, w), reference_moe_fp32(xs, idx, w, w1, w2))
+    for d in range(P):
+        _, grid = moe.plan_rank(d)
+        recs = decode_trace(moe.last_trace[d])
+        # grid-wide position of each (role, tile): the pair members' tiles of one claim differ
+        position = {(r, (t.phase, t.row, t.n_block)): i
+                    for r in (0, 1) for i, t in enumerate(global_order(moe.schedule, grid, r))}
+        claims = []
+        for c, got in enumerate(recs):
+            order = [position[(c % 2, (r["phase"], r["row"], r["n_block"]))] for r in got]
+            assert order == sorted(order), f"CTA {c} ran its claims out of order"
+            claims.append(order)
+        for a, b in zip(claims[0::2], claims[1::2]):
+            assert a == b, "the CTAs of a pair ran different claims"
+        assert sorted(i for order in claims[0::2] for i in order) == list(range(len(position) // 2))
+        l1_end = {}
+        for got in recs:
+            for r in got:
+                if r["phase"] == PHASE_L1:
+                    l1_end[r["row"]] = max(l1_end.get(r["row"], 0), r["t_epilogue"])
+        for got in recs:
+            for r in got:
+                if r["phase"] == PHASE_L2:
+                    assert r["t_ready"] + 2000 >= l1_end[r["row"]]
