@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .kernel_config import TRACE_FIELDS, WS_KINDS, claim_slots, claim_words, pair_tiles_per_row, resolve_split_tail
+from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
 from .scheduler import SCHEDULES, Schedule, balanced_l2_start, default_lead, schedule_table
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
@@ -204,10 +204,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``dynamic_tiles`` (tma_ws*: the
-    CTA pairs claim the tiles of the schedule's grid-wide order from an atomic counter at run
-    time instead of taking every G-th; interleaved then applies Algorithm 1 to the grid-wide
-    cursors and ``balance_l2`` is off; see the scheduler module docstring).
+    once their L1 tiles are done; None = off, measured slower).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -232,7 +229,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, dynamic_tiles: bool = False):
+                 dispatch_keep: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -253,11 +250,7 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        if dynamic_tiles and mma not in WS_KINDS:
-            raise ValueError(f"dynamic_tiles needs mma in {WS_KINDS}, got {mma!r}")
-        # Claimed tiles need no balancing of a strided deal: balance_l2 applies without them only.
-        self.schedule = Schedule(schedule, lead=self.lead, dynamic=bool(dynamic_tiles),
-                                 balance_l2=balance_l2 and schedule == "interleaved" and not dynamic_tiles)
+        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved")
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns
@@ -294,7 +287,7 @@ class MegaMoE:
         # one partial M block per local expert.
         max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // block_m) + self.experts_per_rank
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
-                                    num_counters=self.counter_words(max_rows, num_sms // 2))
+                                    num_counters=2 + 2 * max_rows)
         self.poison_combine = poison_combine
         self._scratch = {}  # rank -> {name: flat device tensor}, reused across calls (see _scratch_rows)
         self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
@@ -466,15 +459,6 @@ class MegaMoE:
             out[d] = (perm, grid)
         return out
 
-    def counter_words(self, num_rows: int, num_pairs: int) -> int:
-        """Counter words of one rank's call (kernel_sm90 counter layout): error, barrier, two per
-        scheduler row, and with claimed tiles the claim area for ``num_pairs`` pairs."""
-        words = 2 + 2 * num_rows
-        if self.schedule.dynamic:
-            words += claim_words(num_rows, pair_tiles_per_row(self.mma, 2 * self.intermediate, self.block_n),
-                                 pair_tiles_per_row(self.mma, self.hidden, self.block_n), num_pairs)
-        return words
-
     def num_ctas(self, grid) -> int:
         """Persistent grid of the fused launch: at most one CTA per SM so every CTA is resident
         (the dependency waits and grid barriers rely on it); even for the CTA pairs."""
@@ -526,8 +510,7 @@ class MegaMoE:
         i32 = dict(dtype=torch.int32, device=dev)
         perm, grid = self.plan_rank(d)
         n_pool = perm.src_rank.numel()
-        num_ctas = self.num_ctas(grid)
-        if self.counter_words(grid.num_rows, num_ctas // 2) > buf.counters[d].numel():
+        if 2 + 2 * grid.num_rows > buf.counters[d].numel():
             raise ValueError(f"{grid.num_rows} scheduler rows exceed the counter workspace")
         if n_pool == 0:  # keep every tensor non-empty
             pool_src = torch.zeros(1, 3, **i32)
@@ -539,6 +522,7 @@ class MegaMoE:
         # expert's tokens feed accumulator rows that are never stored).
         pool_x = self._scratch_rows(d, "pool_x", n_pool + self.block_m, self.hidden, buf.dtype)
         h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
+        num_ctas = self.num_ctas(grid)
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
         # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
         records = itertools.chain.from_iterable(grid.row_record or [(0, 0, 0, 0)])
@@ -551,9 +535,7 @@ class MegaMoE:
         records = records.view(-1, 4)
         if self.trace:
             # Tiles per CTA <= ceil(all pair tiles / pairs) (+1 for safety).
-            total = grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
-            # claimed tiles: a pair's cap (claim_slots); strided: its share, rounded up
-            per_cta = claim_slots(total, num_ctas // 2) if self.schedule.dynamic else -(-total // (num_ctas // 2)) + 1
+            per_cta = -(-grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) // (num_ctas // 2)) + 1
             trace = torch.full((num_ctas, per_cta, len(TRACE_FIELDS)), -1, dtype=torch.int64, device=dev)
             self.last_trace[d] = trace
         else:

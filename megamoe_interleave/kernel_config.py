@@ -29,16 +29,3 @@ def pair_tiles_per_row(mma: str, n_cols: int, block_n: int) -> int:
     """Pair tiles of one scheduler row over ``n_cols`` output columns: a CTA pair covers one
     N block (tma_ws_mcast_b: the pair splits M) or two adjacent ones (the other kinds)."""
     return n_cols // block_n // (1 if mma == "tma_ws_mcast_b" else 2)
-
-
-def claim_slots(total_tiles: int, num_pairs: int) -> int:
-    """Claim slots per CTA pair with claimed tiles (``Schedule.dynamic``): a pair claims at most
-    slots - 1 tiles, then ends its sequence (the last slot holds the end mark). 2 x the even
-    share + 1: the pairs together can always claim every tile ((slots - 1) * pairs >= tiles),
-    so no tile is left when a pair reaches its cap. Works on Python ints and DSL Int32."""
-    return 2 * ((total_tiles + num_pairs - 1) // num_pairs) + 1
-
-
-def claim_words(num_rows: int, pairs_l1: int, pairs_l2: int, num_pairs: int) -> int:
-    """Counter words of the claim area (the counter + every pair's slots)."""
-    return 1 + num_pairs * claim_slots(num_rows * (pairs_l1 + pairs_l2), num_pairs)

@@ -65,10 +65,8 @@ Counter word layout (``mCounters`` int32, one per rank, in the symmetric buffer)
 ``[0]`` error word, ``[1]`` grid-barrier counter (monotonic: each call adds 2 * grid to it;
 the host passes its value before the call as ``barrier_base``, so the grid may vary per call),
 ``[2 + row]`` ``l2_full`` of scheduler row ``row``, ``[2 + num_rows + row]`` ``x_ready`` of that
-row (overlapped Dispatch: one increment per CTA once its slice of the row has landed); claimed
-tiles (``Schedule.dynamic``): ``[2 + 2 * num_rows]`` the claim counter (next tile of the
-grid-wide order), then per pair ``claim_slots`` words, slot j = (pair's j-th claimed tile) + 1
-(0 = not yet claimed; :func:`kernel_config.claim_slots`). All of them zeroed at the end of each call.
+row (overlapped Dispatch: one increment per CTA once its slice of the row has landed); both
+zeroed at the end of each call.
 """
 from __future__ import annotations
 
@@ -86,10 +84,8 @@ from quack.pipeline import PipelineTmaAsync, make_pipeline_state
 from quack.activation import swiglu, tanh
 from xstage import device as xdev
 
-from .kernel_config import (  # noqa: F401 (re-exported)
-    MMA_KINDS, TRACE_FIELDS, WS_KINDS, claim_slots, pair_tiles_per_row, resolve_split_tail,
-)
-from .scheduler import PHASE_L1, RowGrid, Schedule, Tile, total_pair_tiles
+from .kernel_config import MMA_KINDS, TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail  # noqa: F401 (re-exported)
+from .scheduler import PHASE_L1, RowGrid, Schedule, Tile
 
 COUNTER_ERROR = 0
 COUNTER_BARRIER = 1
@@ -111,8 +107,6 @@ DISPATCH_COPIES = ("lsu", "bulk")  # how the dispatch warp copies rows (see disp
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
 DISPATCH_POLL_NS = 256  # windowed Dispatch: sleep between polls of a row counter (counted bound, no timer)
-CLAIM_POLL_NS = 128  # claimed tiles: sleep between polls of a claim slot (counted bound, no timer)
-CLAIM_MIN_WAIT_NS = 1_000_000_000  # claimed tiles: the least bound of a claim-slot poll (see claim_polls)
 # tma_ws with two consumer warpgroups (384 threads): the launch gives every thread 168 registers
 # (64512 / 384). At that cap ptxas serialized the consumers' WGMMAs in some builds (C7511
 # "insufficient register resources for the wgmma pipeline": a wait after every WGMMA, ~25 %
@@ -332,11 +326,6 @@ class MegaMoESm90:
         if dispatch_keep and not self.dispatch_window:
             raise ValueError("dispatch_keep needs dispatch_window >= 1 (it bounds the evict-last pool lines)")
         self.dispatch_keep = bool(dispatch_keep)
-        # Claimed tiles (schedule.dynamic, scheduler module docstring): the pair's leader
-        # producer claims each next tile from a counter, every other role reads the claim.
-        if schedule.dynamic and mma not in WS_KINDS:
-            raise ValueError(f"claimed tiles (dynamic schedule) need mma in {WS_KINDS}, got {mma!r}")
-        self.dynamic = bool(schedule.dynamic)
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
         row_bytes = 2 * hidden
@@ -369,12 +358,6 @@ class MegaMoESm90:
         # the dispatch thread's row-counter waits: bounded by a count of polls (no timer, see
         # xdev.spin_wait_ge_tries), about timeout_ns in all
         self.dispatch_polls = max(1, timeout_ns // DISPATCH_POLL_NS)
-        # A claim slot is written once, by a producer whose every wait is bounded (a ring wait by
-        # 2 * timeout_ns, and after one failed wait it waits no more): a reader's bound of
-        # 4 * timeout_ns, at least CLAIM_MIN_WAIT_NS, outlasts that, so the consumer warps and
-        # the epilogue warps, whose named-barrier handoff needs one tile sequence, never see
-        # different outcomes of one slot (also at timeout_ns = 0).
-        self.claim_polls = max(4 * timeout_ns, CLAIM_MIN_WAIT_NS) // CLAIM_POLL_NS
         # tma_ws ring waits: a consumer's wait for an L2 tile's first stage legitimately spans the
         # producer's row-counter spin (bounded by timeout_ns), so the ring bound is longer; a
         # timed-out spin is then reported alone rather than together with a ring timeout.
@@ -465,8 +448,6 @@ class MegaMoESm90:
             # dispatch_copy="bulk": the dispatch warp's two bounce buffers and their mbarriers
             bulk_buf: cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128]
             bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
-            # claimed tiles: the next claim, consumers -> epilogue warps (see hand_off)
-            next_claim: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]
 
         self.shared_storage = SharedStorage
         tma = (None,) * 8
@@ -571,8 +552,7 @@ class MegaMoESm90:
                 grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
                 mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
                 max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace,
-                storage.bulk_buf.data_ptr(), storage.bulk_mbar.data_ptr(),
-                storage.next_claim.get_tensor(cute.make_layout(4)))
+                storage.bulk_buf.data_ptr(), storage.bulk_mbar.data_ptr())
         else:
             g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
             n_tile = Int32(0)
@@ -598,10 +578,7 @@ class MegaMoESm90:
         # Every tile of this rank is done: reset the row counters (l2_full, x_ready) for the next call.
         self.grid_sync(mCounters, barrier_base + 2 * nctas, timeout, tidx)
         i = cta * self.num_threads + tidx
-        reset = 2 * num_rows
-        if const_expr(self.dynamic):
-            reset = reset + 1 + (nctas // 2) * self.claim_cap(grid, nctas)
-        while i < reset:
+        while i < 2 * num_rows:
             mCounters[COUNTER_L2_FULL + i] = Int32(0)
             i = i + nctas * self.num_threads
 
@@ -1140,7 +1117,7 @@ class MegaMoESm90:
                                tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerX, mPeerCombine, mPoolSrc,
                                mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
                                max_tokens: Int32, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace, bulk_buf,
-                               bulk_mbar, sNext):
+                               bulk_mbar):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         producer = self.num_mma_threads // 32
         first_dispatch_warp = producer + 1 + self.num_epi_threads // 32
@@ -1155,7 +1132,7 @@ class MegaMoESm90:
                                     tma_b2, mB2, mCounters, sA, sB)
             if warp > producer and warp < first_dispatch_warp:
                 self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
-                                    mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr, sNext)
+                                    mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
             if const_expr(self.dispatch_warps > 0):
                 if warp >= first_dispatch_warp:
                     if const_expr(self.dispatch_copy == "bulk"):
@@ -1174,140 +1151,50 @@ class MegaMoESm90:
         else:
             if const_expr(self.rebalance_registers):
                 cute.arch.setmaxregister_increase(MMA_WARPGROUP_REGS)
-            self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mCounters, sA, sB, sC, sRowW, tiled_mma, mTrace,
-                                sNext)
+            self.consumer_tiles(grid, cta, nctas, tidx, ab_pipe, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX,
+                                mH, mW1, mW2, mCounters, max_tokens, sA, sB, sC, sRowW,
+                                sRowAddr, tiled_mma, mTrace)
 
     @cute.jit
     def producer_tiles(self, grid, cta: Int32, nctas: Int32, timeout: Int64, ab_pipe, tma_a1, mA1, tma_b1, mB1,
                        tma_a2, mA2, tma_b2, mB2, mCounters, sA, sB):
-        """Producer warp: this CTA's tiles in schedule order (:meth:`producer_tile` each). With
-        claimed tiles the pair's leader (role 0) claims each next tile as it starts the current
-        one -- the atomic's latency hides behind the ring, which is full of the previous tile's
-        stages -- and the other CTA's producer reads the claim after its loads, a tile later."""
+        """Producer warp: this CTA's tiles in schedule order; per tile (after an L2 tile's
+        bounded acquire wait on its row counter) the K blocks' TMA loads into the ring. After a
+        failed wait (ring or row counter; the error word is set) this lane waits no more."""
         cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
         g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         ok = Boolean(True)
         rows_ok = Int32(0)  # overlapped Dispatch: rows [0, rows_ok) known dispatched
-        if const_expr(self.dynamic):
-            counter, slots, cap = self.claim_pointers(mCounters, grid, nctas, g)
-            err = mCounters.iterator + COUNTER_ERROR
-            total = total_pair_tiles(grid)
-            leader = r == 0
-            j = Int32(0)
-            t = total
-            if leader:
-                t = self.claim_tile(counter, slots, j, cap, total)
-            else:
-                t = self.read_claim(slots, j, total, err)
-            w = Int32(0)
-            while t < total:
-                fields, w = self.claimed_tile(t, w, r, grid)
-                j = j + 1
-                t_next = total
-                if leader:
-                    t_next = self.claim_tile(counter, slots, j, cap, total)
-                state, ok, rows_ok = self.producer_tile(Tile(*fields), state, ok, rows_ok, grid, nctas, timeout,
-                                                        ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2,
-                                                        mB2, mCounters, sA, sB)
-                if not leader:
-                    t_next = self.read_claim(slots, j, total, err)
-                t = t_next
-        else:
-            while not self.schedule.done((c0, c1), grid):
-                tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
-                if tile.valid > 0:
-                    state, ok, rows_ok = self.producer_tile(tile, state, ok, rows_ok, grid, nctas, timeout, ab_pipe,
-                                                            tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
-                                                            mCounters, sA, sB)
-                c0 = Int32(nxt[0])
-                c1 = Int32(nxt[1])
+        while not self.schedule.done((c0, c1), grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+            if tile.valid > 0:
+                e = tile.expert
+                a_row0 = tile.tok0 + tile.m_block * self.block_m
+                if tile.phase == PHASE_L1:
+                    if const_expr(self.dispatch_warps > 0):
+                        rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, grid, nctas, timeout, mCounters)
+                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a_row0,
+                                               e * (2 * self.intermediate) + tile.n_block * self.block_n,
+                                               self.hidden // BLOCK_K, sA, sB)
+                else:
+                    # Every lane acquires (the TMA issue lane is elected inside cute.copy).
+                    if ok:
+                        ok = xdev.spin_wait_ge(mCounters.iterator + COUNTER_L2_FULL + tile.row,
+                                               Int32(2 * self.pairs_l1), timeout, mCounters.iterator + COUNTER_ERROR,
+                                               ERR_DEPENDENCY_TIMEOUT, True, "gpu")
+                    cute.arch.sync_warp()
+                    cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
+                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a2, mA2, tma_b2, mB2, a_row0,
+                                               e * self.hidden + tile.n_block * self.block_n,
+                                               self.intermediate // BLOCK_K, sA, sB)
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
         # Every load landed (the peer issues the same loads -- identical tile sequence, loads
         # issued even after a failed wait -- but may still sit in one bounded wait of its own:
         # hence the bound), then every stage consumed, before the warp moves on.
         ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), mCounters.iterator + COUNTER_ERROR)
         ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), mCounters.iterator + COUNTER_ERROR)
-
-    @cute.jit
-    def producer_tile(self, tile, state, ok: Boolean, rows_ok: Int32, grid, nctas: Int32, timeout: Int64, ab_pipe,
-                      tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mCounters, sA, sB):
-        """One tile's loads: an L1 tile waits (overlapped Dispatch) for its rows, an L2 tile
-        (bounded acquire) for its row counter, then the K blocks' TMA loads into the ring. After
-        a failed wait (ring or row counter; the error word is set) this lane waits no more.
-        Returns (state, ok, rows_ok)."""
-        e = tile.expert
-        a_row0 = tile.tok0 + tile.m_block * self.block_m
-        if tile.phase == PHASE_L1:
-            if const_expr(self.dispatch_warps > 0):
-                rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, grid, nctas, timeout, mCounters)
-            state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a_row0,
-                                       e * (2 * self.intermediate) + tile.n_block * self.block_n,
-                                       self.hidden // BLOCK_K, sA, sB)
-        else:
-            # Every lane acquires (the TMA issue lane is elected inside cute.copy).
-            if ok:
-                ok = xdev.spin_wait_ge(mCounters.iterator + COUNTER_L2_FULL + tile.row,
-                                       Int32(2 * self.pairs_l1), timeout, mCounters.iterator + COUNTER_ERROR,
-                                       ERR_DEPENDENCY_TIMEOUT, True, "gpu")
-            cute.arch.sync_warp()
-            cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
-            state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a2, mA2, tma_b2, mB2, a_row0,
-                                       e * self.hidden + tile.n_block * self.block_n,
-                                       self.intermediate // BLOCK_K, sA, sB)
-        return state, ok, rows_ok
-
-    # ------------------------------------------------------------------ claimed tiles
-    def claim_cap(self, grid, nctas):
-        """Claim slots per pair (kernel_config.claim_slots)."""
-        return claim_slots(total_pair_tiles(grid), nctas // 2)
-
-    def claim_pointers(self, mCounters, grid, nctas, g):
-        """(the claim counter, pair ``g``'s first claim slot, slots per pair): see the counter
-        layout in the module docstring."""
-        cap = self.claim_cap(grid, nctas)
-        counter = mCounters.iterator + COUNTER_L2_FULL + 2 * grid.num_rows
-        return counter, counter + 1 + g * cap, cap
-
-    @cute.jit
-    def claim_tile(self, counter, slots, j: Int32, cap: Int32, total: Int32) -> Int32:
-        """The pair's leader producer warp: claim the pair's ``j``-th tile -- the next index of
-        the grid-wide order, or the end mark ``total`` once the order is used up or the pair's
-        slots are (kernel_config.claim_slots) -- and publish it (+1) in slot ``j``. Returns it on
-        every lane."""
-        t = total
-        if cute.arch.lane_idx() == 0:
-            if j < cap - 1:
-                t = cutlass.min(xdev.atomic_add_relaxed(counter, Int32(1), "gpu"), total)
-            xdev.store_relaxed(slots + j, t + 1, "gpu")
-        return cute.arch.shuffle_sync(t, 0)
-
-    @cute.jit
-    def read_claim(self, slots, j: Int32, total: Int32, err) -> Int32:
-        """The pair's ``j``-th claimed tile: a poll of slot ``j`` bounded by ``claim_polls``; on
-        timeout the error word is set and the end mark ``total`` returned (the role stops)."""
-        v = xdev.load_relaxed(slots + j, "gpu")
-        polls = Int32(0)
-        while v == 0 and polls < self.claim_polls:
-            xdev.nanosleep(Int32(CLAIM_POLL_NS))
-            v = xdev.load_relaxed(slots + j, "gpu")
-            polls = polls + 1
-        t = v - 1
-        if v == 0:
-            xdev.atomic_or_relaxed(err, Int32(ERR_DEPENDENCY_TIMEOUT), "gpu")
-            t = total
-        return t
-
-    @cute.jit
-    def claimed_tile(self, t: Int32, w: Int32, r: Int32, grid):
-        """(tile fields, w') of claimed tile ``t`` for pair role ``r``: expert_wave first moves
-        its wave cursor ``w`` forward to t's wave (as scheduler.wave_of_tile), then both
-        schedules map t in closed form (Schedule.claimed_tile)."""
-        if const_expr(self.schedule.name == "expert_wave"):
-            per_row = self.pairs_l1 + self.pairs_l2
-            total = total_pair_tiles(grid)
-            while t < total and t >= per_row * grid.wave_row_start[w + 1]:
-                w = w + 1
-        return tile_fields(self.schedule.claimed_tile(t, w, r, grid)), w
 
     @cute.jit
     def wait_dispatched(self, row: Int32, rows_ok: Int32, ok: Boolean, grid, nctas: Int32, timeout: Int64,
@@ -1368,96 +1255,60 @@ class MegaMoESm90:
         return state, ok
 
     @cute.jit
-    def consumer_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, ab_pipe, mCounters, sA, sB, sC, sRowW,
-                       tiled_mma, mTrace, sNext):
+    def consumer_tiles(self, grid, cta: Int32, nctas: Int32, tidx: Int32, ab_pipe, mPeerCombine, mPoolSrc,
+                       mPoolWeight, mPoolX, mH, mW1, mW2, mCounters, max_tokens: Int32,
+                       sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace):
         """Consumer warpgroups: WGMMA over the ring's stages (accumulators in registers), then
         hand the tile to the epilogue warps: wait until the staging tile is free (EMPTY), write
         the bf16 output into it (L1: SwiGLU x routing weight computed in registers; L2: the
         rounded accumulators), arrive on FULL and go straight to the next tile's mainloop
         while the epilogue warps store it (h / Combine remote stores). After a timed-out ring
-        wait (error word set) a thread waits no more (and still takes part in the handoff).
-        The next tile's step (its row-record load) is issued before this tile's mainloop; with
-        claimed tiles that step reads the pair's next claim, which then reaches the epilogue
-        warps through ``sNext`` in the handoff (hand_off), so both sides of the named-barrier
-        handoff walk the same tiles."""
+        wait (error word set) a thread waits no more (and still takes part in the handoff)."""
         frags = self.consumer_fragments(tiled_mma, tidx, sA, sB)
         g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
         n_tile = Int32(0)
-        if const_expr(self.dynamic):
-            _, slots, _ = self.claim_pointers(mCounters, grid, nctas, g)
-            total = total_pair_tiles(grid)
-            j = Int32(0)
-            t, w, cur = self.next_claimed_tile(mCounters, slots, j, total, Int32(0), r, grid)
-            while t < total:
-                # One claim ahead, as the strided deal's step: the pair's producer claims it as it
-                # starts this tile, a ring's lead before the consumers get here.
-                j = j + 1
-                t_next, w, ahead = self.next_claimed_tile(mCounters, slots, j, total, w, r, grid)
-                state, ok = self.consumer_tile(Tile(*cur), ab_pipe, state, ok, mCounters, frags, sC, sRowW, sNext,
-                                               t_next, tidx, cta, n_tile, mTrace)
+        # One step ahead: the step of the next tile (its row-record load) is issued before this
+        # tile's mainloop and used after it, so the load latency does not sit between tiles.
+        first, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+        cur = tile_fields(first)
+        n0, n1 = Int32(nxt[0]), Int32(nxt[1])
+        while not self.schedule.done((c0, c1), grid):
+            ahead, nxt = self.schedule.step((n0, n1), g, G, r, grid)  # may be past the end: idle
+            tile = Tile(*cur)
+            if tile.valid > 0:
+                t0 = self.timestamp()
+                k0 = self.cycle_stamp()
+                count = tile.count
+                # split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split
+                # over the two consumer warpgroups (half the WGMMA work; same ring stages).
+                half = Boolean(False)
+                if const_expr(self.split_tail):
+                    half = count - tile.m_block * self.block_m <= 64
+                t1 = Int64(0)
+                t2 = Int64(0)
+                k2 = Int64(0)
+                if tile.phase == PHASE_L1:
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half, self.hidden // BLOCK_K)
+                    t2 = self.timestamp()
+                    k2 = self.cycle_stamp()
+                    self.hand_off(frags, half, sC, sRowW, True, 0)
+                else:
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half,
+                                                  self.intermediate // BLOCK_K)
+                    t2 = self.timestamp()
+                    k2 = self.cycle_stamp()
+                    # BN output columns in l2_handoffs parts (2: the staging tile is half as wide,
+                    # so the ring can have a fourth stage at 128 x 256)
+                    for part in cutlass.range_constexpr(self.l2_handoffs):
+                        self.hand_off(frags, half, sC, sRowW, False, part)
+                if const_expr(self.trace):
+                    self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
                 n_tile = n_tile + 1
-                t = t_next
-                cur = ahead
-        else:
-            # One step ahead: the step of the next tile (its row-record load) is issued before
-            # this tile's mainloop and used after it, so the load latency does not sit between tiles.
-            first, nxt = self.schedule.step((c0, c1), g, G, r, grid)
-            cur = tile_fields(first)
+            c0, c1 = n0, n1
+            cur = tile_fields(ahead)
             n0, n1 = Int32(nxt[0]), Int32(nxt[1])
-            while not self.schedule.done((c0, c1), grid):
-                ahead, nxt = self.schedule.step((n0, n1), g, G, r, grid)  # may be past the end: idle
-                tile = Tile(*cur)
-                if tile.valid > 0:
-                    state, ok = self.consumer_tile(tile, ab_pipe, state, ok, mCounters, frags, sC, sRowW, sNext,
-                                                   Int32(0), tidx, cta, n_tile, mTrace)
-                    n_tile = n_tile + 1
-                c0, c1 = n0, n1
-                cur = tile_fields(ahead)
-                n0, n1 = Int32(nxt[0]), Int32(nxt[1])
-
-    @cute.jit
-    def consumer_tile(self, tile, ab_pipe, state, ok: Boolean, mCounters, frags, sC, sRowW, sNext, t_next: Int32,
-                      tidx: Int32, cta: Int32, n_tile: Int32, mTrace):
-        """One tile of the consumers: the WGMMA mainloop (K = H for L1, I for L2), then the
-        handoff (L1: all h columns at once; L2: the BN output columns in l2_handoffs parts --
-        2: the staging tile is half as wide, so the ring can have a fourth stage at 128 x 256).
-        split_tail: an m-block with <= 64 valid rows runs as a 64 x BN tile, N split over the
-        two consumer warpgroups (half the WGMMA work; same ring stages). Claimed tiles: the
-        pair's next claim ``t_next`` goes along to the epilogue warps (hand_off). Each phase's
-        mainloop and handoff sit in one branch (a branch for each kept the accumulators live
-        across a join, and ptxas serialized the WGMMAs). Returns (state, ok)."""
-        t0 = self.timestamp()
-        k0 = self.cycle_stamp()
-        count = tile.count
-        half = Boolean(False)
-        if const_expr(self.split_tail):
-            half = count - tile.m_block * self.block_m <= 64
-        t1 = Int64(0)
-        t2 = Int64(0)
-        k2 = Int64(0)
-        if tile.phase == PHASE_L1:
-            state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half, self.hidden // BLOCK_K)
-            t2 = self.timestamp()
-            k2 = self.cycle_stamp()
-            self.hand_off(frags, half, sC, sRowW, True, 0, sNext, t_next, tidx)
-        else:
-            state, t1, ok = self.tile_mma(ab_pipe, state, ok, mCounters, frags, half, self.intermediate // BLOCK_K)
-            t2 = self.timestamp()
-            k2 = self.cycle_stamp()
-            for part in cutlass.range_constexpr(self.l2_handoffs):
-                self.hand_off(frags, half, sC, sRowW, False, part, sNext, t_next, tidx)
-        if const_expr(self.trace):
-            self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
-        return state, ok
-
-    @cute.jit
-    def next_claimed_tile(self, mCounters, slots, j: Int32, total: Int32, w: Int32, r: Int32, grid):
-        """Claimed tiles: (claim j, wave cursor, tile fields) of the pair's j-th tile."""
-        t = self.read_claim(slots, j, total, mCounters.iterator + COUNTER_ERROR)
-        fields, w = self.claimed_tile(t, w, r, grid)
-        return t, w, fields
 
     def stage_index(self, m, c):
         """Index of word ``c`` of row ``m`` in the staging tile (BM x stage_words 32-bit words,
@@ -1470,103 +1321,76 @@ class MegaMoESm90:
         return m * words + (c ^ (((m // rows_per_line) % groups) * 4))
 
     @cute.jit
-    def hand_off(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr,
-                 sNext, t_next: Int32, tidx: Int32):
+    def hand_off(self, frags, half: Boolean, sO, sRowW, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """Consumers: wait until the staging tile is free (EMPTY), stage the output (L1: all
-        BN/2 h columns; L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL.
-        Claimed tiles: the first part also writes the pair's next claim ``t_next`` to ``sNext``
-        for the epilogue warps. They read it after this tile's last FULL, and the consumers
-        write the next one only after the next EMPTY, which the epilogue warps arrive on after
-        reading: one word suffices."""
+        BN/2 h columns; L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL."""
         cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
-        if const_expr(self.dynamic and part == 0):
-            if tidx == 0:
-                sNext[0] = t_next
         self.stage_output(frags, half, sO, sRowW, swiglu_l1, part)
         cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
 
     @cute.jit
     def epilogue_tiles(self, grid, cta: Int32, nctas: Int32, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight,
-                       mH, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr, sNext):
-        """Epilogue warps (``num_epi_threads`` of the producer warpgroup's other threads, ``et`` =
-        index among them): the same tiles as the consumers, :meth:`epilogue_tile` each. Claimed
-        tiles: the first from its claim slot, each next one from ``sNext`` (see hand_off)."""
+                       mH, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr):
+        """Epilogue warps (``num_epi_threads`` of the producer warpgroup's other threads, ``et`` = index
+        among them): per tile of the same schedule, (1) the rows' metadata into shared memory
+        (L1: routing weight, used by the consumers' SwiGLU; L2: the Combine destination
+        address ``peer[src] + combine[pick, tok]``), arrive EMPTY; (2) sync FULL, copy the staged
+        bf16 rows out with 16-byte stores: L1 into h, then publish h (proxy fence, barrier,
+        one release increment of the row counter); L2 straight into the source ranks'
+        Combine slots (the X-Stage remote stores, issued while the consumers already run the
+        next mainloop)."""
         g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
-        if const_expr(self.dynamic):
-            _, slots, _ = self.claim_pointers(mCounters, grid, nctas, g)
-            total = total_pair_tiles(grid)
-            t = self.read_claim(slots, Int32(0), total, mCounters.iterator + COUNTER_ERROR)
-            w = Int32(0)
-            while t < total:
-                fields, w = self.claimed_tile(t, w, r, grid)
-                self.epilogue_tile(Tile(*fields), et, mPeerCombine, mPoolSrc, mPoolWeight, mH, mCounters,
-                                   max_tokens, sO, sRowW, sRowAddr)
-                t = sNext[0]  # after the tile's last FULL barrier
-        else:
-            while not self.schedule.done((c0, c1), grid):
-                tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
-                if tile.valid > 0:
-                    self.epilogue_tile(tile, et, mPeerCombine, mPoolSrc, mPoolWeight, mH, mCounters, max_tokens, sO,
-                                       sRowW, sRowAddr)
-                c0 = Int32(nxt[0])
-                c1 = Int32(nxt[1])
-
-    @cute.jit
-    def epilogue_tile(self, tile, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight, mH, mCounters, max_tokens: Int32,
-                      sO, sRowW, sRowAddr):
-        """One tile of the epilogue warps: (1) the rows' metadata into shared memory (L1:
-        routing weight, used by the consumers' SwiGLU; L2: the Combine destination address
-        ``peer[src] + combine[pick, tok]``), arrive EMPTY; (2) sync FULL, copy the staged bf16
-        rows out with 16-byte stores: L1 into h, then publish h (proxy fence, barrier, one
-        release increment of the row counter); L2 straight into the source ranks' Combine
-        slots (the X-Stage remote stores, issued while the consumers already run the next
-        mainloop)."""
         chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
         chunks = self.stage_words // 4  # L2, BN / l2_handoffs output columns
-        tok0, count = tile.tok0, tile.count
-        row0 = tok0 + tile.m_block * self.block_m
-        rows = cutlass.min(count - tile.m_block * self.block_m, self.block_m)
-        m = et
-        while m < rows:
-            if tile.phase == PHASE_L1:
-                sRowW[m] = mPoolWeight[row0 + m]
-            else:
-                sRowAddr[m] = xdev.peer_address(
-                    mPeerCombine, mPoolSrc[row0 + m, 0],
-                    self.combine_row_offset(mPoolSrc[row0 + m, 1], mPoolSrc[row0 + m, 2], max_tokens))
-            m = m + self.num_epi_threads
-        cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
-        cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
-        if tile.phase == PHASE_L1:
-            h_base = Int64(mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
-            u = et
-            while u < rows * chunks_l1:
-                m, c = u // chunks_l1, u % chunks_l1
-                k = self.stage_index(m, 4 * c)
-                xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
-                              sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
-                u = u + self.num_epi_threads
-            # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
-            cute.arch.fence_proxy("async.global")
-            self.epi_sync()
-            if et == 0:
-                cute.arch.fence_acq_rel_gpu()
-                xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
-        else:
-            for part in cutlass.range_constexpr(self.l2_handoffs):  # the consumers' handoffs
-                if const_expr(part > 0):
-                    # part 0 read out: the staging tile is free for part 1
-                    cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID,
-                                             number_of_threads=self.handoff_threads())
-                    cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
-                col0 = tile.n_block * self.block_n + part * (self.block_n // self.l2_handoffs)
-                u = et
-                while u < rows * chunks:
-                    m, c = u // chunks, u % chunks
-                    k = self.stage_index(m, 4 * c)
-                    xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
-                    u = u + self.num_epi_threads
-            self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
+        while not self.schedule.done((c0, c1), grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+            if tile.valid > 0:
+                tok0, count = tile.tok0, tile.count
+                row0 = tok0 + tile.m_block * self.block_m
+                rows = cutlass.min(count - tile.m_block * self.block_m, self.block_m)
+                m = et
+                while m < rows:
+                    if tile.phase == PHASE_L1:
+                        sRowW[m] = mPoolWeight[row0 + m]
+                    else:
+                        sRowAddr[m] = xdev.peer_address(
+                            mPeerCombine, mPoolSrc[row0 + m, 0],
+                            self.combine_row_offset(mPoolSrc[row0 + m, 1], mPoolSrc[row0 + m, 2], max_tokens))
+                    m = m + self.num_epi_threads
+                cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
+                cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
+                if tile.phase == PHASE_L1:
+                    h_base = Int64(mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
+                    u = et
+                    while u < rows * chunks_l1:
+                        m, c = u // chunks_l1, u % chunks_l1
+                        k = self.stage_index(m, 4 * c)
+                        xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
+                                      sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
+                        u = u + self.num_epi_threads
+                    # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
+                    cute.arch.fence_proxy("async.global")
+                    self.epi_sync()
+                    if et == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+                else:
+                    for part in cutlass.range_constexpr(self.l2_handoffs):  # the consumers' handoffs
+                        if const_expr(part > 0):
+                            # part 0 read out: the staging tile is free for part 1
+                            cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID,
+                                                     number_of_threads=self.handoff_threads())
+                            cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
+                        col0 = tile.n_block * self.block_n + part * (self.block_n // self.l2_handoffs)
+                        u = et
+                        while u < rows * chunks:
+                            m, c = u // chunks, u % chunks
+                            k = self.stage_index(m, 4 * c)
+                            xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
+                            u = u + self.num_epi_threads
+                    self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
 
     def consumer_fragments(self, tiled_mma, tidx, sA, sB):
         """This thread's WGMMA fragments: ``full`` = (tiled_mma, acc, tCrA, tCrB, tCcC) of the

@@ -49,25 +49,6 @@ rows of later waves are larger; row p* <= q, so T (L1, row p*) is at a smaller
 global index than c's head -- contradiction. Hence some head is always runnable.
 (D = 0 breaks the argument: an L2 tile of row p could precede the same CTA's L1
 tiles of row p; :func:`interleaved_step` therefore requires D >= 1.)
-
-Claimed tiles (``Schedule.dynamic``)
-------------------------------------
-Instead of pair g taking every G-th tile, the pairs claim the tiles of one grid-wide order
-at run time from an atomic counter, so a pair that runs late takes fewer tiles and the
-pairs end together (the strided deal leaves pairs with one L1 tile more than others and
-pairs of equal counts apart by the tiles' run-time spread: ~55 us of median tail per rank
-kernel at DeepSeek-V4-Flash, P = 8). The grid-wide order is the schedule's order with one
-instance (G = 1): expert_wave's global order, or Algorithm 1 applied to the grid-wide
-cursors -- the first D rows' L1 tiles, then row i's L2 tiles followed by row i + D's L1
-tiles, then the last D rows' L2 tiles (:func:`interleaved_global_tile`, a closed form).
-Each claim takes the next index, so every pair's sequence is increasing in the global
-order. Deadlock freedom: every row's L1 tiles precede its L2 tiles in the global order.
-Take the unfinished tile T with the smallest global index. Its pair claimed every earlier
-tile of its sequence before T, each with a smaller index, so all are finished and T is the
-pair's head; if T is an L2 tile, the L1 tiles it waits for have smaller indices and are
-finished too. So T can run. (An unclaimed T: every claimed tile is smaller, hence finished,
-so every pair is free to claim it.) A pair claims its next tile while it runs the current
-one; that does not change the argument.
 """
 from __future__ import annotations
 
@@ -357,37 +338,6 @@ def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
     return _tile(grid, valid, phase, row, pair, r), nxt
 
 
-def total_pair_tiles(grid: RowGrid):
-    """Pair tiles of both streams: the length of the grid-wide order."""
-    return grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
-
-
-def interleaved_global_tile(t, r, grid: RowGrid, lead):
-    """Tile ``t`` of the grid-wide interleaved order (Algorithm 1 with one instance, G = 1):
-    L1 of rows [0, n0) with n0 = min(D, P); then for i in [0, P - n0): the P2 L2 tiles of
-    row i, then the P1 L1 tiles of row i + D; then the L2 tiles of rows [P - n0, P). Equal to
-    ``enumerate_order(Schedule("interleaved", lead), grid, 0, 1, r)[t]`` (tested); valid = 0
-    for t >= :func:`total_pair_tiles`."""
-    P, P1, P2 = grid.num_rows, grid.pairs_l1, grid.pairs_l2
-    per = P1 + P2
-    n0 = select(lead < P, lead, P)
-    pro = n0 * P1  # the warm-up: L1 tiles only
-    in_pro = t < pro
-    jj = select(in_pro, 0, t - pro)
-    blk = jj // per
-    w = jj % per
-    mid_rows = P - n0
-    in_mid = logical_and(logical_not(in_pro), blk < mid_rows)
-    kk = select(in_mid, 0, jj - mid_rows * per)  # the L2-only tail (>= 0 there)
-    mid_l2 = w < P2
-    is_l2 = logical_and(logical_not(in_pro), logical_or(logical_not(in_mid), mid_l2))
-    row = select(in_pro, t // P1, select(in_mid, select(mid_l2, blk, blk + n0), mid_rows + kk // P2))
-    pair = select(in_pro, t % P1, select(in_mid, select(mid_l2, w, w - P2), kk % P2))
-    valid = as_int(t < total_pair_tiles(grid))
-    row = select(valid > 0, row, 0)
-    return _tile(grid, valid, select(is_l2, PHASE_L2, PHASE_L1), row, pair, r)
-
-
 def schedule_table(schedule: "Schedule", grid: RowGrid) -> List[int]:
     """The schedule's small int32 table for the kernel (one argument serves both): expert_wave
     reads it as ``wave_row_start``, interleaved with ``balance_l2`` as ``l2_start``."""
@@ -448,7 +398,6 @@ class Schedule:
     name: str
     lead: int = 1
     balance_l2: bool = False  # interleaved: see interleaved_init
-    dynamic: bool = False  # pairs claim tiles of the grid-wide order at run time (module docstring)
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
@@ -457,8 +406,6 @@ class Schedule:
             raise ValueError(f"lead D must be >= 1, got {self.lead}")
         if self.balance_l2 and self.name != "interleaved":
             raise ValueError("balance_l2 applies to the interleaved schedule only")
-        if self.balance_l2 and self.dynamic:
-            raise ValueError("balance_l2 deals the strided order; claimed tiles (dynamic) need no balancing")
 
     def init(self, g, grid: RowGrid):
         if self.name == "interleaved":
@@ -474,55 +421,6 @@ class Schedule:
         if self.name == "interleaved":
             return interleaved_step(cursor, g, G, r, grid, self.lead)
         return expert_wave_step(cursor, g, G, r, grid)
-
-
-    def claimed_tile(self, t, w, r, grid: RowGrid) -> Tile:
-        """Tile ``t`` of the grid-wide order for pair role ``r`` (dynamic); valid = 0 for t past
-        the end. expert_wave needs ``w`` = the wave holding t (:func:`wave_of_tile`: a pair's
-        claims increase, so callers move one cursor forward); interleaved ignores it."""
-        if self.name == "interleaved":
-            return interleaved_global_tile(t, r, grid, self.lead)
-        tile, _ = expert_wave_step((t, w), 0, 0, r, grid)
-        return tile
-
-
-def wave_of_tile(t: int, w: int, grid: RowGrid) -> int:
-    """expert_wave: the wave of global pair tile ``t`` < :func:`total_pair_tiles`, searched
-    forward from wave ``w`` (Python; the kernel has the same loop in
-    ``MegaMoESm90.claimed_tile``)."""
-    per_row = grid.pairs_l1 + grid.pairs_l2
-    while t < total_pair_tiles(grid) and t >= per_row * grid.wave_row_start[w + 1]:
-        w += 1
-    return w
-
-
-def global_order(schedule: Schedule, grid: RowGrid, r: int = 0) -> List[Tile]:
-    """Python reference: the grid-wide order that pairs claim from (``Schedule.dynamic``)."""
-    out, w = [], 0
-    for t in range(total_pair_tiles(grid)):
-        w = wave_of_tile(t, w, grid) if schedule.name == "expert_wave" else w
-        out.append(schedule.claimed_tile(t, w, r, grid))
-    return out
-
-
-def enumerate_claimed(schedule: Schedule, grid: RowGrid, num_ctas: int, cost=None) -> List[List[Tile]]:
-    """Python reference of the claimed (dynamic) deal: the pairs claim the grid-wide order's
-    tiles in turn, each claim going to the pair that frees up first (list scheduling with
-    ``cost(tile)`` per tile, default 1; ties to the lowest pair). Returns every CTA's
-    sequence (CTA c = pair c // 2, role c % 2), as :func:`enumerate_all`."""
-    if num_ctas % 2:
-        raise ValueError("number of CTAs must be even (pairs)")
-    import heapq
-
-    G = num_ctas // 2
-    free = [(0.0, g) for g in range(G)]
-    seqs: List[List[Tile]] = [[] for _ in range(num_ctas)]
-    for tiles in zip(global_order(schedule, grid, 0), global_order(schedule, grid, 1)):
-        at, g = heapq.heappop(free)
-        for r in (0, 1):
-            seqs[2 * g + r].append(tiles[r])
-        heapq.heappush(free, (at + (1.0 if cost is None else cost(tiles[0])), g))
-    return seqs
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:

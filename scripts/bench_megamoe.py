@@ -195,11 +195,10 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "dynamic_tiles")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
-                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("dynamic_tiles", "dyn"))
+                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
 
@@ -214,7 +213,7 @@ def kernel_config_ok(hidden, intermediate, kw) -> bool:
 
     accepted = set(inspect.signature(MegaMoESm90).parameters) - {"hidden", "intermediate", "schedule"}
     kernel_options = {name: value for name, value in kw.items() if name in accepted and name not in DISPATCH_OPTIONS}
-    schedule = Schedule(kw["schedule"], lead=1, dynamic=bool(kw.get("dynamic_tiles")))
+    schedule = Schedule(kw["schedule"], lead=1)
     try:  # the Dispatch options resolved as the API resolves them
         kernel_options.update(resolve_dispatch_options(hidden, intermediate, schedule, kernel_options,
                                                        kw.get("num_sms", MEGAMOE_DEFAULT_SMS),
@@ -471,9 +470,6 @@ def main():
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
-    ap.add_argument("--dynamic-tiles", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="CTA pairs take every G-th tile (0) / claim the grid-wide order's tiles from a counter (1), "
-                         "side by side (default: the API's)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

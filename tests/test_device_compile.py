@@ -33,8 +33,6 @@ def helper_ptx():
             ok = xd.spin_wait_ge(flags.iterator + 1, Int32(5), timeout, err.iterator)
             v = xd.load_acquire(flags.iterator + 3, "sys")
             r = xd.load_relaxed(flags.iterator + 5, "gpu")
-            n = xd.atomic_add_relaxed(flags.iterator + 6, 1, "gpu")
-            xd.store_relaxed(flags.iterator + 7, n + 1, "gpu")
             out[bidx, 0] = xd.globaltimer_ns() - t0 + Int64(v) + Int64(r) + Int64(ok)
             out[bidx, 1] = xd.clock64() - c0
             out[bidx, 2] = Int64(xd.smid())
@@ -70,8 +68,6 @@ def helper_ptx():
         r"ld\.acquire\.sys\.global\.b32",
         r"ld\.relaxed\.gpu\.global\.b32",
         r"atom(\.relaxed\.gpu)?\.global\.or\.b32",
-        r"atom(\.relaxed\.gpu)?\.global\.add\.(s|u)32",  # atom's default: .relaxed.gpu
-        r"st\.relaxed\.gpu\.global\.b32",
         r"bar\.sync",
     ],
 )

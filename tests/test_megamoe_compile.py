@@ -1,5 +1,4 @@
 """CPU compile checks (sm_90a) of the MoE kernels for both schedulers."""
-import dataclasses
 import os
 import re
 
@@ -398,16 +397,8 @@ def _cuobjdump():
     return path if os.path.exists(path) else None
 
 
-def _with_claims(schedule, spec: str):
-    """``schedule`` with claimed tiles (dynamic) when the spec carries "/dyn"."""
-    if "dyn" not in spec.split("/"):
-        return schedule
-    return dataclasses.replace(schedule, dynamic=True, balance_l2=False)
-
-
 def _dispatch_options(spec: str) -> dict:
-    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep][/dyn]" (dyn: claimed
-    tiles, see _with_claims)."""
+    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep]"."""
     copy, *flags = spec.split("/")
     window = next((int(f[1:]) for f in flags if f.startswith("W")), 0)
     return dict(dispatch_copy=copy, dispatch_evict_first="ef" in flags, dispatch_window=window,
@@ -421,9 +412,6 @@ def _dispatch_options(spec: str) -> dict:
                           ("tma_ws_mcast_b", 256, 3, False, "bulk"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5/dyn"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/dyn"),
-                          ("tma_ws_mcast_b", 256, 4, False, "lsu/dyn"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
 def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
@@ -445,9 +433,8 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
         pytest.skip("no cuobjdump (CUDA toolkit or triton)")
     d = tmp_path / "cubin"
     d.mkdir()
-    compile_megamoe_sm90(4096, 2048, _with_claims(schedule, dispatch), options=f"--keep-cubin --dump-dir={d}",
-                         block_m=128, block_n=block_n, mma=mma, stages=stages, trace=trace,
-                         **_dispatch_options(dispatch))
+    compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
+                         block_n=block_n, mma=mma, stages=stages, trace=trace, **_dispatch_options(dispatch))
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -585,46 +572,3 @@ def test_setmaxnreg_fits_the_launch_register_pool():
     for n in (AUX_WARPGROUP_REGS, MMA_WARPGROUP_REGS):
         assert n % 8 == 0 and 24 <= n <= 256
     assert AUX_WARPGROUP_REGS < launch_regs < MMA_WARPGROUP_REGS
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
-@pytest.mark.parametrize("name", ["expert_wave", "interleaved"])
-def test_claimed_tiles_ptx(tmp_path, name, mma):
-    """Claimed tiles (Schedule.dynamic) compile for every warp-specialized kind: the leader's
-    claim is one atomic add on the counter and a relaxed store to its slot, the readers poll
-    with nanosleep (counted, no timer); the strided build has neither."""
-    kw = dict(block_m=128, block_n=128, mma=mma, stages=2)
-    (tmp_path / "claimed").mkdir()
-    (tmp_path / "strided").mkdir()
-    claimed = _compile_ptx(tmp_path / "claimed", 256, 128, Schedule(name, lead=2, dynamic=True), **kw)
-    strided = _compile_ptx(tmp_path / "strided", 256, 128, Schedule(name, lead=2), **kw)
-    assert re.search(r"atom(\.relaxed\.gpu)?\.global\.add\.(s|u)32", claimed)
-    assert re.search(r"st\.relaxed\.gpu\.global\.b32", claimed)
-    assert re.search(r"nanosleep\.u32", claimed)
-    assert not re.search(r"atom(\.relaxed\.gpu)?\.global\.add", strided)
-    assert not re.search(r"nanosleep", strided)
-
-
-def test_claimed_tiles_validation():
-    """Claimed tiles need a warp-specialized kind; the API turns balance_l2 off with them and
-    sizes the counter workspace (and the trace) for the claim area."""
-    from megamoe_interleave.api import MegaMoE, make_world
-    from megamoe_interleave.kernel_config import claim_words
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90
-
-    with pytest.raises(ValueError, match="claimed tiles"):
-        MegaMoESm90(256, 128, Schedule("expert_wave", dynamic=True), block_n=64, mma="wgmma")
-    world = make_world("loopback", world_size=2, device="cpu")
-    with pytest.raises(ValueError, match="dynamic_tiles"):
-        MegaMoE(world, num_experts=16, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64,
-                mma="wgmma", dynamic_tiles=True)
-    moe = MegaMoE(world, num_experts=16, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64,
-                  schedule="interleaved", block_m=128, block_n=64, mma="tma_ws_mcast_b", dynamic_tiles=True,
-                  num_sms=8)
-    plain = MegaMoE(world, num_experts=16, hidden=256, intermediate=128, topk=2, max_tokens_per_rank=64,
-                    schedule="interleaved", block_m=128, block_n=64, mma="tma_ws_mcast_b", num_sms=8)
-    assert moe.schedule.dynamic and not moe.schedule.balance_l2 and plain.schedule.balance_l2
-    # tma_ws_mcast_b pair tiles per row: 2I / BN = 4 (L1), H / BN = 4 (L2)
-    assert moe.counter_words(10, 4) == plain.counter_words(10, 4) + claim_words(10, 4, 4, 4)
-    assert moe.buffer.counters[0].numel() >= moe.counter_words(10, 4)

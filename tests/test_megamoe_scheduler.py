@@ -13,12 +13,9 @@ from megamoe_interleave.scheduler import (
     d_knee,
     default_lead,
     enumerate_all,
-    enumerate_claimed,
     enumerate_order,
-    global_order,
     make_row_grid,
     tile_key,
-    total_pair_tiles,
 )
 
 grids = st.builds(
@@ -324,122 +321,3 @@ def test_d_knee_eq16():
     assert d_knee(128, 132, 2048) == pytest.approx(128 * 132 / 4096)
     assert default_lead(128, 132, 2048) == 5
     assert default_lead(128, 2, 4096) == 1
-
-
-# ---------------------------------------------------------------------------
-# Claimed tiles (Schedule.dynamic): pairs claim the grid-wide order's tiles at run time
-# ---------------------------------------------------------------------------
-claimed_schedules = st.one_of(
-    st.just(Schedule("expert_wave", dynamic=True)),
-    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d, dynamic=True)),
-)
-
-
-@settings(max_examples=150, deadline=None)
-@given(grids, claimed_schedules)
-def test_global_order_is_the_one_pair_order(grid, schedule):
-    """The grid-wide order the pairs claim from (interleaved: a closed form in the kernel) is the
-    schedule's own order for a single pair (G = 1): Algorithm 1 on the grid-wide cursors."""
-    one_pair = Schedule(schedule.name, lead=schedule.lead)
-    for r in (0, 1):
-        got = global_order(schedule, grid, r)
-        assert all(t.valid == 1 for t in got) and len(got) == total_pair_tiles(grid)
-        assert [tile_key(t) for t in got] == [tile_key(t) for t in enumerate_order(one_pair, grid, 0, 1, r)]
-
-
-@settings(max_examples=100, deadline=None)
-@given(grids, claimed_schedules, cta_counts, st.randoms(use_true_random=False), st.integers(1, 4),
-       st.sampled_from(["started", "done"]))
-def test_claimed_deal_is_a_valid_order(grid, schedule, num_ctas, rnd, window, pace):
-    """Whatever the tiles' run times, the claimed deal emits every tile once, the CTAs of a pair
-    walk the same tiles, every CTA keeps invariant I, and neither the dependency simulation nor
-    the windowed Dispatch deadlocks."""
-    costs = {}
-
-    def cost(tile):
-        return costs.setdefault(tile_key(tile), rnd.uniform(0.2, 3.0))
-
-    seqs = enumerate_claimed(schedule, grid, num_ctas, cost)
-    keys = [tile_key(t) for seq in seqs for t in seq]
-    assert len(keys) == len(set(keys)) and set(keys) == _all_tiles(grid)
-    for a, b in zip(seqs[0::2], seqs[1::2]):
-        assert [(t.phase, t.row) for t in a] == [(t.phase, t.row) for t in b]
-    for seq in seqs:
-        l2_rows = set()
-        for t in seq:
-            assert t.phase == PHASE_L2 or t.row not in l2_rows
-            if t.phase == PHASE_L2:
-                l2_rows.add(t.row)
-    assert _simulate_deadlock_free(seqs, 2 * grid.pairs_l1)
-    assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, window, pace)
-
-
-def _simulate_claims(order, l1_per_row, num_pairs, rnd, ahead):
-    """The run-time claim protocol in a random interleaving: a pair holds up to ``ahead`` + 1
-    claimed, unfinished tiles (the kernel: the current one and the next), claims the next
-    index of ``order`` (pair tiles) when it holds fewer -- or, at random, later -- and finishes
-    its oldest claim once that tile is ready (L1: always; L2: all ``l1_per_row`` L1 pair tiles
-    of its row finished). Returns True if every tile gets done, False on a deadlock."""
-    claimed = [[] for _ in range(num_pairs)]
-    nxt = 0
-    l1_done = Counter()
-    finished = 0
-    while finished < len(order):
-        progressed = declined = False
-        for g in rnd.sample(range(num_pairs), num_pairs):
-            if len(claimed[g]) <= ahead and nxt < len(order):
-                if rnd.random() < 0.7:  # a pair may be slow to come back for its next claim
-                    claimed[g].append(nxt)
-                    nxt += 1
-                    progressed = True
-                else:
-                    declined = True
-            if claimed[g]:
-                t = order[claimed[g][0]]
-                if t.phase == PHASE_L1 or l1_done[t.row] == l1_per_row:
-                    l1_done[t.row] += t.phase == PHASE_L1
-                    claimed[g].pop(0)
-                    finished += 1
-                    progressed = True
-        if not progressed and not declined:  # no pair could claim nor finish
-            return False
-    return True
-
-
-@settings(max_examples=100, deadline=None)
-@given(grids, claimed_schedules, st.integers(1, 6), st.randoms(use_true_random=False), st.integers(1, 3))
-def test_claims_on_demand_cannot_deadlock(grid, schedule, num_pairs, rnd, ahead):
-    """The run-time protocol (scheduler module docstring) finishes every tile, in any
-    interleaving of the pairs, for both grid-wide orders."""
-    assert _simulate_claims(global_order(schedule, grid, 0), grid.pairs_l1, num_pairs, rnd, ahead)
-
-
-def test_claims_on_demand_simulation_can_fail():
-    """The protocol simulation detects a deadlock: in an order with a row's L2 tile before its
-    L1 tile, a pair holding the L2 tile and nothing ahead of it waits for good."""
-    import random
-
-    from megamoe_interleave.scheduler import Tile
-
-    bad = [Tile(1, PHASE_L2, 0, 0, 0, 0), Tile(1, PHASE_L1, 0, 0, 0, 0)]
-    assert not _simulate_claims(bad, 1, 1, random.Random(0), ahead=0)
-
-
-@pytest.mark.parametrize("total", [0, 1, 7, 64, 1000, 6656, 13313])
-@pytest.mark.parametrize("pairs", [1, 3, 66])
-def test_claim_slots_leave_no_tile_unclaimed(total, pairs):
-    """A pair stops claiming at its cap (the last slot is the end mark); the caps together
-    cover every tile, so the pairs that stop never leave tiles behind."""
-    from megamoe_interleave.kernel_config import claim_slots, claim_words
-
-    slots = claim_slots(total, pairs)
-    assert (slots - 1) * pairs >= total and slots >= 1
-    assert claim_words(total, 1, 0, pairs) == 1 + pairs * slots
-
-
-def test_claimed_schedule_validation():
-    with pytest.raises(ValueError, match="balance"):
-        Schedule("interleaved", lead=2, balance_l2=True, dynamic=True)
-    grid = make_row_grid([300, 0, 70], block_m=64, n_blocks_l1=4, n_blocks_l2=2)
-    s = Schedule("interleaved", lead=1, dynamic=True)
-    assert s.claimed_tile(total_pair_tiles(grid), 0, 0, grid).valid == 0

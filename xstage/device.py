@@ -320,20 +320,6 @@ def red_add_relaxed(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu",
 
 
 @dsl_user_op
-def store_relaxed(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> None:
-    """``st.relaxed.<scope>.global.b32``: a coherent store that orders nothing."""
-    _check_scope(scope)
-    cute.arch.store(flag.llvm_ptr, Int32(value), sem="relaxed", scope=scope, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def atomic_add_relaxed(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> Int32:
-    """``atom.relaxed.<scope>.global.add.s32``; returns the old value (a work counter)."""
-    _check_scope(scope)
-    return cute.arch.atomic_add(flag.llvm_ptr, Int32(value), sem="relaxed", scope=scope, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def atomic_or_relaxed(flag: cute.Pointer, value, scope: cutlass.Constexpr = "gpu", *, loc=None, ip=None) -> Int32:
     """``atom.relaxed.<scope>.global.or.b32``; returns the old value."""
     _check_scope(scope)
