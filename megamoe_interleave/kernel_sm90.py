@@ -259,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False):
+                 dispatch_keep: bool = False, dispatch_window_tiles: int = 1):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -320,6 +320,11 @@ class MegaMoESm90:
         if dispatch_window < 0 or (dispatch_window and dispatch_copy != "bulk"):
             raise ValueError(f"dispatch_window must be 0, or >= 1 with dispatch_copy='bulk', got {dispatch_window!r}")
         self.dispatch_window = int(dispatch_window)
+        # ... once row r - W has ``dispatch_window_tiles`` finished L1 tiles (1 = the first; up
+        # to all 2 * P1 of them): a finer step than W between the rows in flight and one more.
+        if not 1 <= dispatch_window_tiles <= 2 * pair_tiles_per_row(mma, 2 * intermediate, block_n):
+            raise ValueError(f"dispatch_window_tiles must be in [1, L1 tiles per row], got {dispatch_window_tiles!r}")
+        self.dispatch_window_tiles = int(dispatch_window_tiles)
         # dispatch_keep: the pool stores are evict-last, so the L1 tiles read the rows from L2,
         # and once a row's L1 tiles are all done its pool lines are discarded from L2 (dead
         # scratch: no DRAM write-back, and the pinned lines stay bounded by the window).
@@ -686,7 +691,7 @@ class MegaMoESm90:
         :meth:`dispatch_rows` holds.
 
         ``dispatch_window`` W >= 1: before copying row r >= W the thread waits (bounded) until row
-        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). The deadlock argument extends
+        r - W has ``dispatch_window_tiles`` K finished L1 tiles (``l2_full[r - W] >= K``). The deadlock argument extends
         (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock): take the
         lowest row r at which some dispatch thread waits; every dispatch thread is past r - W,
         so row r - W is dispatched, and the tiles ahead of its L1 tiles in their CTAs' sequences
@@ -712,7 +717,7 @@ class MegaMoESm90:
         while row < row_end and ok:
             if const_expr(self.dispatch_window > 0):
                 if row >= self.dispatch_window:
-                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.dispatch_window), Int32(1),
+                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.dispatch_window), Int32(self.dispatch_window_tiles),
                                                  self.dispatch_polls, DISPATCH_POLL_NS, err, ERR_DEPENDENCY_TIMEOUT)
                 if const_expr(self.dispatch_keep):
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
