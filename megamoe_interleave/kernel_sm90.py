@@ -259,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, dispatch_window_tiles: int = 1):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -320,11 +320,6 @@ class MegaMoESm90:
         if dispatch_window < 0 or (dispatch_window and dispatch_copy != "bulk"):
             raise ValueError(f"dispatch_window must be 0, or >= 1 with dispatch_copy='bulk', got {dispatch_window!r}")
         self.dispatch_window = int(dispatch_window)
-        # ... once row r - W has ``dispatch_window_tiles`` finished L1 tiles (1 = the first; up
-        # to all 2 * P1 of them): a finer step than W between the rows in flight and one more.
-        if not 1 <= dispatch_window_tiles <= 2 * pair_tiles_per_row(mma, 2 * intermediate, block_n):
-            raise ValueError(f"dispatch_window_tiles must be in [1, L1 tiles per row], got {dispatch_window_tiles!r}")
-        self.dispatch_window_tiles = int(dispatch_window_tiles)
         # dispatch_keep: the pool stores are evict-last, so the L1 tiles read the rows from L2,
         # and once a row's L1 tiles are all done its pool lines are discarded from L2 (dead
         # scratch: no DRAM write-back, and the pinned lines stay bounded by the window).
@@ -681,17 +676,15 @@ class MegaMoESm90:
         (whole rows), each row in ``bulk_pieces`` pieces: bulk load of the piece from the source
         rank's x into bounce buffer j % 2 (completing on that buffer's mbarrier), then a bulk
         store from the buffer into the pool; the buffer is reused once the store two pieces back
-        has read it (``wait_group.read``). The first two pieces of the next row are loaded as
-        soon as a row's stores have read the buffers, before the next row's window wait, so a
-        row's source loads are off the path from its window opening to its publication. A row
-        is published like :meth:`dispatch_rows` once all its stores are complete (``wait_group
-        0``, proxy fence, release fence, increment of ``x_ready[row]``). Waits for nothing but its own copies (bounded: a load not landed after
+        has read it (``wait_group.read 1``). A row is published like :meth:`dispatch_rows` once
+        all its stores are complete (``wait_group 0``, proxy fence, release fence, increment of
+        ``x_ready[row]``). Waits for nothing but its own copies (bounded: a load not landed after
         BULK_WAIT_TRIES try_waits sets ERR_RING_TIMEOUT and the thread stops copying; the L1
         producers' bounded waits for the rows then time out too), so the deadlock argument of
         :meth:`dispatch_rows` holds.
 
         ``dispatch_window`` W >= 1: before copying row r >= W the thread waits (bounded) until row
-        r - W has ``dispatch_window_tiles`` K finished L1 tiles (``l2_full[r - W] >= K``). The deadlock argument extends
+        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). The deadlock argument extends
         (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock): take the
         lowest row r at which some dispatch thread waits; every dispatch thread is past r - W,
         so row r - W is dispatched, and the tiles ahead of its L1 tiles in their CTAs' sequences
@@ -699,64 +692,50 @@ class MegaMoESm90:
         row, and for the rows still live after the last one, this CTA's share of the pool lines
         of each row whose L1 tiles are all done is discarded from L2 (:meth:`discard_dead_rows`)."""
         piece = self.bulk_piece_bytes
+        row_bytes = 2 * self.hidden
         ready = mCounters.iterator + COUNTER_L2_FULL + grid.num_rows
         err = mCounters.iterator + COUNTER_ERROR
+        pool_base = Int64(mPoolX.iterator.toint())
         for b in cutlass.range_constexpr(2):
             cute.arch.mbarrier_init(bulk_mbar + b, 1)
         cute.arch.mbarrier_init_fence()
         ok = Boolean(True)
-        j = Int32(0)  # pieces stored so far; piece j uses buffer j % 2 and its mbarrier phase (j // 2) % 2
+        j = Int32(0)  # pieces issued so far: buffer j % 2, its mbarrier phase (j // 2) % 2
         l1_done = mCounters.iterator + COUNTER_L2_FULL  # l2_full[row]: finished L1 tiles of the row
         dead = Int32(0)  # dispatch_keep: rows [0, dead) have had this CTA's pool lines discarded
         row = row_begin
-        # A row's first pieces (up to the two buffers) are loaded ahead, before its window wait,
-        # so that once the window opens only the stores and the publication remain. Loads in
-        # flight: pieces j .. j + inflight - 1 (waited in order).
-        inflight = self.load_row_pieces(mPeerX, mPoolSrc, grid, row, row_end, cta, nctas, bulk_buf, bulk_mbar,
-                                        j, Int32(0), Int32(2))
         while row < row_end and ok:
             if const_expr(self.dispatch_window > 0):
                 if row >= self.dispatch_window:
-                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.dispatch_window), Int32(self.dispatch_window_tiles),
+                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.dispatch_window), Int32(1),
                                                  self.dispatch_polls, DISPATCH_POLL_NS, err, ERR_DEPENDENCY_TIMEOUT)
                 if const_expr(self.dispatch_keep):
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
-            lo, hi = self.slice_of(grid, row, cta, nctas)
-            dst = Int64(mPoolX.iterator.toint()) + Int64(lo) * (2 * self.hidden)
-            k = Int32(0)  # piece of the slice: pool row lo + k // bulk_pieces, piece k % bulk_pieces
-            while k < (hi - lo) * self.bulk_pieces and ok:
-                if inflight == 0:  # not loaded ahead: load it now (the store two pieces back has read its buffer)
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
-                    inflight = self.load_row_pieces(mPeerX, mPoolSrc, grid, row, row_end, cta, nctas, bulk_buf,
-                                                    bulk_mbar, j, k, k + 1)
-                # bounded by a count of try_waits: the %globaltimer loop of
-                # xdev.mbarrier_wait_bounded here made ptxas serialize the consumers' WGMMAs
-                # of the interleaved build
-                ok = ok & xdev.mbarrier_wait_tries(bulk_mbar + j % 2, (j // 2) % 2, BULK_WAIT_TRIES, err,
-                                                   ERR_RING_TIMEOUT)
-                inflight = inflight - 1
-                xdev.bulk_copy_s2g(dst + Int64(k) * piece, bulk_buf + (j % 2) * piece, piece, self.bulk_store_policy)
-                cute.arch.cp_async_bulk_commit_group()
-                j = j + 1
-                k = k + 1
-            # The next row's first pieces into the buffers as soon as these stores have read
-            # them, then this row's publication once the stores are complete.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if ok:
-                inflight = self.load_row_pieces(mPeerX, mPoolSrc, grid, row + 1, row_end, cta, nctas, bulk_buf,
-                                                bulk_mbar, j, Int32(0), Int32(2))
+            p0, n = self.pool_rows_of(grid, row)
+            i = p0 + (cta * n) // nctas
+            while i < p0 + ((cta + 1) * n) // nctas and ok:
+                src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * row_bytes
+                dst = pool_base + Int64(i) * row_bytes
+                for q in cutlass.range_constexpr(self.bulk_pieces):
+                    b = j % 2
+                    buf = bulk_buf + b * piece
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
+                    cute.arch.mbarrier_arrive_and_expect_tx(bulk_mbar + b, piece)
+                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, bulk_mbar + b, self.bulk_load_policy)
+                    # bounded by a count of try_waits: the %globaltimer loop of
+                    # xdev.mbarrier_wait_bounded here made ptxas serialize the consumers' WGMMAs
+                    # of the interleaved build
+                    ok = ok & xdev.mbarrier_wait_tries(bulk_mbar + b, (j // 2) % 2, BULK_WAIT_TRIES, err,
+                                                       ERR_RING_TIMEOUT)
+                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece, self.bulk_store_policy)
+                    cute.arch.cp_async_bulk_commit_group()
+                    j = j + 1
+                i = i + 1
             cute.arch.cp_async_bulk_wait_group(0)  # the row's stores are complete
             cute.arch.fence_proxy("async.global")
             cute.arch.fence_acq_rel_gpu()
             xdev.red_add_release(ready + row, Int32(1), "gpu")
             row = row + 1
-        # After a failed wait, loads may still be in flight: let them land (bounded) so that none
-        # writes into this CTA's shared memory after it exits.
-        q = Int32(0)
-        while q < inflight:
-            xdev.mbarrier_wait_tries(bulk_mbar + (j + q) % 2, ((j + q) // 2) % 2, BULK_WAIT_TRIES, err,
-                                     ERR_RING_TIMEOUT)
-            q = q + 1
         cute.arch.cp_async_bulk_wait_group(0)
         if const_expr(self.dispatch_keep):
             # the rows still live: poll (bounded) until all are discarded
@@ -768,34 +747,6 @@ class MegaMoESm90:
                 if polls > self.dispatch_polls:
                     xdev.atomic_or_relaxed(err, Int32(ERR_DEPENDENCY_TIMEOUT), "gpu")
                     ok = Boolean(False)
-
-    def slice_of(self, grid, row, cta, nctas):
-        """[lo, hi): this CTA's 1/nctas share of scheduler row ``row``'s pool rows (whole rows)."""
-        p0, n = self.pool_rows_of(grid, row)
-        return p0 + (cta * n) // nctas, p0 + ((cta + 1) * n) // nctas
-
-    @cute.jit
-    def load_row_pieces(self, mPeerX, mPoolSrc, grid, row: Int32, row_end: Int32, cta: Int32, nctas: Int32,
-                        bulk_buf, bulk_mbar, j: Int32, k_begin: Int32, k_end: Int32) -> Int32:
-        """Bulk Dispatch: issue the loads of pieces [k_begin, k_end) of this CTA's slice of row
-        ``row`` (clipped to the slice; none for row >= row_end) from the source ranks' x, piece
-        ``k`` into bounce buffer (j + k - k_begin) % 2, completing on its mbarrier (the caller
-        has made sure the buffers are free). Returns the number of pieces issued."""
-        issued = Int32(0)
-        if row < row_end:
-            lo, hi = self.slice_of(grid, row, cta, nctas)
-            k = k_begin
-            while k < k_end and k < (hi - lo) * self.bulk_pieces:
-                i = lo + k // self.bulk_pieces
-                src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * (2 * self.hidden)
-                b = (j + issued) % 2
-                cute.arch.mbarrier_arrive_and_expect_tx(bulk_mbar + b, self.bulk_piece_bytes)
-                xdev.bulk_copy_g2s(bulk_buf + b * self.bulk_piece_bytes,
-                                   src + Int64(k % self.bulk_pieces) * self.bulk_piece_bytes,
-                                   self.bulk_piece_bytes, bulk_mbar + b, self.bulk_load_policy)
-                issued = issued + 1
-                k = k + 1
-        return issued
 
     @cute.jit
     def discard_dead_rows(self, grid, mPoolX, mCounters, dead: Int32, row_end: Int32, cta: Int32, nctas: Int32,

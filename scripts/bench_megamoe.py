@@ -138,7 +138,7 @@ def run_case(shape, kind, P, tokens, args, dense):
 
     axis_values = {name: getattr(args, name) for name in VARIANT_AXES}
     fused_cases = [(dict(zip(VARIANT_AXES, combo)), sched) for combo in itertools.product(*axis_values.values())
-                   for sched in args.schedules]
+                   for sched in ("expert_wave", "interleaved")]
     # balance_l2 and lead are interleaved-only: expert_wave runs once per other combination
     fused_cases = [(dict(axes, balance_l2=None, lead=None), sched) if sched == "expert_wave" else (axes, sched)
                    for axes, sched in fused_cases
@@ -195,11 +195,10 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "dispatch_window_tiles")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
-                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("dispatch_window_tiles", "K"))
+                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
 
@@ -471,11 +470,6 @@ def main():
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
-    ap.add_argument("--dispatch-window-tiles", nargs="+", type=int, default=[None],
-                    help="windowed bulk Dispatch: finished L1 tiles of row r - W that open row r, side by side "
-                         "(default: 1)")
-    ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
-                    choices=["expert_wave", "interleaved"], help="fused schedules to run")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],
