@@ -138,7 +138,7 @@ def run_case(shape, kind, P, tokens, args, dense):
 
     axis_values = {name: getattr(args, name) for name in VARIANT_AXES}
     fused_cases = [(dict(zip(VARIANT_AXES, combo)), sched) for combo in itertools.product(*axis_values.values())
-                   for sched in ("expert_wave", "interleaved")]
+                   for sched in args.schedules]
     # balance_l2 and lead are interleaved-only: expert_wave runs once per other combination
     fused_cases = [(dict(axes, balance_l2=None, lead=None), sched) if sched == "expert_wave" else (axes, sched)
                    for axes, sched in fused_cases
@@ -470,6 +470,8 @@ def main():
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
+    ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
+                    choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--block-n", type=int, default=None, help="default: api.default_tiles")
     ap.add_argument("--stages", nargs="+", type=int, default=[None],

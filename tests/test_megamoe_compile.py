@@ -410,6 +410,7 @@ def _dispatch_options(spec: str) -> dict:
 @pytest.mark.parametrize("mma,block_n,stages,trace,dispatch",
                          [("tma_ws_mcast_b", 256, 3, False, "lsu"), ("tma_ws_mcast_b", 256, 4, False, "lsu"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk"), ("tma_ws_mcast_b", 256, 3, False, "bulk/ef"),
+                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5"),  # expert_wave's default at P = 8
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
