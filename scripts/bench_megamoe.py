@@ -60,8 +60,10 @@ def make_problem(shape, kind, P, tokens, strength=1.0):
     random x and routing (seed = rank) per source rank. Returns (w1, w2, xs, idx, wts)."""
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
     g = torch.Generator().manual_seed(0)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
+    # One expert at a time (the same numbers as one randn of the whole tensor): a float32
+    # w1 of DeepSeek-V4-Pro alone is 68 GB, and the host ran out of memory on it.
+    w1 = torch.stack([(torch.randn(2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda() for _ in range(E)])
+    w2 = torch.stack([(torch.randn(H, I, generator=g) / I ** 0.5).bfloat16().cuda() for _ in range(E)])
     xs = [torch.randn(tokens, H, device="cuda").bfloat16() for _ in range(P)]
     routes = [make_routing(kind, tokens, E, k, seed=r, strength=strength) for r in range(P)]
     return w1, w2, xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
