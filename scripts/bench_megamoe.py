@@ -62,8 +62,11 @@ def make_problem(shape, kind, P, tokens, strength=1.0):
     g = torch.Generator().manual_seed(0)
     # One expert at a time (the same numbers as one randn of the whole tensor): a float32
     # w1 of DeepSeek-V4-Pro alone is 68 GB, and the host ran out of memory on it.
-    w1 = torch.stack([(torch.randn(2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda() for _ in range(E)])
-    w2 = torch.stack([(torch.randn(H, I, generator=g) / I ** 0.5).bfloat16().cuda() for _ in range(E)])
+    w1 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
+    for w, fan_in in ((w1, H), (w2, I)):
+        for e in range(E):
+            w[e] = (torch.randn(w.shape[1:], generator=g) / fan_in ** 0.5).bfloat16()
     xs = [torch.randn(tokens, H, device="cuda").bfloat16() for _ in range(P)]
     routes = [make_routing(kind, tokens, E, k, seed=r, strength=strength) for r in range(P)]
     return w1, w2, xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
