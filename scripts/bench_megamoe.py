@@ -21,6 +21,9 @@ MegaMoE.forward (host planning, input copies, poison, top-k reduction included);
 back-to-back launches of every rank). ``--api-poison`` picks whether the "api" rows NaN-poison the
 Combine slots before each call (MegaMoE(poison_combine=...), the correctness-test setting, default
 on): "api" = poison on, "api,no-poison" = poison off (one k*T*H bf16 fill per rank less per call).
+Every timed fused variant's output is checked against the unfused pipeline's (the last timed
+call of the "api" rows, the first call of the paired comparison): a number only counts for a
+kernel that computes the right thing at the benched shape.
 
     python scripts/bench_megamoe.py --shape deepseek-v4-flash --P 1 8 --tokens 8192 --out results/h200/megamoe
 """
@@ -112,6 +115,12 @@ def run_case(shape, kind, P, tokens, args, dense):
     flops = 2 * picks * H * I * 3
     (w1_t, w2_t), gemms_only = grouped_gemms(shape, P, w1, w2, idx, wts)
     rows = []
+    refs = []  # the unfused pipeline's y, computed once per case: every timed fused variant is checked
+
+    def reference():
+        if not refs:
+            refs.extend(unfused_pipeline(xs, idx, wts, w1_t, w2_t))
+        return refs
 
     def record(name, t):
         tf = flops / (t.median_us * 1e-6) / 1e12
@@ -166,13 +175,15 @@ def run_case(shape, kind, P, tokens, args, dense):
                 moe = MegaMoE(world, poison_combine=poison, **kw)
                 moe.load_weights(w1, w2)
                 kernel_us = []
+                last = []
 
                 def call():
-                    moe.forward(xs, idx, wts)
+                    last[:] = moe.forward(xs, idx, wts)
                     kernel_us.append(moe.last_kernel_us)
 
                 label = "api" if poison else "api,no-poison"
                 record(f"fused[{tag}] {label}", timing.bench(call, warmup=1, iters=1, trials=args.trials))
+                check_against(last, reference(), f"fused[{tag}] {label}")  # the last timed call's y
                 if i == 0:
                     samples = sorted(kernel_us[1:])
                     record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
@@ -182,13 +193,12 @@ def run_case(shape, kind, P, tokens, args, dense):
                                                       tokens, args))
         if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
-            refs = unfused_pipeline(xs, idx, wts, w1_t, w2_t)
             weight_cache = {}
             for axes, sched in fused_cases:
                 name = f"fused[{sched},{axes['mma']}{variant_tag(axes)}]"
                 fns[name] = fused_kernel_timed(moe_kwargs(sched, axes), w1, w2, xs, idx, wts, P, args.world,
-                                               refs=refs, name=name, weight_cache=weight_cache)
-            del refs
+                                               refs=reference(), name=name, weight_cache=weight_cache)
+            refs.clear()
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
             paired_rows.append(dict(case, **paired_verdicts(samples, clocks, "grouped_mm x2", args.clock_tol_mhz)))
