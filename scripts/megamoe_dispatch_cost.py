@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_megamoe as bench  # noqa: E402
-from megamoe_interleave import kernel_sm90  # noqa: E402
+from megamoe_interleave import kernel_sm90, reference  # noqa: E402
 from megamoe_interleave.api import MegaMoE, make_world  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 from xstage import provenance  # noqa: E402
@@ -42,9 +42,9 @@ def fill_pool(moe, d):
     """Rank ``d``'s dispatched pool, gathered with torch: pool row i = x[src rank][src token]."""
     perm, _ = moe.plan_rank(d)
     n = perm.src_rank.numel()
-    x_all = torch.stack([moe.buffer.x.local(r) for r in range(moe.world.world_size)])
     pool = moe._scratch[d]["pool_x"][: n * moe.hidden].view(n, moe.hidden)
-    pool.copy_(x_all[perm.src_rank.long(), perm.src_token.long()])
+    xs = [moe.buffer.x.local(r) for r in range(moe.world.world_size)]
+    pool.copy_(reference._gather_rows(xs, perm, pool.device))  # the torch dataflow's gather
 
 
 def timed_object(kw, w1, w2, xs, idx, wts, P):

@@ -394,10 +394,15 @@ def spin_wait_ge_tries(
         nanosleep(Int32(sleep_ns))
         value = load_acquire(flag, "gpu")
         polls = polls + 1
-    ok = Boolean(True)
-    if value < target:
+    return _report_unless(value >= target, error_word, error_code)
+
+
+@cute.jit
+def _report_unless(ok: Boolean, error_word: cute.Pointer, error_code: cutlass.Constexpr) -> Boolean:
+    """The counted waits' ending: unless ``ok``, OR ``error_code`` into ``*error_word``;
+    returns ``ok``."""
+    if not ok:
         atomic_or_relaxed(error_word, Int32(error_code), "gpu")
-        ok = Boolean(False)
     return ok
 
 
@@ -458,9 +463,7 @@ def mbarrier_wait_tries(
     while not done and tries < max_tries:
         done = cute.arch.mbarrier_try_wait(mbar, phase)
         tries = tries + 1
-    if not done:
-        atomic_or_relaxed(error_word, Int32(error_code), "gpu")
-    return done
+    return _report_unless(done, error_word, error_code)
 
 
 @cute.jit
