@@ -122,7 +122,7 @@ def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, ker
 
 DEFAULT_RECORD_AHEAD = "off"  # kernel_sm90.MegaMoESm90.tile_ahead
 
-DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep", "dispatch_discard")
+DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
 def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, num_sms: int,
@@ -139,8 +139,7 @@ def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_op
     if window is None:
         window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
     return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")),
-                dispatch_discard=bool(given.get("dispatch_discard")))
+                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -207,8 +206,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``dispatch_discard`` (the same
-    discards with the stores' policy unchanged; None = off), ``record_ahead`` (how the
+    once their L1 tiles are done; None = off, measured slower), ``record_ahead`` (how the
     consumers get the next tile's row record: "off", "load", "prefetch";
     kernel_sm90.MegaMoESm90.tile_ahead; None = :data:`DEFAULT_RECORD_AHEAD`).
 
@@ -235,8 +233,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, dispatch_discard: Optional[bool] = None,
-                 record_ahead: Optional[str] = None):
+                 dispatch_keep: Optional[bool] = None, record_ahead: Optional[str] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -280,8 +277,7 @@ class MegaMoE:
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,
-            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep,
-            dispatch_discard=dispatch_discard))
+            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

@@ -264,7 +264,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, dispatch_discard: bool = False, record_ahead: str = "off"):
+                 dispatch_keep: bool = False, record_ahead: str = "off"):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -331,11 +331,6 @@ class MegaMoESm90:
         if dispatch_keep and not self.dispatch_window:
             raise ValueError("dispatch_keep needs dispatch_window >= 1 (it bounds the evict-last pool lines)")
         self.dispatch_keep = bool(dispatch_keep)
-        # dispatch_discard: the discards of dispatch_keep without its evict-last stores (the pool
-        # lines still in L2 once their L1 tiles are done are dropped, not written back).
-        if dispatch_discard and not self.dispatch_window:
-            raise ValueError("dispatch_discard needs dispatch_window >= 1")
-        self.dispatch_discard = bool(dispatch_discard) or self.dispatch_keep
         if record_ahead not in RECORD_AHEAD:
             raise ValueError(f"record_ahead must be one of {RECORD_AHEAD}, got {record_ahead!r}")
         self.record_ahead = record_ahead
@@ -722,7 +717,7 @@ class MegaMoESm90:
                 if row >= self.dispatch_window:
                     ok = xdev.spin_wait_ge_tries(l1_done + (row - self.dispatch_window), Int32(1),
                                                  self.dispatch_polls, DISPATCH_POLL_NS, err, ERR_DEPENDENCY_TIMEOUT)
-                if const_expr(self.dispatch_discard):
+                if const_expr(self.dispatch_keep):
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
             p0, n = self.pool_rows_of(grid, row)
             i = p0 + (cta * n) // nctas
@@ -750,7 +745,7 @@ class MegaMoESm90:
             xdev.red_add_release(ready + row, Int32(1), "gpu")
             row = row + 1
         cute.arch.cp_async_bulk_wait_group(0)
-        if const_expr(self.dispatch_discard):
+        if const_expr(self.dispatch_keep):
             # the rows still live: poll (bounded) until all are discarded
             polls = Int32(0)
             while ok and dead < grid.num_rows:

@@ -402,7 +402,7 @@ def _dispatch_options(spec: str) -> dict:
     copy, *flags = spec.split("/")
     window = next((int(f[1:]) for f in flags if f.startswith("W")), 0)
     return dict(dispatch_copy=copy, dispatch_evict_first="ef" in flags, dispatch_window=window,
-                dispatch_keep="keep" in flags, dispatch_discard="disc" in flags)
+                dispatch_keep="keep" in flags)
 
 
 _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -506,20 +506,19 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep", "bulk/ef/W5/disc"])
+@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep"])
 def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     """dispatch_copy="bulk" (the P = 8 tiles: 128 x 256, 3 stages): the dispatch warp moves rows
     with non-tensor bulk copies -- a load completing on an mbarrier, a store in a bulk group,
     the buffer reused after wait_group.read, rows published after wait_group 0 -- and its
     16-byte vector copy is gone (only the prologue's, by all threads, remains). The L2
     evict-first policy is on the loads exactly when ``dispatch_evict_first``, and on the stores
-    unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` / ``dispatch_discard`` discard lines, and
+    unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` discards lines, and
     only a window polls the L1 tiles' row counters (with a nanosleep between polls)."""
     from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
 
     opts = _dispatch_options(dispatch)
     evict_first, keep = opts["dispatch_evict_first"], opts["dispatch_keep"]
-    discard = keep or opts["dispatch_discard"]
     ptx = _compile_ptx(tmp_path, 4096, 2048, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3,
                        **opts)
     policy = r"\{ \.reg \.b64 xs_pol; createpolicy\.fractional\.L2::(evict_\w+)\.b64 xs_pol, 1\.0; "
@@ -531,13 +530,13 @@ def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     store_policies = {m.group(1) for m in re.finditer(policy + store + hint, ptx)}
     assert load_policies == ({"evict_first"} if evict_first else set())
     assert store_policies == ({"evict_last"} if keep else {"evict_first"} if evict_first else set())
-    assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == discard
+    assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == keep
     assert bool(re.search(r"nanosleep\.u32", ptx)) == (opts["dispatch_window"] > 0)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the prologue's unrolled copy + the row-record loads (keep: two more, discard_dead_rows
     # inlined twice); no second unrolled copy
-    assert len(re.findall(r"ld\.global\.v4", ptx)) < 2 * DISPATCH_UNROLL + (2 if discard else 0)
+    assert len(re.findall(r"ld\.global\.v4", ptx)) < 2 * DISPATCH_UNROLL + (2 if keep else 0)
     # a row is published only after its stores completed: wait_group 0 -> proxy fence ->
     # release fence -> release increment, in this order with nothing but arithmetic between
     pub = re.search(r"cp\.async\.bulk\.wait_group\s+0;(.*?)red\.release\.gpu\.global\.add", ptx, re.S)
