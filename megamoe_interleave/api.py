@@ -120,8 +120,6 @@ def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, ker
     return (num_sms // 2) // pairs_l1 + 1
 
 
-DEFAULT_RECORD_AHEAD = "off"  # kernel_sm90.MegaMoESm90.tile_ahead
-
 DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
@@ -206,9 +204,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``record_ahead`` (how the
-    consumers get the next tile's row record: "off", "load", "prefetch";
-    kernel_sm90.MegaMoESm90.tile_ahead; None = :data:`DEFAULT_RECORD_AHEAD`).
+    once their L1 tiles are done; None = off, measured slower).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -233,7 +229,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, record_ahead: Optional[str] = None):
+                 dispatch_keep: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -272,8 +268,7 @@ class MegaMoE:
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu,
-                                    record_ahead=DEFAULT_RECORD_AHEAD if record_ahead is None else record_ahead)
+                                    l2_handoffs=l2_handoffs, silu=silu)
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,

@@ -85,7 +85,7 @@ from quack.activation import swiglu, tanh
 from xstage import device as xdev
 
 from .kernel_config import MMA_KINDS, TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail  # noqa: F401 (re-exported)
-from .scheduler import PHASE_L1, RowGrid, Schedule, Tile, load_row_record, select, tile_of
+from .scheduler import PHASE_L1, RowGrid, Schedule, Tile
 
 COUNTER_ERROR = 0
 COUNTER_BARRIER = 1
@@ -106,7 +106,6 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 DISPATCH_COPIES = ("lsu", "bulk")  # how the dispatch warp copies rows (see dispatch_rows_bulk)
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
-RECORD_AHEAD = ("off", "load", "prefetch")  # how the consumers get the next tile's row record (tile_ahead)
 DISPATCH_POLL_NS = 256  # windowed Dispatch: sleep between polls of a row counter (counted bound, no timer)
 # tma_ws with two consumer warpgroups (384 threads): the launch gives every thread 168 registers
 # (64512 / 384). At that cap ptxas serialized the consumers' WGMMAs in some builds (C7511
@@ -152,10 +151,6 @@ class DeviceRowRecords:
 
     def __init__(self, records: cute.Tensor):
         self.base = Int64(records.iterator.toint())
-
-    def prefetch(self, row):
-        """``prefetch.global.L1`` of ``records[row]`` (no register waits for it)."""
-        xdev.prefetch_l1(self.base + Int64(row) * 16)
 
     def __getitem__(self, row):
         src = cute.make_tensor(cute.make_ptr(Int32, self.base + Int64(row) * 16, cute.AddressSpace.gmem,
@@ -264,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, record_ahead: str = "off"):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -331,9 +326,6 @@ class MegaMoESm90:
         if dispatch_keep and not self.dispatch_window:
             raise ValueError("dispatch_keep needs dispatch_window >= 1 (it bounds the evict-last pool lines)")
         self.dispatch_keep = bool(dispatch_keep)
-        if record_ahead not in RECORD_AHEAD:
-            raise ValueError(f"record_ahead must be one of {RECORD_AHEAD}, got {record_ahead!r}")
-        self.record_ahead = record_ahead
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
         row_bytes = 2 * hidden
@@ -1277,10 +1269,13 @@ class MegaMoESm90:
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
         n_tile = Int32(0)
-        # One step ahead: the next tile is located before this tile's mainloop (record_ahead)
-        cur, n0, n1 = self.first_tile(c0, c1, g, G, r, grid)
+        # One step ahead: the step of the next tile (its row-record load) is issued before this
+        # tile's mainloop and used after it, so the load latency does not sit between tiles.
+        first, nxt = self.schedule.step((c0, c1), g, G, r, grid)
+        cur = tile_fields(first)
+        n0, n1 = Int32(nxt[0]), Int32(nxt[1])
         while not self.schedule.done((c0, c1), grid):
-            ahead, nxt = self.tile_ahead(n0, n1, g, G, r, grid)  # may be past the end: idle
+            ahead, nxt = self.schedule.step((n0, n1), g, G, r, grid)  # may be past the end: idle
             tile = Tile(*cur)
             if tile.valid > 0:
                 t0 = self.timestamp()
@@ -1312,42 +1307,8 @@ class MegaMoESm90:
                     self.record_trace(mTrace, cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
                 n_tile = n_tile + 1
             c0, c1 = n0, n1
-            cur = self.settle_tile(ahead, r, grid)
+            cur = tile_fields(ahead)
             n0, n1 = Int32(nxt[0]), Int32(nxt[1])
-
-    def first_tile(self, c0: Int32, c1: Int32, g, G, r, grid):
-        """Start of the consumers' one-step-ahead loop: the fields of the tile at cursor (c0, c1)
-        and the cursor after it."""
-        first, nxt = self.schedule.step((c0, c1), g, G, r, grid)
-        if const_expr(self.record_ahead == "prefetch"):
-            self.prefetch_record(nxt, g, G, r, grid)
-        return tile_fields(first), Int32(nxt[0]), Int32(nxt[1])
-
-    def tile_ahead(self, n0: Int32, n1: Int32, g, G, r, grid):
-        """Top of a consumer tile: the next tile (cursor (n0, n1)) as :meth:`settle_tile` takes it,
-        and the cursor after it. ``record_ahead``: "off" = ``schedule.step`` (its row-record
-        load is read at once: ptxas uses the loaded registers right away, an L2 round trip
-        between tiles); "load" = the slot and the record's load only, read at the bottom;
-        "prefetch" = the step, with the record of the tile after it prefetched into L1."""
-        if const_expr(self.record_ahead == "load"):
-            slot, nxt = self.schedule.locate((n0, n1), g, G, r, grid)
-            return (slot, load_row_record(grid, slot)), nxt
-        ahead, nxt = self.schedule.step((n0, n1), g, G, r, grid)
-        if const_expr(self.record_ahead == "prefetch"):
-            self.prefetch_record(nxt, g, G, r, grid)
-        return ahead, nxt
-
-    def settle_tile(self, ahead, r, grid):
-        """Bottom of a consumer tile: the next tile's fields (:meth:`tile_ahead`)."""
-        if const_expr(self.record_ahead == "load"):
-            slot, record = ahead
-            return tile_fields(tile_of(grid, slot, r, record))
-        return tile_fields(ahead)
-
-    def prefetch_record(self, cursor, g, G, r, grid):
-        """``prefetch.global.L1`` of the row record of the tile at ``cursor``."""
-        slot, _ = self.schedule.locate((Int32(cursor[0]), Int32(cursor[1])), g, G, r, grid)
-        grid.row_record.prefetch(select(slot.valid > 0, slot.row, 0))
 
     def stage_index(self, m, c):
         """Index of word ``c`` of row ``m`` in the staging tile (BM x stage_words 32-bit words,

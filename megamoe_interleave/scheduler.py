@@ -120,7 +120,7 @@ class RowGrid:
     ``row_expert[p]`` = e(p), ``expert_row_offset[e]`` = O_e (length E + 1, last = P),
     ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P),
     ``row_record[p]`` = (e(p), p - O_e, first pool row of e(p), tokens of e(p)) -- what the
-    step functions read (:func:`tile_of`): one 16-byte load per tile in the kernel, where
+    step functions read (:func:`_tile`): one 16-byte load per tile in the kernel, where
     ``row_record`` is a :class:`~megamoe_interleave.kernel_sm90.DeviceRowRecords` and
     ``wave_row_start`` a device tensor, filled by the host before the launch;
     ``row_expert`` / ``expert_row_offset`` are host-side only.
@@ -239,31 +239,17 @@ class Tile:
     count: Any = 0  # tokens of the expert
 
 
-@dataclass(frozen=True)
-class Slot:
-    """Where a step lands before its row's record is read: the part of a :class:`Tile` that
-    is cursor arithmetic only (:meth:`Schedule.locate`)."""
-
-    valid: Any
-    phase: Any
-    row: Any
-    pair: Any
+def _row_record(grid: RowGrid, row, valid):
+    """``grid.row_record[row]`` if valid else zeros; idle steps may carry an out-of-range
+    row, so the DSL path clamps it (device tables always hold at least one record)."""
+    if _is_py(valid):
+        return tuple(grid.row_record[row]) if valid else (0, 0, 0, 0)
+    rec = grid.row_record[select(valid > 0, row, 0)]
+    return tuple(select(valid > 0, f, 0) for f in rec)
 
 
-def load_row_record(grid: RowGrid, slot: Slot):
-    """``grid.row_record[slot.row]``, unmasked (zeros for an idle Python slot). Idle steps may
-    carry an out-of-range row, so the DSL path clamps it (device tables always hold at least
-    one record). In a kernel this only issues the load: nothing reads its registers until
-    :func:`tile_of`, so a caller that runs a tile between the two hides the load latency."""
-    if _is_py(slot.valid):
-        return tuple(grid.row_record[slot.row]) if slot.valid else (0, 0, 0, 0)
-    return tuple(grid.row_record[select(slot.valid > 0, slot.row, 0)])
-
-
-def tile_of(grid: RowGrid, slot: Slot, r, record) -> Tile:
-    """The tile of member ``r`` at ``slot``, given its row's ``record`` (idle: zero fields)."""
-    expert, m_index, tok0, count = (select(slot.valid > 0, f, 0) for f in record)
-    valid, phase, row, pair = slot.valid, slot.phase, slot.row, slot.pair
+def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
+    expert, m_index, tok0, count = _row_record(grid, row, valid)
     if grid.pair_splits_m:
         return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
                     tok0=tok0, count=count)
@@ -343,12 +329,13 @@ def interleaved_next(cursor, G, grid: RowGrid, lead):
     return is_l2, row, pair, (k1n, k2n)
 
 
-def interleaved_locate(cursor, G, grid: RowGrid, lead):
+def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
     if _is_py(lead) and lead < 1:
         raise ValueError(f"lead D must be >= 1 for deadlock freedom, got {lead}")
     valid = as_int(logical_not(interleaved_done(cursor, grid)))
     is_l2, row, pair, nxt = interleaved_next(cursor, G, grid, lead)
-    return Slot(valid, select(is_l2, PHASE_L2, PHASE_L1), row, pair), nxt
+    phase = select(is_l2, PHASE_L2, PHASE_L1)
+    return _tile(grid, valid, phase, row, pair, r), nxt
 
 
 def schedule_table(schedule: "Schedule", grid: RowGrid) -> List[int]:
@@ -372,7 +359,7 @@ def expert_wave_done(cursor, grid: RowGrid):
     return t >= grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
 
 
-def expert_wave_locate(cursor, G, grid: RowGrid):
+def expert_wave_step(cursor, g, G, r, grid: RowGrid):
     """Global order = concat over waves w of (L1 tiles of w, row-major; L2 tiles of w).
 
     Wave w occupies global pair indices [(P1+P2)*S_w, (P1+P2)*S_{w+1}) since every row
@@ -398,7 +385,7 @@ def expert_wave_locate(cursor, G, grid: RowGrid):
     row = select(in_wave, row, 0)
     t_next = select(in_wave, t + G, t)
     w_next = select(logical_or(in_wave, done), w, w + 1)
-    return Slot(valid, phase, row, pair), (t_next, w_next)
+    return _tile(grid, valid, phase, row, pair, r), (t_next, w_next)
 
 
 # ---------------------------------------------------------------------------
@@ -430,16 +417,10 @@ class Schedule:
             return interleaved_done(cursor, grid)
         return expert_wave_done(cursor, grid)
 
-    def locate(self, cursor, g, G, r, grid: RowGrid):
-        """(:class:`Slot`, cursor'): the step without its row's record (:func:`tile_of`)."""
-        if self.name == "interleaved":
-            return interleaved_locate(cursor, G, grid, self.lead)
-        return expert_wave_locate(cursor, G, grid)
-
     def step(self, cursor, g, G, r, grid: RowGrid):
-        """(:class:`Tile`, cursor'): the next tile of CTA (g, r), idle (valid 0) or not."""
-        slot, nxt = self.locate(cursor, g, G, r, grid)
-        return tile_of(grid, slot, r, load_row_record(grid, slot)), nxt
+        if self.name == "interleaved":
+            return interleaved_step(cursor, g, G, r, grid, self.lead)
+        return expert_wave_step(cursor, g, G, r, grid)
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:

@@ -210,11 +210,10 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "record_ahead")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
-                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("record_ahead", "ra="))
+                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
 
@@ -486,9 +485,6 @@ def main():
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
-    ap.add_argument("--record-ahead", nargs="+", default=[None], choices=["off", "load", "prefetch"],
-                    help="how the consumers get the next tile's row record (kernel_sm90.MegaMoESm90.tile_ahead), "
-                         "side by side (default: the API's)")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")

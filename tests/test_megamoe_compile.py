@@ -405,58 +405,6 @@ def _dispatch_options(spec: str) -> dict:
                 dispatch_keep="keep" in flags)
 
 
-_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-
-
-def _sass_instructions(sass: str):
-    """(address, text) of each instruction, in program order."""
-    return [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, sass.splitlines()) if m]
-
-
-def _reads(text: str, reg: int) -> bool:
-    """Does the instruction read register ``reg`` (any operand but a plain first one, the
-    destination; addresses in brackets are read)?"""
-    body = re.sub(r"^@!?U?P\w+\s+", "", text)  # predicate guard
-    _, _, operands = body.partition(" ")
-    ops = [o.strip() for o in operands.split(",")]
-    if ops and re.fullmatch(r"R\d+(\.\w+)?", ops[0]):
-        ops = ops[1:]
-    return any(int(n) == reg for o in ops for n in re.findall(r"\bR(\d+)\b", o))
-
-
-def _late_loads(instrs, lo: int, hi: int):
-    """In instrs[lo:hi], the global loads (LDG, not .STRONG) whose first reader comes after the
-    region's last named-barrier arrive (BAR.ARV): loads whose latency a whole tile hides."""
-    last_arv = max((i for i in range(lo, hi) if instrs[i][1].startswith("BAR.ARV")), default=hi)
-    late = []
-    for i in range(lo, hi):
-        text = instrs[i][1]
-        m = re.match(r"(?:@!?P\d\s+)?LDG\.E(\.(?:64|128))?\s+R(\d+),", text)
-        if not m or ".STRONG" in text:
-            continue
-        width = {None: 1, ".64": 2, ".128": 4}[m.group(1)]
-        regs = range(int(m.group(2)), int(m.group(2)) + width)
-        first = next((j for j in range(i + 1, hi) if any(_reads(instrs[j][1], r) for r in regs)), hi)
-        if first > last_arv:
-            late.append(instrs[i])
-    return late
-
-
-def _consumer_tile_loop(instrs):
-    """Index range of the consumers' tile loop: from the consumers' ``setmaxnreg`` on, the
-    backward branch that spans the most code (inner loops -- the K loop, waits -- span less)."""
-    alloc = next(i for i, (_, t) in enumerate(instrs) if "SETMAXREG.TRY_ALLOC" in t)
-    addr = {a: i for i, (a, _) in enumerate(instrs)}
-    best = None
-    for i in range(alloc, len(instrs)):
-        m = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", instrs[i][1])
-        if m and int(m.group(1), 16) in addr and alloc < addr[int(m.group(1), 16)] < i:
-            span = (addr[int(m.group(1), 16)], i)
-            if best is None or span[1] - span[0] > best[1] - best[0]:
-                best = span
-    return best
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
 @pytest.mark.parametrize("mma,block_n,stages,trace,dispatch",

@@ -232,13 +232,6 @@ def discard_l2(address, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def prefetch_l1(address, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L1 [address]``: bring the line at ``address`` (Int64) into this SM's L1
-    without a destination register, so nothing waits for it; a later load there hits L1."""
-    cute.arch.inline_ptx("prefetch.global.L1 [{$r0}];", read_only_args=[Int64(address)], loc=loc, ip=ip)
-
-
-@dsl_user_op
 def stmatrix_x4(row_ptr: cute.Pointer, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
     """``stmatrix.sync.aligned.m8n8.x4.shared.b16 [row_ptr], {w0..w3}`` (warp-collective).
 
