@@ -153,11 +153,13 @@ def run_case(shape, kind, P, tokens, args, dense):
     axis_values = {name: getattr(args, name) for name in VARIANT_AXES}
     fused_cases = [(dict(zip(VARIANT_AXES, combo)), sched) for combo in itertools.product(*axis_values.values())
                    for sched in args.schedules]
-    # balance_l2 and lead are interleaved-only: expert_wave runs once per other combination
-    fused_cases = [(dict(axes, balance_l2=None, lead=None), sched) if sched == "expert_wave" else (axes, sched)
+    # balance_l2 and lead are interleaved-only, experts_per_wave expert_wave-only: the other
+    # schedule runs once per combination of the remaining axes
+    own_axes = {"expert_wave": EXPERT_WAVE_AXES, "interleaved": INTERLEAVED_AXES}
+    fused_cases = [(dict(axes, **{name: None for name in own_axes[other]}), sched)
                    for axes, sched in fused_cases
-                   if sched == "interleaved" or all(axes[name] in (None, axis_values[name][0])
-                                                    for name in INTERLEAVED_AXES)]
+                   for other in [s for s in own_axes if s != sched]
+                   if all(axes[name] in (None, axis_values[name][0]) for name in own_axes[other])]
     fused_cases = [(axes, sched) for axes, sched in fused_cases if kernel_config_ok(H, I, moe_kwargs(sched, axes))]
     if tokens <= args.fused_max_tokens:
         for axes, sched in fused_cases:
@@ -210,11 +212,13 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
-                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"))
+                ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
+                ("experts_per_wave", "epw"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
+EXPERT_WAVE_AXES = ("experts_per_wave",)  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
 
 
@@ -485,6 +489,8 @@ def main():
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
+    ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None],
+                    help="expert_wave: local experts per wave, side by side (default: scheduler.default_experts_per_wave)")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
