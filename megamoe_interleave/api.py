@@ -239,6 +239,8 @@ class MegaMoE:
                                                  rows_per_expert=rows_per_expert)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if experts_per_wave is not None and experts_per_wave < 1:
+            raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if (2 * intermediate) % (2 * block_n) or hidden % (2 * block_n):

@@ -172,6 +172,8 @@ def make_row_grid(
     token_offsets = [0, *itertools.accumulate(int(c) for c in tokens_per_expert)]
     row_record = [(e, i, token_offsets[e], int(tokens_per_expert[e]))
                   for e, mb in enumerate(m_blocks) for i in range(mb)]
+    if experts_per_wave is not None and experts_per_wave < 1:
+        raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
     epw = experts_per_wave or default_experts_per_wave(num_experts)
     num_waves = (num_experts + epw - 1) // epw if num_experts else 0
     wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]

@@ -150,16 +150,7 @@ def run_case(shape, kind, P, tokens, args, dense):
         spelled out by the callers)."""
         return "".join(f",{short}{axes[name]}" for name, short in VARIANT_TAGS if axes[name] is not None)
 
-    axis_values = {name: getattr(args, name) for name in VARIANT_AXES}
-    fused_cases = [(dict(zip(VARIANT_AXES, combo)), sched) for combo in itertools.product(*axis_values.values())
-                   for sched in args.schedules]
-    # balance_l2 and lead are interleaved-only, experts_per_wave expert_wave-only: the other
-    # schedule runs once per combination of the remaining axes
-    own_axes = {"expert_wave": EXPERT_WAVE_AXES, "interleaved": INTERLEAVED_AXES}
-    fused_cases = [(dict(axes, **{name: None for name in own_axes[other]}), sched)
-                   for axes, sched in fused_cases
-                   for other in [s for s in own_axes if s != sched]
-                   if all(axes[name] in (None, axis_values[name][0]) for name in own_axes[other])]
+    fused_cases = variant_cases({name: getattr(args, name) for name in VARIANT_AXES}, args.schedules)
     fused_cases = [(axes, sched) for axes, sched in fused_cases if kernel_config_ok(H, I, moe_kwargs(sched, axes))]
     if tokens <= args.fused_max_tokens:
         for axes, sched in fused_cases:
@@ -220,6 +211,22 @@ VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 EXPERT_WAVE_AXES = ("experts_per_wave",)  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
+
+
+def variant_cases(axis_values: dict, schedules) -> list:
+    """(axes, schedule) of every fused variant: the product of the side-by-side axes, each
+    schedule once per combination of the axes it reads (balance_l2 and lead are
+    interleaved-only, experts_per_wave expert_wave-only: the other schedule takes the first
+    value's run, with those axes None)."""
+    own_axes = {"expert_wave": EXPERT_WAVE_AXES, "interleaved": INTERLEAVED_AXES}
+    cases = []
+    for combo in itertools.product(*axis_values.values()):
+        axes = dict(zip(axis_values, combo))
+        for sched in schedules:
+            foreign = [name for s, names in own_axes.items() if s != sched for name in names]
+            if all(axes[name] in (None, axis_values[name][0]) for name in foreign):
+                cases.append((dict(axes, **{name: None for name in foreign}), sched))
+    return cases
 
 
 def kernel_config_ok(hidden, intermediate, kw) -> bool:
@@ -489,7 +496,7 @@ def main():
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
-    ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None],
+    ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None], metavar="N>=1",
                     help="expert_wave: local experts per wave, side by side (default: scheduler.default_experts_per_wave)")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")

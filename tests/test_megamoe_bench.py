@@ -160,3 +160,26 @@ def test_check_against_flags_wrong_outputs():
     off[0][63, 31] += 0.5 * refs[0].float().abs().max().item()
     with pytest.raises(RuntimeError, match="rank 0 max"):
         bench.check_against(off, refs, "v")
+
+
+def test_variant_cases_run_each_schedule_once_per_axis_it_reads():
+    """--experts-per-wave multiplies expert_wave's runs only, --lead interleaved's only."""
+    values = {name: [None] for name in bench.VARIANT_AXES}
+    values["experts_per_wave"] = [4, 16]
+    values["lead"] = [3, 9]
+    values["dispatch_window"] = [0, 5]
+    cases = bench.variant_cases(values, ["expert_wave", "interleaved"])
+    ew = sorted((a["experts_per_wave"], a["dispatch_window"]) for a, s in cases if s == "expert_wave")
+    il = sorted((a["lead"], a["dispatch_window"]) for a, s in cases if s == "interleaved")
+    assert ew == [(4, 0), (4, 5), (16, 0), (16, 5)]
+    assert il == [(3, 0), (3, 5), (9, 0), (9, 5)]
+    assert all(a["lead"] is None for a, s in cases if s == "expert_wave")
+    assert all(a["experts_per_wave"] is None for a, s in cases if s == "interleaved")
+    assert len(bench.variant_cases(values, ["expert_wave"])) == 4
+
+
+def test_experts_per_wave_must_be_positive():
+    from megamoe_interleave.scheduler import make_row_grid
+
+    with pytest.raises(ValueError, match="experts_per_wave"):
+        make_row_grid([5, 7, 0, 3], block_m=4, n_blocks_l1=4, n_blocks_l2=2, experts_per_wave=0)
