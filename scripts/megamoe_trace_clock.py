@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""The SM clock inside the fused kernel, from its trace build: per tile, ``%clock64`` cycles from
+tile start to mainloop end over the ``%globaltimer`` nanoseconds between them. NVML cannot
+resolve the clock within a 28-ms call (results/h200/megamoe/clock_probe/), so this is how to tell
+whether a call runs power-limited: a call after the paired bench's cooldown ("cool") against
+the last of back-to-back calls ("hot"), per rank (in a loopback call rank r runs r-th).
+
+    python scripts/megamoe_trace_clock.py --P 8 --tokens 8192 --hot-calls 10
+
+Prints the median clock per rank and writes ``trace_clock<tag>.json`` under ``--out``.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import bench_megamoe as bench  # noqa: E402
+from megamoe_interleave.api import MegaMoE, decode_trace, make_world  # noqa: E402
+from megamoe_interleave.shapes import get_shape  # noqa: E402
+from xstage import provenance  # noqa: E402
+
+
+def clock_per_rank(moe) -> dict:
+    """rank -> median MHz over its tiles (cycles / ns from tile start to mainloop end)."""
+    out = {}
+    for rank, trace in sorted(moe.last_trace.items()):
+        mhz = [r["cycles"] / (r["t_mainloop"] - r["t_start"]) * 1e3 for cta in decode_trace(trace) for r in cta
+               if r["t_mainloop"] > r["t_start"]]
+        out[rank] = statistics.median(mhz) if mhz else None
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="deepseek-v4-flash")
+    ap.add_argument("--P", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"])
+    ap.add_argument("--cooldown-s", type=float, default=0.25)
+    ap.add_argument("--hot-calls", type=int, default=10)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default="results/h200/megamoe")
+    args = ap.parse_args()
+    if min(args.P, args.tokens, args.hot_calls) < 1:
+        raise SystemExit("--P, --tokens and --hot-calls must be >= 1")
+    shape = get_shape(args.shape)
+    w1, w2, xs, idx, wts = bench.make_problem(shape, "balanced", args.P, args.tokens)
+    result = {}
+    for sched in args.schedules:
+        kw = bench.fused_kwargs(shape, args.P, args.tokens, sched)
+        moe = MegaMoE(make_world("loopback", world_size=args.P, device="cuda"), trace=True, poison_combine=False,
+                      **kw)
+        moe.load_weights(w1, w2)
+        moe.forward(xs, idx, wts)  # compile
+        torch.cuda.synchronize()
+        time.sleep(args.cooldown_s)
+        moe.forward(xs, idx, wts)
+        cool = clock_per_rank(moe)
+        for _ in range(args.hot_calls):
+            moe.forward(xs, idx, wts)
+        hot = clock_per_rank(moe)
+        result[sched] = {"cool_mhz": cool, "hot_mhz": hot}
+        for name, per_rank in (("cool", cool), ("hot", hot)):
+            print(f"{sched:12s} {name:4s} " + " ".join(f"r{r}:{v:6.0f}" for r, v in per_rank.items()), flush=True)
+        del moe
+    os.makedirs(args.out, exist_ok=True)
+    provenance.write_json(os.path.join(args.out, f"trace_clock{args.tag}.json"), {"args": vars(args), **result})
+
+
+if __name__ == "__main__":
+    main()
