@@ -154,6 +154,8 @@ def make_row_grid(
 ) -> RowGrid:
     """Host-side row layout from the number of tokens each local expert received
     (``pair_splits_m``: rows of 2 * block_m pool rows, see :class:`RowGrid`)."""
+    if experts_per_wave is not None and experts_per_wave < 1:
+        raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
     if not pair_splits_m and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
         raise ValueError(
             f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
@@ -172,8 +174,6 @@ def make_row_grid(
     token_offsets = [0, *itertools.accumulate(int(c) for c in tokens_per_expert)]
     row_record = [(e, i, token_offsets[e], int(tokens_per_expert[e]))
                   for e, mb in enumerate(m_blocks) for i in range(mb)]
-    if experts_per_wave is not None and experts_per_wave < 1:
-        raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
     epw = experts_per_wave or default_experts_per_wave(num_experts)
     num_waves = (num_experts + epw - 1) // epw if num_experts else 0
     wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]
