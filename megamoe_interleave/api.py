@@ -34,7 +34,8 @@ import torch
 
 from . import reference
 from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
-from .scheduler import SCHEDULES, Schedule, balanced_l2_start, default_lead, schedule_table
+from .scheduler import (SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
+                        schedule_table)
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
 INTERLEAVE_GRANULARITY = 8
@@ -239,8 +240,7 @@ class MegaMoE:
                                                  rows_per_expert=rows_per_expert)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if experts_per_wave is not None and experts_per_wave < 1:
-            raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
+        check_experts_per_wave(experts_per_wave)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if (2 * intermediate) % (2 * block_n) or hidden % (2 * block_n):

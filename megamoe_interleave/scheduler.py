@@ -154,8 +154,7 @@ def make_row_grid(
 ) -> RowGrid:
     """Host-side row layout from the number of tokens each local expert received
     (``pair_splits_m``: rows of 2 * block_m pool rows, see :class:`RowGrid`)."""
-    if experts_per_wave is not None and experts_per_wave < 1:
-        raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
+    check_experts_per_wave(experts_per_wave)
     if not pair_splits_m and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
         raise ValueError(
             f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
@@ -190,6 +189,12 @@ def make_row_grid(
         pair_splits_m=pair_splits_m,
         row_record=row_record,
     )
+
+
+def check_experts_per_wave(experts_per_wave) -> None:
+    """``experts_per_wave`` is None (the default) or >= 1."""
+    if experts_per_wave is not None and experts_per_wave < 1:
+        raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
 
 
 def default_experts_per_wave(num_local_experts: int) -> int:
