@@ -207,9 +207,7 @@ class MegaMoE:
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
     once their L1 tiles are done; None = off, measured slower), ``weight_l2`` / ``act_l2`` (tma_ws*:
     L2 eviction hint of the ring's TMA loads of B, the experts' weights, / of A, pool rows or h:
-    None, "evict_first" or "evict_last"; None = no hint), ``l1_columns`` (expert_wave: each
-    expert's L1 tiles column by column, so the CTAs running together share its weight columns;
-    scheduler.expert_wave_step; None = off).
+    None, "evict_first" or "evict_last"; None = no hint).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -235,7 +233,7 @@ class MegaMoE:
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
                  dispatch_keep: Optional[bool] = None, weight_l2: Optional[str] = None,
-                 act_l2: Optional[str] = None, l1_columns: Optional[bool] = None):
+                 act_l2: Optional[str] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -257,8 +255,7 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
-                                 l1_columns=bool(l1_columns))
+        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved")
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns

@@ -539,8 +539,7 @@ class MegaMoESm90:
 
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(mRowRecord),
-                       wave_row_start=mScheduleTable, l2_start=mScheduleTable, pair_splits_m=self.mcast_b,
-                       row_block=self.pool_rows_per_row)
+                       wave_row_start=mScheduleTable, l2_start=mScheduleTable, pair_splits_m=self.mcast_b)
         if const_expr(self.dispatch_warps == 0):
             self.copy_chunks(mPeerX, mPoolSrc, mPoolX, Int32(0), num_pool * (self.hidden // 8),
                              cta * (self.num_threads // 32) + tidx // 32, nctas * (self.num_threads // 32),
@@ -614,14 +613,8 @@ class MegaMoESm90:
 
     def prologue_rows(self, grid, nctas):
         """Rows [0, n) that every thread copies before the roles split: those the CTAs' first
-        tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs;
-        with ``l1_columns`` any row of that row's expert)."""
-        n = cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
-        if const_expr(self.schedule.l1_columns):
-            q = cutlass.max(n - 1, 0)
-            _, m_index, _, count = grid.row_record[q]
-            n = cutlass.min(grid.num_rows, q - m_index + (count + grid.row_block - 1) // grid.row_block)
-        return n
+        tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
+        return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
 
     @cute.jit
     def copy_chunks(self, mPeerX, mPoolSrc, mPoolX, lo: Int32, hi: Int32, warp: Int32, num_warps: Int32,

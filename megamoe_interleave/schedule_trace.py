@@ -18,9 +18,8 @@ from .scheduler import RowGrid, Schedule
 class ScheduleTrace:
     """One kernel class for both schedulers; ``schedule`` is a compile-time switch."""
 
-    def __init__(self, schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
+    def __init__(self, schedule: Schedule, pairs_l1: int, pairs_l2: int):
         self.schedule = schedule
-        self.row_block = row_block  # pool rows per scheduler row (RowGrid.row_block; l1_columns reads it)
         self.pairs_l1 = pairs_l1
         self.pairs_l2 = pairs_l2
 
@@ -58,7 +57,6 @@ class ScheduleTrace:
             row_record=DeviceRowRecords(mRowRecord),
             wave_row_start=mScheduleTable,
             l2_start=mScheduleTable,
-            row_block=self.row_block,
         )
         g = Int32(cta) // 2
         r = Int32(cta) % 2
@@ -86,7 +84,7 @@ class ScheduleTrace:
             mCount[cta] = n
 
 
-def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
+def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int):
     """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
@@ -100,5 +98,5 @@ def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row
         make_fake_tensor(Int32, (n_ctas,)),
         make_fake_stream(),
     )
-    op = ScheduleTrace(schedule, pairs_l1, pairs_l2, row_block)
+    op = ScheduleTrace(schedule, pairs_l1, pairs_l2)
     return cute.compile(op, *args, options="--enable-tvm-ffi")

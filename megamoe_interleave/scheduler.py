@@ -141,7 +141,6 @@ class RowGrid:
     pair_splits_m: bool = False
     row_record: Any = None
     l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
-    row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
 
 
 def make_row_grid(
@@ -189,7 +188,6 @@ def make_row_grid(
         num_waves=num_waves,
         pair_splits_m=pair_splits_m,
         row_record=row_record,
-        row_block=row_block,
     )
 
 
@@ -258,11 +256,7 @@ def _row_record(grid: RowGrid, row, valid):
 
 
 def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
-    return _tile_of_record(grid, valid, phase, row, pair, r, _row_record(grid, row, valid))
-
-
-def _tile_of_record(grid: RowGrid, valid, phase, row, pair, r, record) -> Tile:
-    expert, m_index, tok0, count = record
+    expert, m_index, tok0, count = _row_record(grid, row, valid)
     if grid.pair_splits_m:
         return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
                     tok0=tok0, count=count)
@@ -372,24 +366,12 @@ def expert_wave_done(cursor, grid: RowGrid):
     return t >= grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
 
 
-def expert_wave_step(cursor, g, G, r, grid: RowGrid, l1_columns: bool = False):
+def expert_wave_step(cursor, g, G, r, grid: RowGrid):
     """Global order = concat over waves w of (L1 tiles of w, row-major; L2 tiles of w).
 
     Wave w occupies global pair indices [(P1+P2)*S_w, (P1+P2)*S_{w+1}) since every row
     contributes P1 + P2 pair tiles. If ``t`` is beyond the current wave the step only
     advances the wave (idle tile); otherwise it emits and advances ``t`` by G.
-
-    ``l1_columns``: the L1 tiles of each expert keep their positions
-    ``[O_e, O_e + R_e) * P1`` but are visited column by column (local position
-    ``(q - O_e) * P1 + pair`` -> pair ``local // R_e``, row ``O_e + local % R_e``). The pairs
-    running at the same time then share the weight columns of one expert, each read from DRAM
-    about once, instead of all of its columns (32 MB at DeepSeek-V4-Flash), which must stay in
-    L2 across the expert's rows while the next expert's columns arrive. The expert of a
-    position is that of its row-major row (P1 * O_e <= position < P1 * O_{e+1}), so the row's
-    one record still serves. A wave holds whole experts and its L1 tiles still precede its L2
-    tiles, so the deadlock argument is unchanged; the column-0 tile of row q is preceded in the
-    order only by tiles of rows < q (earlier experts, then column 0 of rows O_e .. q - 1),
-    which keeps the Dispatch window's argument (kernel_sm90.dispatch_rows_bulk).
     """
     t, w = cursor
     P1, P2 = grid.pairs_l1, grid.pairs_l2
@@ -410,17 +392,7 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, l1_columns: bool = False):
     row = select(in_wave, row, 0)
     t_next = select(in_wave, t + G, t)
     w_next = select(logical_or(in_wave, done), w, w + 1)
-    record = _row_record(grid, row, valid)
-    if l1_columns:
-        e, m_q, tok0, count = record
-        rows_e = (count + grid.row_block - 1) // grid.row_block
-        rows_e = select(rows_e > 0, rows_e, 1)  # idle steps carry a zero record
-        position = m_q * P1 + pair
-        m_col = position % rows_e
-        row = select(is_l2, row, row - m_q + m_col)
-        pair = select(is_l2, pair, position // rows_e)
-        record = (e, select(is_l2, m_q, m_col), tok0, count)
-    return _tile_of_record(grid, valid, phase, row, pair, r, record), (t_next, w_next)
+    return _tile(grid, valid, phase, row, pair, r), (t_next, w_next)
 
 
 # ---------------------------------------------------------------------------
@@ -433,7 +405,6 @@ class Schedule:
     name: str
     lead: int = 1
     balance_l2: bool = False  # interleaved: see interleaved_init
-    l1_columns: bool = False  # expert_wave: L1 tiles column by column in each expert (expert_wave_step)
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
@@ -442,8 +413,6 @@ class Schedule:
             raise ValueError(f"lead D must be >= 1, got {self.lead}")
         if self.balance_l2 and self.name != "interleaved":
             raise ValueError("balance_l2 applies to the interleaved schedule only")
-        if self.l1_columns and self.name != "expert_wave":
-            raise ValueError("l1_columns applies to the expert_wave schedule only")
 
     def init(self, g, grid: RowGrid):
         if self.name == "interleaved":
@@ -458,7 +427,7 @@ class Schedule:
     def step(self, cursor, g, G, r, grid: RowGrid):
         if self.name == "interleaved":
             return interleaved_step(cursor, g, G, r, grid, self.lead)
-        return expert_wave_step(cursor, g, G, r, grid, self.l1_columns)
+        return expert_wave_step(cursor, g, G, r, grid)
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:
