@@ -337,6 +337,17 @@ class MegaMoE:
 
     __call__ = forward
 
+    def rerun(self) -> List[torch.Tensor]:
+        """The fused kernels and the top-k reduction again, on the inputs the last ``forward``
+        staged, with its plan (no input copies, no host planning, no Combine poison): the
+        device work of one call, for benchmarks that measure it (scripts/megamoe_energy.py).
+        Returns y per local rank, equal to that ``forward``'s."""
+        if self.backend != "fused":
+            raise ValueError("rerun() repeats the fused kernels: backend='fused' only")
+        if self._plans[0] != self._generation or not self._plans[1]:
+            raise RuntimeError("rerun() needs a forward() first")
+        return self._run_fused()
+
     def _single_process(self) -> bool:
         """Every rank lives in this process (loopback / host worlds): all ranks' work is
         ordered by the one CUDA stream, so no host-side barrier is needed between phases."""

@@ -286,6 +286,19 @@ def test_bulk_dispatch_bitwise_equal(mma, hidden):
                 assert torch.equal(a, b)
 
 
+def test_rerun_repeats_forward_bitwise():
+    """MegaMoE.rerun() (the kernels and the reduction again on the staged inputs, the
+    energy script's call) returns forward()'s y bit for bit, twice."""
+    P, k = 2, 6
+    w1, w2, xs, idx, w = _problem(P, [90, 41], k, "balanced", 0.1, seed=71)
+    moe = _make(P, k, "expert_wave", "tma_ws_mcast_b", block_m=128, block_n=128, stages=2)
+    moe.load_weights(w1, w2)
+    ys = [y.clone() for y in moe.forward(xs, idx, w)]
+    for _ in range(2):
+        for a, b in zip(ys, moe.rerun()):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"])
 def test_split_tail_on_off_bitwise(mma):
     """split_tail (<= 64-row m-blocks as 64-row N-split tiles) changes no bit of y: the same

@@ -210,3 +210,13 @@ def test_fused_rejects_pools_beyond_int32_chunk_indices():
     with pytest.raises(ValueError, match="int32"):
         MegaMoE(world, num_experts=256, hidden=7168, intermediate=3072, topk=8, max_tokens_per_rank=65536,
                 backend="fused")
+
+
+def test_rerun_needs_the_fused_backend_and_a_forward():
+    world = make_world("loopback", world_size=1, device="cpu")
+    moe = MegaMoE(world, num_experts=4, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=16, block_n=32)
+    with pytest.raises(ValueError, match="fused"):
+        moe.rerun()
+    moe.backend = "fused"  # the guard on the plan comes next (no kernel is launched)
+    with pytest.raises(RuntimeError, match="forward"):
+        moe.rerun()
