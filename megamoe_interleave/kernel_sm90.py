@@ -259,8 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, weight_l2: str | None = None, act_l2: str | None = None,
-                 combine_cs: bool = False):
+                 dispatch_keep: bool = False, weight_l2: str | None = None, act_l2: str | None = None):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -336,9 +335,6 @@ class MegaMoESm90:
                 raise ValueError(f"{name} must be None or one of {sorted(xdev.TMA_L2_HINTS)} (mma in {WS_KINDS}), "
                                  f"got {kind!r}")
         self.weight_l2, self.act_l2 = weight_l2, act_l2
-        # combine_cs: the Combine stores stream (st.global.cs, evict-first): this kernel never
-        # reads them back, so they need not push weights and pool rows out of L2.
-        self.combine_store_cache = "cs" if combine_cs else None
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
@@ -1400,8 +1396,7 @@ class MegaMoESm90:
                         while u < rows * chunks:
                             m, c = u // chunks, u % chunks
                             k = self.stage_index(m, 4 * c)
-                            xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3],
-                                          self.combine_store_cache)
+                            xdev.store_v4(sRowAddr[m] + Int64(col0 + c * 8) * 2, sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
                             u = u + self.num_epi_threads
                     self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
             c0 = Int32(nxt[0])

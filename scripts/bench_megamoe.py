@@ -203,13 +203,11 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "weight_l2", "act_l2",
-               "combine_cs")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "weight_l2", "act_l2")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("experts_per_wave", "epw"), ("weight_l2", "wl2="), ("act_l2", "al2="),
-                ("combine_cs", "cs"))
+                ("experts_per_wave", "epw"), ("weight_l2", "wl2="), ("act_l2", "al2="))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 EXPERT_WAVE_AXES = ("experts_per_wave",)  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
@@ -505,8 +503,6 @@ def main():
                         choices=[None, "evict_first", "evict_last"],
                         help=f"tma_ws*: L2 eviction hint of the ring's TMA loads of {operand}: none, evict_first, "
                              "evict_last, side by side (default: none)")
-    ap.add_argument("--combine-cs", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="Combine stores as streaming stores (st.global.cs), off / on side by side (default: off)")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
