@@ -205,9 +205,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``weight_l2`` / ``act_l2`` (tma_ws*:
-    L2 eviction hint of the ring's TMA loads of B, the experts' weights, / of A, pool rows or h:
-    None, "evict_first" or "evict_last"; None = no hint).
+    once their L1 tiles are done; None = off, measured slower).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -232,8 +230,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, weight_l2: Optional[str] = None,
-                 act_l2: Optional[str] = None):
+                 dispatch_keep: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -273,7 +270,7 @@ class MegaMoE:
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu, weight_l2=weight_l2, act_l2=act_l2)
+                                    l2_handoffs=l2_handoffs, silu=silu)
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,

@@ -259,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, weight_l2: str | None = None, act_l2: str | None = None):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -327,14 +327,6 @@ class MegaMoESm90:
             raise ValueError("dispatch_keep needs dispatch_window >= 1 (it bounds the evict-last pool lines)")
         self.dispatch_keep = bool(dispatch_keep)
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
-        # tma_ws*: L2 eviction hints of the ring's TMA loads, B (the experts' weights: re-read by
-        # every row of an expert) and A (pool rows or h: re-read by every N block of a row);
-        # None = no hint. The hints cost the producer warp a constant operand, not a register.
-        for name, kind in (("weight_l2", weight_l2), ("act_l2", act_l2)):
-            if kind is not None and (kind not in xdev.TMA_L2_HINTS or not self.ws):
-                raise ValueError(f"{name} must be None or one of {sorted(xdev.TMA_L2_HINTS)} (mma in {WS_KINDS}), "
-                                 f"got {kind!r}")
-        self.weight_l2, self.act_l2 = weight_l2, act_l2
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
@@ -1250,16 +1242,14 @@ class MegaMoESm90:
             # The multicast operand: our half, into both CTAs' stage (same index).
             if const_expr(self.mcast_a):
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,
-                          mcast_mask=cutlass.Int16(0b11), **xdev.tma_l2_hint(self.act_l2))
+                          mcast_mask=cutlass.Int16(0b11))
             else:
-                cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,
-                          **xdev.tma_l2_hint(self.act_l2))
+                cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
             if const_expr(self.mcast_b):
                 cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar,
-                          mcast_mask=cutlass.Int16(0b11), **xdev.tma_l2_hint(self.weight_l2))
+                          mcast_mask=cutlass.Int16(0b11))
             else:
-                cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar,
-                          **xdev.tma_l2_hint(self.weight_l2))
+                cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
             ab_pipe.producer_commit(state)
             state.advance()
         return state, ok

@@ -203,11 +203,11 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "weight_l2", "act_l2")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("experts_per_wave", "epw"), ("weight_l2", "wl2="), ("act_l2", "al2="))
+                ("experts_per_wave", "epw"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 EXPERT_WAVE_AXES = ("experts_per_wave",)  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
@@ -498,11 +498,6 @@ def main():
                          "off / on side by side (default: off)")
     ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None], metavar="N>=1",
                     help="expert_wave: local experts per wave, side by side (default: scheduler.default_experts_per_wave)")
-    for flag, operand in (("--weight-l2", "B (the experts' weights)"), ("--act-l2", "A (pool rows or h)")):
-        ap.add_argument(flag, nargs="+", default=[None], type=lambda v: None if v == "none" else v,
-                        choices=[None, "evict_first", "evict_last"],
-                        help=f"tma_ws*: L2 eviction hint of the ring's TMA loads of {operand}: none, evict_first, "
-                             "evict_last, side by side (default: none)")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")

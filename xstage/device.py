@@ -182,22 +182,6 @@ def store_v4_to_peer(
 # made ptxas serialize the consumers' WGMMAs.
 BULK_CACHE_POLICIES = (None, "evict_first", "evict_last")
 
-# L2 cache-policy operands of TMA tensor loads (``cute.copy(..., cache_policy=...)``, PTX
-# ``.L2::cache_hint``): the 64-bit encodings that ``createpolicy.fractional.L2::<kind>.b64 p, 1.0``
-# yields, as CUTLASS's ``cute::TMA::CacheHintSm90`` spells them. Constants, so no policy register
-# needs to be created in the issuing warp.
-TMA_L2_HINTS = {"evict_first": 0x12F0000000000000, "evict_last": 0x14F0000000000000}
-
-
-def tma_l2_hint(kind):
-    """``cache_policy`` keyword of a TMA load: {} for None (no hint), else the Int64 encoding of
-    ``kind`` (a key of :data:`TMA_L2_HINTS`)."""
-    if kind is None:
-        return {}
-    if kind not in TMA_L2_HINTS:
-        raise ValueError(f"TMA L2 hint must be None or one of {sorted(TMA_L2_HINTS)}, got {kind!r}")
-    return {"cache_policy": Int64(TMA_L2_HINTS[kind])}
-
 
 def _bulk_copy(op: str, operands: str, args, policy, loc, ip) -> None:
     """``op operands;``, or with a ``policy`` ``op.L2::cache_hint operands, policy;`` in a block
