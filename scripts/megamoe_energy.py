@@ -17,7 +17,7 @@ alone, the idle power). The summary's "fused[<schedule>] - reduce" rows take the
 out, but every row still holds the host time between and inside calls (launch preparation, the
 error read, the grouped GEMMs' offset uploads), at a lower power and of different lengths per
 variant (wall ms/call minus device time: ~6 ms for fused, ~5 ms for the GEMMs at P = 8;
-results/h200/megamoe/energy/README.md). So the J/call ratios bound the kernels' energy ratio
+results/h200/megamoe/README.md, "Power cap"). So the J/call ratios bound the kernels' energy ratio
 only loosely; what the rows show firmly is the mean power and clock under sustained load.
 
     python scripts/megamoe_energy.py --P 8 --tokens 8192 --out results/h200/megamoe/energy
