@@ -9,7 +9,12 @@ twice, so ncu can pick one rank kernel and the GEMMs of the same rank:
         --section SpeedOfLight --csv --page details python scripts/megamoe_ncu_driver.py --P 8
 
 (results/h200/megamoe/final2/ncu_*_P8_rank0.csv, with the ComputeWorkloadAnalysis and
-MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.)"""
+MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.)
+
+``--no-dispatch-copy``: the fused kernel without its Dispatch copy (megamoe_dispatch_cost's
+NoDispatchCopy, pool filled by torch after the first call, so it computes the real y): one
+forward, the fill, then the two forwards above, so ``--launch-skip P`` still picks the second
+of them (results/h200/megamoe/energy/ncu/ncu_*_nocopy.csv)."""
 import argparse
 import os
 import sys
@@ -27,13 +32,30 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--P", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "interleaved"])
+ap.add_argument("--no-dispatch-copy", action="store_true", help="the kernel without its Dispatch copy (see above)")
 args = ap.parse_args()
 P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
 w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
-moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-              **fused_kwargs(s, P, T, args.schedule))
-moe.load_weights(w1, w2)
+if args.no_dispatch_copy:
+    from megamoe_dispatch_cost import NoDispatchCopy, fill_pool
+    from megamoe_interleave import kernel_sm90
+
+    shipped, kernel_sm90.MegaMoESm90 = kernel_sm90.MegaMoESm90, NoDispatchCopy  # what compile builds
+    try:
+        moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
+                      **fused_kwargs(s, P, T, args.schedule, dispatch_copy="lsu", dispatch_evict_first=False,
+                                     dispatch_window=0, dispatch_keep=False))
+        moe.load_weights(w1, w2)
+        moe.forward(xs, idx, wts)  # compiles NoDispatchCopy; sizes the pool
+    finally:
+        kernel_sm90.MegaMoESm90 = shipped
+    for d in range(P):
+        fill_pool(moe, d)
+else:
+    moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
+                  **fused_kwargs(s, P, T, args.schedule))
+    moe.load_weights(w1, w2)
 moe.forward(xs, idx, wts)
 moe.forward(xs, idx, wts)
 torch.cuda.synchronize()
