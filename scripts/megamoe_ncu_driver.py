@@ -14,7 +14,8 @@ MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.
 ``--no-dispatch-copy``: the fused kernel without its Dispatch copy (megamoe_dispatch_cost's
 NoDispatchCopy, pool filled by torch after the first call, so it computes the real y): one
 forward, the fill, then the two forwards above, so ``--launch-skip P`` still picks the second
-of them (results/h200/megamoe/energy/ncu/ncu_*_nocopy.csv)."""
+of them. Its kernel is named after the subclass: select it with
+``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing)."""
 import argparse
 import os
 import sys
