@@ -58,6 +58,16 @@ def dense_bf16_tflops(n: int = 8192) -> float:
     return 2 * n ** 3 / (t.median_us * 1e-6) / 1e12
 
 
+def add_one_problem_args(ap) -> None:
+    """``--shape``, ``--P``, ``--tokens``, ``--schedules`` of the scripts that study one problem
+    (megamoe_energy, megamoe_trace_clock): DeepSeek-V4-Flash, loopback P = 8, 8192 tokens."""
+    ap.add_argument("--shape", default="deepseek-v4-flash")
+    ap.add_argument("--P", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
+                    choices=["expert_wave", "interleaved"])
+
+
 def make_problem(shape, kind, P, tokens, strength=1.0):
     """The benchmark's MoE problem on the GPU: global weights w1 [E, 2I, H], w2 [E, H, I] (seed 0),
     random x and routing (seed = rank) per source rank. Returns (w1, w2, xs, idx, wts)."""

@@ -120,10 +120,7 @@ def burst(fn, nvml: Nvml, sampler: Sampler, burst_s: float) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="deepseek-v4-flash")
-    ap.add_argument("--P", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"])
+    bench.add_one_problem_args(ap)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--burst-s", type=float, default=2.0)
     ap.add_argument("--cooldown-s", type=float, default=1.0)

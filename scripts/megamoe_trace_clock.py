@@ -38,10 +38,7 @@ def clock_per_rank(moe) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="deepseek-v4-flash")
-    ap.add_argument("--P", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"])
+    bench.add_one_problem_args(ap)
     ap.add_argument("--cooldown-s", type=float, default=0.25)
     ap.add_argument("--hot-calls", type=int, default=10)
     ap.add_argument("--tag", default="")

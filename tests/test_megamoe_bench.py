@@ -183,3 +183,17 @@ def test_experts_per_wave_must_be_positive():
 
     with pytest.raises(ValueError, match="experts_per_wave"):
         make_row_grid([5, 7, 0, 3], block_m=4, n_blocks_l1=4, n_blocks_l2=2, experts_per_wave=0)
+
+
+def test_one_problem_args_defaults_and_checks():
+    """The one-problem scripts (megamoe_energy, megamoe_trace_clock) share their problem flags."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    bench.add_one_problem_args(ap)
+    args = ap.parse_args([])
+    assert (args.shape, args.P, args.tokens, args.schedules) == ("deepseek-v4-flash", 8, 8192,
+                                                                  ["expert_wave", "interleaved"])
+    assert ap.parse_args(["--P", "1", "--schedules", "interleaved"]).schedules == ["interleaved"]
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--schedules", "column"])
