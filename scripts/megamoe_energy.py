@@ -45,7 +45,8 @@ REASON_BITS = {0x1: "gpu_idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw
 
 
 class Nvml:
-    """The NVML readings this script needs, for device 0 (as torch's current device)."""
+    """The NVML readings this script needs, for torch's current device (its CUDA index taken
+    as the NVML index: run without a CUDA_VISIBLE_DEVICES remapping)."""
 
     def __init__(self):
         import pynvml
