@@ -259,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False):
+                 dispatch_keep: bool = False, pool_ring: int = 0, pool_ring_pin: bool = True):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -328,6 +328,20 @@ class MegaMoESm90:
         self.dispatch_keep = bool(dispatch_keep)
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
+        # pool_ring K >= 1 (bulk Dispatch): the dispatched rows live in a ring of K scheduler rows
+        # (slot = row % K) instead of a pool of every row, and row r is copied into its slot only
+        # once row r - K's L1 tiles are all done (its last reader). The ring's lines are
+        # rewritten in L2 instead of written back to DRAM and re-read from it: the pool costs
+        # ~0.8 GB of DRAM traffic per rank at DeepSeek-V4-Flash, P = 8 (results/h200/megamoe,
+        # "Power cap"). ``pool_ring_pin``: the ring's stores are evict-last (at most K rows pinned).
+        # Pacing on *done* rows is deadlock-free in both schedules' row-major L1 order
+        # (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock, pace "done").
+        if pool_ring < 0 or (pool_ring and (dispatch_copy != "bulk" or dispatch_keep)):
+            raise ValueError(f"pool_ring must be 0, or >= 1 with dispatch_copy='bulk' and no dispatch_keep, "
+                             f"got {pool_ring!r}")
+        self.pool_ring = int(pool_ring)
+        if self.pool_ring and pool_ring_pin:
+            self.bulk_store_policy = "evict_last"
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
@@ -399,7 +413,7 @@ class MegaMoESm90:
         mPeerCombine: cute.Tensor,  # (P,) int64: base of every rank's combine [k, T_max, H] bf16
         mPoolSrc: cute.Tensor,  # (N_pool, 3) int32: (src rank, token, pick), expert-major
         mPoolWeight: cute.Tensor,  # (N_pool,) f32 routing weight
-        mPoolX: cute.Tensor,  # (N_pool, H) bf16 scratch: dispatched rows
+        mPoolX: cute.Tensor,  # (N_pool + BM, H) bf16 scratch: dispatched rows (pool_ring: K slots of a row)
         mH: cute.Tensor,  # (N_pool, I) bf16 scratch: L1 output (post SwiGLU, weighted)
         mW1: cute.Tensor,  # (E_l, 2I, H) bf16, gate/up interleaved
         mW2: cute.Tensor,  # (E_l, H, I) bf16
@@ -466,15 +480,17 @@ class MegaMoESm90:
     def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
         """TMA load atoms + coordinate tensors (tma_ws) for the four GEMM operands, each viewed
         as a compact row-major 2-D matrix (the host checks contiguity): A of L1 = dispatched
-        rows ``(n_pad, H)``, A of L2 = h ``(n_pad, I)``, B of L1 = all local experts' w1 rows
-        ``(E_l * 2I, H)``, B of L2 = ``(E_l * H, I)``. A tile's A rows start at the expert's
-        first token + m_block * BM (not BM-aligned: :meth:`load_tile` offsets the coordinate
-        tensor); rows past n_pad are zero-filled by TMA."""
+        rows ``(n_px, H)`` (the pool, or the ``pool_ring``), A of L2 = h ``(n_pad, I)``, B of
+        L1 = all local experts' w1 rows ``(E_l * 2I, H)``, B of L2 = ``(E_l * H, I)``. A tile's
+        A rows start at the expert's first token + m_block * BM (not BM-aligned:
+        :meth:`load_tile` offsets the coordinate tensor); rows past the end are zero-filled by
+        TMA."""
         H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
-        n_pad = cute.size(mPoolX, mode=[0])
+        n_px = cute.size(mPoolX, mode=[0])
+        n_pad = cute.size(mH, mode=[0])
         n_exp = cute.size(mW1, mode=[0])
         views = (
-            (mPoolX, (n_pad, H), self.sA_layout, self.block_m),
+            (mPoolX, (n_px, H), self.sA_layout, self.block_m),
             (mW1, (n_exp * I2, H), self.sB_layout, self.block_n),
             (mH, (n_pad, I), self.sA_layout, self.block_m),
             (mW2, (n_exp * H, I), self.sB_layout, self.block_n),
@@ -597,6 +613,10 @@ class MegaMoESm90:
             cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
 
+    def ring_row0(self, row):
+        """``pool_ring``: first row of scheduler row ``row``'s slot in the ring."""
+        return (row % self.pool_ring) * self.pool_rows_per_row
+
     def pool_rows_of(self, grid, row):
         """(first pool row, pool rows) of scheduler row ``row``: its block of the expert's rows."""
         _, m_index, tok0, count = grid.row_record[row]
@@ -606,6 +626,8 @@ class MegaMoESm90:
     def prologue_rows(self, grid, nctas):
         """Rows [0, n) that every thread copies before the roles split: those the CTAs' first
         tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
+        if const_expr(self.pool_ring > 0):
+            return Int32(0)  # the ring's slots are written by the dispatch warp's bulk copies only
         return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
 
     @cute.jit
@@ -684,7 +706,8 @@ class MegaMoESm90:
         :meth:`dispatch_rows` holds.
 
         ``dispatch_window`` W >= 1: before copying row r >= W the thread waits (bounded) until row
-        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). The deadlock argument extends
+        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). ``pool_ring`` K: row r goes to
+        its ring slot, after a bounded wait (r >= K) until row r - K's L1 tiles are all done. The deadlock argument extends
         (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock): take the
         lowest row r at which some dispatch thread waits; every dispatch thread is past r - W,
         so row r - W is dispatched, and the tiles ahead of its L1 tiles in their CTAs' sequences
@@ -712,10 +735,18 @@ class MegaMoESm90:
                 if const_expr(self.dispatch_keep):
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
             p0, n = self.pool_rows_of(grid, row)
+            dst_row0 = p0  # pool row of p0
+            if const_expr(self.pool_ring > 0):
+                if row >= self.pool_ring:
+                    ok = ok & xdev.spin_wait_ge_tries(l1_done + (row - self.pool_ring), Int32(2 * self.pairs_l1),
+                                                      self.dispatch_polls, DISPATCH_POLL_NS, err,
+                                                      ERR_DEPENDENCY_TIMEOUT)
+                    cute.arch.fence_proxy("async.global")  # the slot's TMA readers -> our bulk stores
+                dst_row0 = self.ring_row0(row)
             i = p0 + (cta * n) // nctas
             while i < p0 + ((cta + 1) * n) // nctas and ok:
                 src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * row_bytes
-                dst = pool_base + Int64(i) * row_bytes
+                dst = pool_base + Int64(dst_row0 + i - p0) * row_bytes
                 for q in cutlass.range_constexpr(self.bulk_pieces):
                     b = j % 2
                     buf = bulk_buf + b * piece
@@ -1165,7 +1196,9 @@ class MegaMoESm90:
         g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         ok = Boolean(True)
-        rows_ok = Int32(0)  # overlapped Dispatch: rows [0, rows_ok) known dispatched
+        # Overlapped Dispatch: rows [0, rows_ok) known dispatched. With pool_ring a known row's slot
+        # stays valid for our pending L1 tiles of it: it is rewritten only once they are all done.
+        rows_ok = Int32(0)
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
@@ -1174,7 +1207,12 @@ class MegaMoESm90:
                 if tile.phase == PHASE_L1:
                     if const_expr(self.dispatch_warps > 0):
                         rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, grid, nctas, timeout, mCounters)
-                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a_row0,
+                    a1_row0 = a_row0
+                    if const_expr(self.pool_ring > 0):
+                        # the tile's rows within its row's ring slot (a slot holds the whole row; its
+                        # first pool row is tok0 + (m_block * BM) // R * R)
+                        a1_row0 = self.ring_row0(tile.row) + (tile.m_block * self.block_m) % self.pool_rows_per_row
+                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a1_row0,
                                                e * (2 * self.intermediate) + tile.n_block * self.block_n,
                                                self.hidden // BLOCK_K, sA, sB)
                 else:
@@ -1529,7 +1567,7 @@ def tensor_argument_spec(hidden: int, intermediate: int):
         ("mPeerCombine", Int64, ("P",)),
         ("mPoolSrc", Int32, ("n_pool", 3)),
         ("mPoolWeight", Float32, ("n_pool",)),
-        ("mPoolX", BFloat16, ("n_pad", hidden)),  # n_pad = n_pool + block_m (padded M tiles)
+        ("mPoolX", BFloat16, ("n_px", hidden)),  # n_pool + block_m (padded M tiles), or the pool_ring's rows
         ("mH", BFloat16, ("n_pad", intermediate)),
         ("mW1", BFloat16, ("E_l", 2 * intermediate, hidden)),
         ("mW2", BFloat16, ("E_l", hidden, intermediate)),

@@ -286,6 +286,34 @@ def test_bulk_dispatch_bitwise_equal(mma, hidden):
                 assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
+def test_pool_ring_bitwise_equal(mma):
+    """pool_ring K (the dispatched rows in a ring of K scheduler rows, each slot rewritten once
+    its row's L1 tiles are done) changes no bit of y against the whole pool, in both schedules,
+    for K = 1 (every row waits for the one before it), 2 and 5, pinned and plain stores, with
+    the expert_wave window on; 8 SMs and more scheduler rows than slots, so slots are reused
+    within a call; three calls each."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    P, k, hidden, inter = 2, 6, 256, 128
+    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=73, hidden=hidden, inter=inter)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    for schedule in ("expert_wave", "interleaved"):
+        outs = []
+        for ring, pin, window in ((0, True, None), (1, True, None), (2, False, None), (5, True, None), (5, True, 3)):
+            moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
+                        num_sms=8, dispatch_copy="bulk", pool_ring=ring, pool_ring_pin=pin, dispatch_window=window)
+            moe.load_weights(w1, w2)
+            for _ in range(3):
+                y = moe.forward(xs, idx, w)
+                _check(y, refs)
+            outs.append(y)
+            assert moe.plan_rank(0)[1].num_rows > 5, "need more scheduler rows than ring slots"
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert torch.equal(a, b)
+
+
 def test_rerun_repeats_forward_bitwise():
     """MegaMoE.rerun() (the kernels and the reduction again on the staged inputs, the
     energy script's call) returns forward()'s y bit for bit, twice."""
