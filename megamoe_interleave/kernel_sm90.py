@@ -735,18 +735,19 @@ class MegaMoESm90:
                 if const_expr(self.dispatch_keep):
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
             p0, n = self.pool_rows_of(grid, row)
-            dst_row0 = p0  # pool row of p0
             if const_expr(self.pool_ring > 0):
                 if row >= self.pool_ring:
                     ok = ok & xdev.spin_wait_ge_tries(l1_done + (row - self.pool_ring), Int32(2 * self.pairs_l1),
                                                       self.dispatch_polls, DISPATCH_POLL_NS, err,
                                                       ERR_DEPENDENCY_TIMEOUT)
                     cute.arch.fence_proxy("async.global")  # the slot's TMA readers -> our bulk stores
-                dst_row0 = self.ring_row0(row)
+                ring_shift = self.ring_row0(row) - p0  # pool row i goes to ring row i + ring_shift
             i = p0 + (cta * n) // nctas
             while i < p0 + ((cta + 1) * n) // nctas and ok:
                 src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * row_bytes
-                dst = pool_base + Int64(dst_row0 + i - p0) * row_bytes
+                dst = pool_base + Int64(i) * row_bytes
+                if const_expr(self.pool_ring > 0):
+                    dst = pool_base + Int64(i + ring_shift) * row_bytes
                 for q in cutlass.range_constexpr(self.bulk_pieces):
                     b = j % 2
                     buf = bulk_buf + b * piece
