@@ -262,28 +262,35 @@ def test_bulk_dispatch_bitwise_equal(mma, hidden):
     so the prologue covers few rows and the dispatch warp's bulk copies move nearly all of
     them; repeated calls check that the bounce buffers' mbarrier phases and bulk groups start
     afresh each call, and that the discarded pool lines are rewritten before they are read."""
+    P, k, inter = 2, 6, 128
+    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
+    variants = [dict(dispatch_copy=copy, dispatch_evict_first=ef, dispatch_window=window, dispatch_keep=keep)
+                for copy, ef, window, keep in (("lsu", False, 0, False), ("bulk", False, 0, False),
+                                               ("bulk", True, 0, False), ("bulk", True, 1, True), ("bulk", True, 3, False))]
+    for schedule in ("expert_wave", "interleaved"):
+        _variants_bitwise_equal(P, k, schedule, mma, problem, variants, 4, hidden=hidden, inter=inter)
+
+
+def _variants_bitwise_equal(P, k, schedule, mma, problem, variants, min_rows, **common):
+    """Every variant (MegaMoE options on top of ``common`` and 128 x 128 tiles, 2 stages, 8
+    SMs): three calls, each checked against the fp32 reference, with more than ``min_rows``
+    scheduler rows on rank 0; all variants' y bitwise equal."""
     from megamoe_interleave.reference import reference_moe_fp32
 
-    P, k, inter = 2, 6, 128
-    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
+    w1, w2, xs, idx, w = problem
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    for schedule in ("expert_wave", "interleaved"):
-        outs = []
-        for copy, evict_first, window, keep in (("lsu", False, 0, False), ("bulk", False, 0, False),
-                                                ("bulk", True, 0, False), ("bulk", True, 1, True),
-                                                ("bulk", True, 3, False)):
-            moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
-                        num_sms=8, dispatch_copy=copy, dispatch_evict_first=evict_first, dispatch_window=window,
-                        dispatch_keep=keep)
-            moe.load_weights(w1, w2)
-            for _ in range(3):
-                y = moe.forward(xs, idx, w)
-                _check(y, refs)
-            outs.append(y)
-            assert moe.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
-        for other in outs[1:]:
-            for a, b in zip(outs[0], other):
-                assert torch.equal(a, b)
+    outs = []
+    for options in variants:
+        moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, num_sms=8, **common, **options)
+        moe.load_weights(w1, w2)
+        for _ in range(3):
+            y = moe.forward(xs, idx, w)
+            _check(y, refs)
+        outs.append(y)
+        assert moe.plan_rank(0)[1].num_rows > min_rows, f"need more than {min_rows} scheduler rows"
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
@@ -293,25 +300,14 @@ def test_pool_ring_bitwise_equal(mma):
     for K = 1 (every row waits for the one before it), 2 and 5, pinned and plain stores, with
     the expert_wave window on; 8 SMs and more scheduler rows than slots, so slots are reused
     within a call; three calls each."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
-    P, k, hidden, inter = 2, 6, 256, 128
-    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=73, hidden=hidden, inter=inter)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    for schedule in ("expert_wave", "interleaved"):
-        outs = []
-        for ring, pin, window in ((0, True, None), (1, True, None), (2, False, None), (5, True, None), (5, True, 3)):
-            moe = _make(P, k, schedule, mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
-                        num_sms=8, dispatch_copy="bulk", pool_ring=ring, pool_ring_pin=pin, dispatch_window=window)
-            moe.load_weights(w1, w2)
-            for _ in range(3):
-                y = moe.forward(xs, idx, w)
-                _check(y, refs)
-            outs.append(y)
-            assert moe.plan_rank(0)[1].num_rows > 5, "need more scheduler rows than ring slots"
-        for other in outs[1:]:
-            for a, b in zip(outs[0], other):
-                assert torch.equal(a, b)
+    P, k = 2, 6
+    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=73, hidden=256, inter=128)
+    variants = [dict(pool_ring=ring, pool_ring_pin=pin, dispatch_window=window)
+                for ring, pin, window in ((0, True, None), (1, True, None), (2, False, None), (5, True, None),
+                                          (5, True, 3))]
+    for schedule in ("expert_wave", "interleaved"):  # more rows than ring slots: slots reused in a call
+        _variants_bitwise_equal(P, k, schedule, mma, problem, variants, 5, hidden=256, inter=128,
+                                dispatch_copy="bulk")
 
 
 def test_rerun_repeats_forward_bitwise():
