@@ -334,8 +334,8 @@ class MegaMoESm90:
         # rewritten in L2 instead of written back to DRAM and re-read from it: the pool costs
         # ~0.8 GB of DRAM traffic per rank at DeepSeek-V4-Flash, P = 8 (results/h200/megamoe,
         # "Power cap"). ``pool_ring_pin``: the ring's stores are evict-last (at most K rows pinned).
-        # Pacing on *done* rows is deadlock-free in both schedules' row-major L1 order
-        # (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock, pace "done").
+        # Pacing on *done* rows is deadlock-free in both schedules' row-major L1 order, with or
+        # without a window (tests/test_megamoe_scheduler.py, test_pool_ring_cannot_deadlock).
         if pool_ring < 0 or (pool_ring and (dispatch_copy != "bulk" or dispatch_keep)):
             raise ValueError(f"pool_ring must be 0, or >= 1 with dispatch_copy='bulk' and no dispatch_keep, "
                              f"got {pool_ring!r}")
@@ -707,8 +707,9 @@ class MegaMoESm90:
 
         ``dispatch_window`` W >= 1: before copying row r >= W the thread waits (bounded) until row
         r - W has a finished L1 tile (``l2_full[r - W] >= 1``). ``pool_ring`` K: row r goes to
-        its ring slot, after a bounded wait (r >= K) until row r - K's L1 tiles are all done. The deadlock argument extends
-        (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock): take the
+        its ring slot, after a bounded wait (r >= K) until row r - K's L1 tiles are all done.
+        The deadlock argument extends (tests/test_megamoe_scheduler.py,
+        test_windowed_dispatch_cannot_deadlock, test_pool_ring_cannot_deadlock): take the
         lowest row r at which some dispatch thread waits; every dispatch thread is past r - W,
         so row r - W is dispatched, and the tiles ahead of its L1 tiles in their CTAs' sequences
         depend on rows below it only, which are dispatched too. ``dispatch_keep``: before each
@@ -736,10 +737,9 @@ class MegaMoESm90:
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
             p0, n = self.pool_rows_of(grid, row)
             if const_expr(self.pool_ring > 0):
-                if row >= self.pool_ring:
-                    ok = ok & xdev.spin_wait_ge_tries(l1_done + (row - self.pool_ring), Int32(2 * self.pairs_l1),
-                                                      self.dispatch_polls, DISPATCH_POLL_NS, err,
-                                                      ERR_DEPENDENCY_TIMEOUT)
+                if row >= self.pool_ring and ok:
+                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.pool_ring), Int32(2 * self.pairs_l1),
+                                                 self.dispatch_polls, DISPATCH_POLL_NS, err, ERR_DEPENDENCY_TIMEOUT)
                     cute.arch.fence_proxy("async.global")  # the slot's TMA readers -> our bulk stores
                 ring_shift = self.ring_row0(row) - p0  # pool row i goes to ring row i + ring_shift
             i = p0 + (cta * n) // nctas
