@@ -614,8 +614,15 @@ class MegaMoESm90:
         cute.arch.sync_threads()
 
     def ring_row0(self, row):
-        """``pool_ring``: first row of scheduler row ``row``'s slot in the ring."""
+        """``pool_ring``: first row of scheduler row ``row``'s slot in the ring (Python ints or DSL)."""
         return (row % self.pool_ring) * self.pool_rows_per_row
+
+    def ring_tile_row0(self, row, m_block):
+        """``pool_ring``: first ring row of an L1 tile of scheduler row ``row``, M block ``m_block``
+        of its expert. A slot holds the whole scheduler row, whose first pool row is the block's
+        first pool row rounded down to a multiple of ``pool_rows_per_row`` (relative to the
+        expert's first token)."""
+        return self.ring_row0(row) + (m_block * self.block_m) % self.pool_rows_per_row
 
     def pool_rows_of(self, grid, row):
         """(first pool row, pool rows) of scheduler row ``row``: its block of the expert's rows."""
@@ -1210,9 +1217,7 @@ class MegaMoESm90:
                         rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, grid, nctas, timeout, mCounters)
                     a1_row0 = a_row0
                     if const_expr(self.pool_ring > 0):
-                        # the tile's rows within its row's ring slot (a slot holds the whole row; its
-                        # first pool row is tok0 + (m_block * BM) // R * R)
-                        a1_row0 = self.ring_row0(tile.row) + (tile.m_block * self.block_m) % self.pool_rows_per_row
+                        a1_row0 = self.ring_tile_row0(tile.row, tile.m_block)
                     state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a1_row0,
                                                e * (2 * self.intermediate) + tile.n_block * self.block_n,
                                                self.hidden // BLOCK_K, sA, sB)

@@ -584,3 +584,33 @@ def test_setmaxnreg_fits_the_launch_register_pool():
     for n in (AUX_WARPGROUP_REGS, MMA_WARPGROUP_REGS):
         assert n % 8 == 0 and 24 <= n <= 256
     assert AUX_WARPGROUP_REGS < launch_regs < MMA_WARPGROUP_REGS
+
+
+@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
+@pytest.mark.parametrize("ring", [1, 3])
+def test_pool_ring_addresses_agree(mma, ring):
+    """The kernel's own ring index methods, on Python ints: every L1 tile's A rows in the ring
+    (MegaMoESm90.ring_tile_row0) are the rows the Dispatch put there for that tile's pool rows
+    (ring_row0 of the scheduler row + offset in the row, as dispatch_rows_bulk stores them), for
+    every tile of both schedules, and a tile never reads past its slot."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+    from megamoe_interleave.scheduler import enumerate_all, make_row_grid
+
+    op = MegaMoESm90(256, 128, SCHEDULES[0], block_m=128, block_n=128, mma=mma, stages=2, dispatch_copy="bulk",
+                     pool_ring=ring)
+    R, BM = op.pool_rows_per_row, op.block_m
+    grid = make_row_grid([300, 0, 129, 700, 64, 1], block_m=BM, n_blocks_l1=2, n_blocks_l2=2,
+                         pair_splits_m=mma == "tma_ws_mcast_b")
+    for schedule in (Schedule("expert_wave"), Schedule("interleaved", lead=2)):
+        for seq in enumerate_all(schedule, grid, 6):
+            for t in seq:
+                if t.phase != 1:
+                    continue
+                _, m_index, tok0, count = grid.row_record[t.row]
+                p0 = tok0 + m_index * R  # the scheduler row's first pool row (pool_rows_of)
+                rows = min(count - t.m_block * BM, BM)  # the tile's valid rows (may be <= 0 at a pair's odd end)
+                a0 = op.ring_tile_row0(t.row, t.m_block)
+                assert op.ring_row0(t.row) <= a0 and a0 + BM <= op.ring_row0(t.row) + R <= ring * R
+                for j in range(max(rows, 0)):
+                    pool_row = tok0 + t.m_block * BM + j
+                    assert a0 + j == op.ring_row0(t.row) + (pool_row - p0)
