@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
+from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, pool_rows_per_row, resolve_split_tail
 from .scheduler import (SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
                         schedule_table)
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
@@ -543,8 +543,7 @@ class MegaMoE:
         # block_m rows of padding: the multistage mainloop reads whole M tiles (rows past an
         # expert's tokens feed accumulator rows that are never stored).
         ring = self._kernel_options["pool_ring"]
-        pool_rows = ring * (2 * self.block_m if self.mma == "tma_ws_mcast_b" else self.block_m) if ring else \
-            n_pool + self.block_m
+        pool_rows = ring * pool_rows_per_row(self.mma, self.block_m) if ring else n_pool + self.block_m
         pool_x = self._scratch_rows(d, "pool_x", pool_rows, self.hidden, buf.dtype)
         h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
         num_ctas = self.num_ctas(grid)

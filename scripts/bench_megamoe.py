@@ -64,11 +64,6 @@ def add_one_problem_args(ap) -> None:
     ap.add_argument("--shape", default="deepseek-v4-flash")
     ap.add_argument("--P", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--pool-ring", nargs="+", type=int, default=[None], metavar="K>=0",
-                    help="bulk Dispatch: the dispatched rows in a ring of K scheduler rows (0 = the whole pool), side "
-                         "by side (default: 0)")
-    ap.add_argument("--pool-ring-pin", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="pool ring: its stores evict-last (1, the default) or plain (0), side by side")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"])
 
@@ -473,7 +468,8 @@ def paired_table(paired):
     return out
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line (one flag per side-by-side axis of VARIANT_AXES)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
     ap.add_argument("--world", default="loopback", choices=["loopback", "host"],
@@ -514,6 +510,11 @@ def main():
                          "off / on side by side (default: off)")
     ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None], metavar="N>=1",
                     help="expert_wave: local experts per wave, side by side (default: scheduler.default_experts_per_wave)")
+    ap.add_argument("--pool-ring", nargs="+", type=int, default=[None], metavar="K>=0",
+                    help="bulk Dispatch: the dispatched rows in a ring of K scheduler rows (0 = the whole pool), side "
+                         "by side (default: 0)")
+    ap.add_argument("--pool-ring-pin", nargs="+", type=int, default=[None], choices=[0, 1],
+                    help="pool ring: its stores evict-last (1, the default) or plain (0), side by side")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")
@@ -539,7 +540,11 @@ def main():
                     help="paired comparison: trials count when both variants ran this close to the reference clock")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default="results/h200/megamoe")
-    args = ap.parse_args()
+    return ap
+
+
+def main():
+    args = build_parser().parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)

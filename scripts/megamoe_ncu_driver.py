@@ -40,18 +40,14 @@ P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
 w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
 if args.no_dispatch_copy:
-    from megamoe_dispatch_cost import NoDispatchCopy, fill_pool
-    from megamoe_interleave import kernel_sm90
+    from megamoe_dispatch_cost import fill_pool, no_dispatch_copy_kernels
 
-    shipped, kernel_sm90.MegaMoESm90 = kernel_sm90.MegaMoESm90, NoDispatchCopy  # what compile builds
-    try:
+    with no_dispatch_copy_kernels():
         moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
                       **fused_kwargs(s, P, T, args.schedule, dispatch_copy="lsu", dispatch_evict_first=False,
                                      dispatch_window=0, dispatch_keep=False))
         moe.load_weights(w1, w2)
         moe.forward(xs, idx, wts)  # compiles NoDispatchCopy; sizes the pool
-    finally:
-        kernel_sm90.MegaMoESm90 = shipped
     for d in range(P):
         fill_pool(moe, d)
 else:

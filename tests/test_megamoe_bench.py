@@ -197,3 +197,12 @@ def test_one_problem_args_defaults_and_checks():
     assert ap.parse_args(["--P", "1", "--schedules", "interleaved"]).schedules == ["interleaved"]
     with pytest.raises(SystemExit):
         ap.parse_args(["--schedules", "column"])
+
+
+def test_bench_parser_has_every_variant_axis():
+    """Every side-by-side axis run_case reads (VARIANT_AXES) is a flag of the bench's command
+    line, defaulting to [None] or a list (a flag lost to another parser broke the bench once)."""
+    args = bench.build_parser().parse_args([])
+    for name in bench.VARIANT_AXES:
+        assert isinstance(getattr(args, name), list), name
+    assert bench.build_parser().parse_args(["--pool-ring", "0", "6"]).pool_ring == [0, 6]
