@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, pool_rows_per_row, resolve_split_tail
+from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
 from .scheduler import (SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
                         schedule_table)
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
@@ -121,8 +121,7 @@ def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, ker
     return (num_sms // 2) // pairs_l1 + 1
 
 
-DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep", "pool_ring",
-                    "pool_ring_pin")
+DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
 def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, num_sms: int,
@@ -130,8 +129,7 @@ def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_op
     """The fused kernel's :data:`DISPATCH_OPTIONS` with the API's defaults for those not given
     (None): :func:`default_dispatch_copy` ("lsu" off the fused backend), evict-first with
     bulk copies, :func:`default_dispatch_window`, no keep (measured slower: with W = 6 expert_wave
-    1.017 -> 1.037x, interleaved 1.047 -> 1.044x; W = 10 1.047 -> 1.035x, 1.026 -> 1.035x), no
-    pool ring (not yet run on a GPU), a pool ring pinned in L2 when one is asked for."""
+    1.017 -> 1.037x, interleaved 1.047 -> 1.044x; W = 10 1.047 -> 1.035x, 1.026 -> 1.035x)."""
     copy = given.get("dispatch_copy")
     if copy is None:
         copy = default_dispatch_copy(hidden, intermediate, schedule, kernel_options) if fused else "lsu"
@@ -140,9 +138,7 @@ def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_op
     if window is None:
         window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
     return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")),
-                pool_ring=int(given.get("pool_ring") or 0),
-                pool_ring_pin=True if given.get("pool_ring_pin") is None else bool(given.get("pool_ring_pin")))
+                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -209,10 +205,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``pool_ring`` (bulk Dispatch: the
-    dispatched rows in a ring of K scheduler rows, row r copied once row r - K's L1 tiles are all
-    done, so the pool's lines are rewritten in L2 instead of going to DRAM and back; None = 0,
-    off; not yet run on a GPU), ``pool_ring_pin`` (the ring's stores evict-last; None = on).
+    once their L1 tiles are done; None = off, measured slower).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -237,8 +230,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, pool_ring: Optional[int] = None,
-                 pool_ring_pin: Optional[bool] = None):
+                 dispatch_keep: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -282,8 +274,7 @@ class MegaMoE:
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,
-            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep,
-            pool_ring=pool_ring, pool_ring_pin=pool_ring_pin))
+            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
@@ -542,9 +533,7 @@ class MegaMoE:
             pool_w = perm.weights.to(device=dev, dtype=torch.float32).contiguous()
         # block_m rows of padding: the multistage mainloop reads whole M tiles (rows past an
         # expert's tokens feed accumulator rows that are never stored).
-        ring = self._kernel_options["pool_ring"]
-        pool_rows = ring * pool_rows_per_row(self.mma, self.block_m) if ring else n_pool + self.block_m
-        pool_x = self._scratch_rows(d, "pool_x", pool_rows, self.hidden, buf.dtype)
+        pool_x = self._scratch_rows(d, "pool_x", n_pool + self.block_m, self.hidden, buf.dtype)
         h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
         num_ctas = self.num_ctas(grid)
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row

@@ -260,7 +260,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, pool_ring: int = 0, pool_ring_pin: bool = True):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -329,20 +329,6 @@ class MegaMoESm90:
         self.dispatch_keep = bool(dispatch_keep)
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
-        # pool_ring K >= 1 (bulk Dispatch): the dispatched rows live in a ring of K scheduler rows
-        # (slot = row % K) instead of a pool of every row, and row r is copied into its slot only
-        # once row r - K's L1 tiles are all done (its last reader). The ring's lines are
-        # rewritten in L2 instead of written back to DRAM and re-read from it: the pool costs
-        # ~0.8 GB of DRAM traffic per rank at DeepSeek-V4-Flash, P = 8 (results/h200/megamoe,
-        # "Power cap"). ``pool_ring_pin``: the ring's stores are evict-last (at most K rows pinned).
-        # Pacing on *done* rows is deadlock-free in both schedules' row-major L1 order, with or
-        # without a window (tests/test_megamoe_scheduler.py, test_pool_ring_cannot_deadlock).
-        if pool_ring < 0 or (pool_ring and (dispatch_copy != "bulk" or dispatch_keep)):
-            raise ValueError(f"pool_ring must be 0, or >= 1 with dispatch_copy='bulk' and no dispatch_keep, "
-                             f"got {pool_ring!r}")
-        self.pool_ring = int(pool_ring)
-        if self.pool_ring and pool_ring_pin:
-            self.bulk_store_policy = "evict_last"
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
@@ -414,7 +400,7 @@ class MegaMoESm90:
         mPeerCombine: cute.Tensor,  # (P,) int64: base of every rank's combine [k, T_max, H] bf16
         mPoolSrc: cute.Tensor,  # (N_pool, 3) int32: (src rank, token, pick), expert-major
         mPoolWeight: cute.Tensor,  # (N_pool,) f32 routing weight
-        mPoolX: cute.Tensor,  # (N_pool + BM, H) bf16 scratch: dispatched rows (pool_ring: K slots of a row)
+        mPoolX: cute.Tensor,  # (N_pool, H) bf16 scratch: dispatched rows
         mH: cute.Tensor,  # (N_pool, I) bf16 scratch: L1 output (post SwiGLU, weighted)
         mW1: cute.Tensor,  # (E_l, 2I, H) bf16, gate/up interleaved
         mW2: cute.Tensor,  # (E_l, H, I) bf16
@@ -481,17 +467,15 @@ class MegaMoESm90:
     def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
         """TMA load atoms + coordinate tensors (tma_ws) for the four GEMM operands, each viewed
         as a compact row-major 2-D matrix (the host checks contiguity): A of L1 = dispatched
-        rows ``(n_px, H)`` (the pool, or the ``pool_ring``), A of L2 = h ``(n_pad, I)``, B of
-        L1 = all local experts' w1 rows ``(E_l * 2I, H)``, B of L2 = ``(E_l * H, I)``. A tile's
-        A rows start at the expert's first token + m_block * BM (not BM-aligned:
-        :meth:`load_tile` offsets the coordinate tensor); rows past the end are zero-filled by
-        TMA."""
+        rows ``(n_pad, H)``, A of L2 = h ``(n_pad, I)``, B of L1 = all local experts' w1 rows
+        ``(E_l * 2I, H)``, B of L2 = ``(E_l * H, I)``. A tile's A rows start at the expert's
+        first token + m_block * BM (not BM-aligned: :meth:`load_tile` offsets the coordinate
+        tensor); rows past n_pad are zero-filled by TMA."""
         H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
-        n_px = cute.size(mPoolX, mode=[0])
-        n_pad = cute.size(mH, mode=[0])
+        n_pad = cute.size(mPoolX, mode=[0])
         n_exp = cute.size(mW1, mode=[0])
         views = (
-            (mPoolX, (n_px, H), self.sA_layout, self.block_m),
+            (mPoolX, (n_pad, H), self.sA_layout, self.block_m),
             (mW1, (n_exp * I2, H), self.sB_layout, self.block_n),
             (mH, (n_pad, I), self.sA_layout, self.block_m),
             (mW2, (n_exp * H, I), self.sB_layout, self.block_n),
@@ -614,17 +598,6 @@ class MegaMoESm90:
             cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
 
-    def ring_row0(self, row):
-        """``pool_ring``: first row of scheduler row ``row``'s slot in the ring (Python ints or DSL)."""
-        return (row % self.pool_ring) * self.pool_rows_per_row
-
-    def ring_tile_row0(self, row, m_block):
-        """``pool_ring``: first ring row of an L1 tile of scheduler row ``row``, M block ``m_block``
-        of its expert. A slot holds the whole scheduler row, whose first pool row is the block's
-        first pool row rounded down to a multiple of ``pool_rows_per_row`` (relative to the
-        expert's first token)."""
-        return self.ring_row0(row) + (m_block * self.block_m) % self.pool_rows_per_row
-
     def pool_rows_of(self, grid, row):
         """(first pool row, pool rows) of scheduler row ``row``: its block of the expert's rows."""
         _, m_index, tok0, count = grid.row_record[row]
@@ -634,8 +607,6 @@ class MegaMoESm90:
     def prologue_rows(self, grid, nctas):
         """Rows [0, n) that every thread copies before the roles split: those the CTAs' first
         tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
-        if const_expr(self.pool_ring > 0):
-            return Int32(0)  # the ring's slots are written by the dispatch warp's bulk copies only
         return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
 
     @cute.jit
@@ -714,10 +685,8 @@ class MegaMoESm90:
         :meth:`dispatch_rows` holds.
 
         ``dispatch_window`` W >= 1: before copying row r >= W the thread waits (bounded) until row
-        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). ``pool_ring`` K: row r goes to
-        its ring slot, after a bounded wait (r >= K) until row r - K's L1 tiles are all done.
-        The deadlock argument extends (tests/test_megamoe_scheduler.py,
-        test_windowed_dispatch_cannot_deadlock, test_pool_ring_cannot_deadlock): take the
+        r - W has a finished L1 tile (``l2_full[r - W] >= 1``). The deadlock argument extends
+        (tests/test_megamoe_scheduler.py, test_windowed_dispatch_cannot_deadlock): take the
         lowest row r at which some dispatch thread waits; every dispatch thread is past r - W,
         so row r - W is dispatched, and the tiles ahead of its L1 tiles in their CTAs' sequences
         depend on rows below it only, which are dispatched too. ``dispatch_keep``: before each
@@ -744,18 +713,10 @@ class MegaMoESm90:
                 if const_expr(self.dispatch_keep):
                     dead = self.discard_dead_rows(grid, mPoolX, mCounters, dead, row, cta, nctas)
             p0, n = self.pool_rows_of(grid, row)
-            if const_expr(self.pool_ring > 0):
-                if row >= self.pool_ring and ok:
-                    ok = xdev.spin_wait_ge_tries(l1_done + (row - self.pool_ring), Int32(2 * self.pairs_l1),
-                                                 self.dispatch_polls, DISPATCH_POLL_NS, err, ERR_DEPENDENCY_TIMEOUT)
-                    cute.arch.fence_proxy("async.global")  # the slot's TMA readers -> our bulk stores
-                ring_shift = self.ring_row0(row) - p0  # pool row i goes to ring row i + ring_shift
             i = p0 + (cta * n) // nctas
             while i < p0 + ((cta + 1) * n) // nctas and ok:
                 src = Int64(mPeerX[mPoolSrc[i, 0]]) + Int64(mPoolSrc[i, 1]) * row_bytes
                 dst = pool_base + Int64(i) * row_bytes
-                if const_expr(self.pool_ring > 0):
-                    dst = pool_base + Int64(i + ring_shift) * row_bytes
                 for q in cutlass.range_constexpr(self.bulk_pieces):
                     b = j % 2
                     buf = bulk_buf + b * piece
@@ -1205,9 +1166,7 @@ class MegaMoESm90:
         g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
         ok = Boolean(True)
-        # Overlapped Dispatch: rows [0, rows_ok) known dispatched. With pool_ring a known row's slot
-        # stays valid for our pending L1 tiles of it: it is rewritten only once they are all done.
-        rows_ok = Int32(0)
+        rows_ok = Int32(0)  # overlapped Dispatch: rows [0, rows_ok) known dispatched
         while not self.schedule.done((c0, c1), grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
             if tile.valid > 0:
@@ -1216,10 +1175,7 @@ class MegaMoESm90:
                 if tile.phase == PHASE_L1:
                     if const_expr(self.dispatch_warps > 0):
                         rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, grid, nctas, timeout, mCounters)
-                    a1_row0 = a_row0
-                    if const_expr(self.pool_ring > 0):
-                        a1_row0 = self.ring_tile_row0(tile.row, tile.m_block)
-                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a1_row0,
+                    state, ok = self.load_tile(ab_pipe, state, ok, mCounters, tma_a1, mA1, tma_b1, mB1, a_row0,
                                                e * (2 * self.intermediate) + tile.n_block * self.block_n,
                                                self.hidden // BLOCK_K, sA, sB)
                 else:
@@ -1574,7 +1530,7 @@ def tensor_argument_spec(hidden: int, intermediate: int):
         ("mPeerCombine", Int64, ("P",)),
         ("mPoolSrc", Int32, ("n_pool", 3)),
         ("mPoolWeight", Float32, ("n_pool",)),
-        ("mPoolX", BFloat16, ("n_px", hidden)),  # n_pool + block_m (padded M tiles), or the pool_ring's rows
+        ("mPoolX", BFloat16, ("n_pad", hidden)),  # n_pad = n_pool + block_m (padded M tiles)
         ("mH", BFloat16, ("n_pad", intermediate)),
         ("mW1", BFloat16, ("E_l", 2 * intermediate, hidden)),
         ("mW2", BFloat16, ("E_l", hidden, intermediate)),

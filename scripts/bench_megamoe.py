@@ -213,12 +213,11 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "pool_ring",
-               "pool_ring_pin")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("experts_per_wave", "epw"), ("pool_ring", "ring"), ("pool_ring_pin", "pin"))
+                ("experts_per_wave", "epw"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 EXPERT_WAVE_AXES = ("experts_per_wave",)  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
@@ -510,11 +509,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "off / on side by side (default: off)")
     ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None], metavar="N>=1",
                     help="expert_wave: local experts per wave, side by side (default: scheduler.default_experts_per_wave)")
-    ap.add_argument("--pool-ring", nargs="+", type=int, default=[None], metavar="K>=0",
-                    help="bulk Dispatch: the dispatched rows in a ring of K scheduler rows (0 = the whole pool), side "
-                         "by side (default: 0)")
-    ap.add_argument("--pool-ring-pin", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="pool ring: its stores evict-last (1, the default) or plain (0), side by side")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],
                     choices=["expert_wave", "interleaved"], help="fused schedules to run (default: both)")
     ap.add_argument("--block-m", type=int, default=None, help="default: api.default_tiles")

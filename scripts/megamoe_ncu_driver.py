@@ -34,7 +34,6 @@ ap.add_argument("--P", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "interleaved"])
 ap.add_argument("--no-dispatch-copy", action="store_true", help="the kernel without its Dispatch copy (see above)")
-ap.add_argument("--pool-ring", type=int, default=None, help="the shipped kernel with pool_ring K (default: off)")
 args = ap.parse_args()
 P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
@@ -52,7 +51,7 @@ if args.no_dispatch_copy:
         fill_pool(moe, d)
 else:
     moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-                  **fused_kwargs(s, P, T, args.schedule, pool_ring=args.pool_ring))
+                  **fused_kwargs(s, P, T, args.schedule))
     moe.load_weights(w1, w2)
 moe.forward(xs, idx, wts)
 moe.forward(xs, idx, wts)

@@ -205,4 +205,4 @@ def test_bench_parser_has_every_variant_axis():
     args = bench.build_parser().parse_args([])
     for name in bench.VARIANT_AXES:
         assert isinstance(getattr(args, name), list), name
-    assert bench.build_parser().parse_args(["--pool-ring", "0", "6"]).pool_ring == [0, 6]
+    assert bench.build_parser().parse_args(["--dispatch-window", "0", "6"]).dispatch_window == [0, 6]

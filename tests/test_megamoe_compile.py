@@ -398,12 +398,11 @@ def _cuobjdump():
 
 
 def _dispatch_options(spec: str) -> dict:
-    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep][/ring<K>[/nopin]]"."""
+    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep]"."""
     copy, *flags = spec.split("/")
     window = next((int(f[1:]) for f in flags if f.startswith("W")), 0)
-    ring = next((int(f[4:]) for f in flags if f.startswith("ring")), 0)
     return dict(dispatch_copy=copy, dispatch_evict_first="ef" in flags, dispatch_window=window,
-                dispatch_keep="keep" in flags, pool_ring=ring, pool_ring_pin="nopin" not in flags)
+                dispatch_keep="keep" in flags)
 
 
 @pytest.mark.compile
@@ -414,7 +413,6 @@ def _dispatch_options(spec: str) -> dict:
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5"),  # expert_wave's default at P = 8
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5/ring8"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
 def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
@@ -456,7 +454,7 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep", "bulk/ef/ring6", "bulk/ef/ring6/nopin"])
+@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep"])
 def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     """dispatch_copy="bulk" (the P = 8 tiles: 128 x 256, 3 stages): the dispatch warp moves rows
     with non-tensor bulk copies -- a load completing on an mbarrier, a store in a bulk group,
@@ -464,14 +462,11 @@ def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     16-byte vector copy is gone (only the prologue's, by all threads, remains). The L2
     evict-first policy is on the loads exactly when ``dispatch_evict_first``, and on the stores
     unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` discards lines, and
-    only a window or a pool ring polls the L1 tiles' row counters (with a nanosleep between
-    polls); a pinned pool ring's stores are evict-last, and it waits for a row's readers to be
-    done (a proxy fence after the wait: their TMA reads, then our bulk stores)."""
+    only a window polls the L1 tiles' row counters (with a nanosleep between polls)."""
     from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
 
     opts = _dispatch_options(dispatch)
     evict_first, keep = opts["dispatch_evict_first"], opts["dispatch_keep"]
-    pin = opts["pool_ring"] > 0 and opts["pool_ring_pin"]
     ptx = _compile_ptx(tmp_path, 4096, 2048, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3,
                        **opts)
     policy = r"\{ \.reg \.b64 xs_pol; createpolicy\.fractional\.L2::(evict_\w+)\.b64 xs_pol, 1\.0; "
@@ -482,9 +477,9 @@ def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     load_policies = {m.group(1) for m in re.finditer(policy + load + hint, ptx)}
     store_policies = {m.group(1) for m in re.finditer(policy + store + hint, ptx)}
     assert load_policies == ({"evict_first"} if evict_first else set())
-    assert store_policies == ({"evict_last"} if keep or pin else {"evict_first"} if evict_first else set())
+    assert store_policies == ({"evict_last"} if keep else {"evict_first"} if evict_first else set())
     assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == keep
-    assert bool(re.search(r"nanosleep\.u32", ptx)) == (opts["dispatch_window"] > 0 or opts["pool_ring"] > 0)
+    assert bool(re.search(r"nanosleep\.u32", ptx)) == (opts["dispatch_window"] > 0)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the prologue's unrolled copy + the row-record loads (keep: two more, discard_dead_rows
@@ -516,12 +511,6 @@ def test_bulk_dispatch_validation():
         MegaMoESm90(4096, 2048, SCHEDULES[1], stages=4, dispatch_copy="bulk", **kw)
     with pytest.raises(ValueError, match="bulk' only"):
         MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="lsu", dispatch_evict_first=True, **kw)
-    # the pool ring: bulk only, not with keep
-    MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", pool_ring=1, **kw)
-    for bad in (dict(dispatch_copy="lsu", pool_ring=6), dict(dispatch_copy="bulk", pool_ring=-1),
-                dict(dispatch_copy="bulk", dispatch_window=6, dispatch_keep=True, pool_ring=6)):
-        with pytest.raises(ValueError, match="pool_ring"):
-            MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, **bad, **kw)
     # the windowed Dispatch: bulk only; keep needs a window (it bounds the pinned lines)
     MegaMoESm90(4096, 2048, SCHEDULES[1], stages=3, dispatch_copy="bulk", dispatch_window=6, dispatch_keep=True, **kw)
     with pytest.raises(ValueError, match="dispatch_window"):
@@ -584,33 +573,3 @@ def test_setmaxnreg_fits_the_launch_register_pool():
     for n in (AUX_WARPGROUP_REGS, MMA_WARPGROUP_REGS):
         assert n % 8 == 0 and 24 <= n <= 256
     assert AUX_WARPGROUP_REGS < launch_regs < MMA_WARPGROUP_REGS
-
-
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
-@pytest.mark.parametrize("ring", [1, 3])
-def test_pool_ring_addresses_agree(mma, ring):
-    """The kernel's own ring index methods, on Python ints: every L1 tile's A rows in the ring
-    (MegaMoESm90.ring_tile_row0) are the rows the Dispatch put there for that tile's pool rows
-    (ring_row0 of the scheduler row + offset in the row, as dispatch_rows_bulk stores them), for
-    every tile of both schedules, and a tile never reads past its slot."""
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90
-    from megamoe_interleave.scheduler import enumerate_all, make_row_grid
-
-    op = MegaMoESm90(256, 128, SCHEDULES[0], block_m=128, block_n=128, mma=mma, stages=2, dispatch_copy="bulk",
-                     pool_ring=ring)
-    R, BM = op.pool_rows_per_row, op.block_m
-    grid = make_row_grid([300, 0, 129, 700, 64, 1], block_m=BM, n_blocks_l1=2, n_blocks_l2=2,
-                         pair_splits_m=mma == "tma_ws_mcast_b")
-    for schedule in (Schedule("expert_wave"), Schedule("interleaved", lead=2)):
-        for seq in enumerate_all(schedule, grid, 6):
-            for t in seq:
-                if t.phase != 1:
-                    continue
-                _, m_index, tok0, count = grid.row_record[t.row]
-                p0 = tok0 + m_index * R  # the scheduler row's first pool row (pool_rows_of)
-                rows = min(count - t.m_block * BM, BM)  # the tile's valid rows (may be <= 0 at a pair's odd end)
-                a0 = op.ring_tile_row0(t.row, t.m_block)
-                assert op.ring_row0(t.row) <= a0 and a0 + BM <= op.ring_row0(t.row) + R <= ring * R
-                for j in range(max(rows, 0)):
-                    pool_row = tok0 + t.m_block * BM + j
-                    assert a0 + j == op.ring_row0(t.row) + (pool_row - p0)

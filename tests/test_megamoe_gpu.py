@@ -293,23 +293,6 @@ def _variants_bitwise_equal(P, k, schedule, mma, problem, variants, min_rows, **
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
-def test_pool_ring_bitwise_equal(mma):
-    """pool_ring K (the dispatched rows in a ring of K scheduler rows, each slot rewritten once
-    its row's L1 tiles are done) changes no bit of y against the whole pool, in both schedules,
-    for K = 1 (every row waits for the one before it), 2 and 5, pinned and plain stores, with
-    the expert_wave window on; 8 SMs and more scheduler rows than slots, so slots are reused
-    within a call; three calls each."""
-    P, k = 2, 6
-    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=73, hidden=256, inter=128)
-    variants = [dict(pool_ring=ring, pool_ring_pin=pin, dispatch_window=window)
-                for ring, pin, window in ((0, True, None), (1, True, None), (2, False, None), (5, True, None),
-                                          (5, True, 3))]
-    for schedule in ("expert_wave", "interleaved"):  # more rows than ring slots: slots reused in a call
-        _variants_bitwise_equal(P, k, schedule, mma, problem, variants, 5, hidden=256, inter=128,
-                                dispatch_copy="bulk")
-
-
 def test_rerun_repeats_forward_bitwise():
     """MegaMoE.rerun() (the kernels and the reduction again on the staged inputs, the
     energy script's call) returns forward()'s y bit for bit, twice."""

@@ -220,27 +220,3 @@ def test_rerun_needs_the_fused_backend_and_a_forward():
     moe.backend = "fused"  # the guard on the plan comes next (no kernel is launched)
     with pytest.raises(RuntimeError, match="forward"):
         moe.rerun()
-
-
-def test_pool_ring_launch_arguments():
-    """pool_ring K: the dispatched-rows scratch is K slots of one scheduler row (2 * block_m rows
-    with tma_ws_mcast_b), not the whole pool; the rest of the arguments are unchanged (CPU)."""
-    from megamoe_interleave.kernel_sm90 import check_launch_arguments, tensor_argument_spec
-
-    P, E, H, I, k = 2, 16, 256, 128, 6
-    w1, w2, xs, idx, w = _problem(P, E, H, I, k, [120, 77], "balanced", 0.0)
-    names = [n for n, _, _ in tensor_argument_spec(H, I)]
-    pools = {}
-    for ring in (0, 3):
-        moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), num_experts=E, hidden=H, intermediate=I,
-                      topk=k, max_tokens_per_rank=128, block_n=128, backend="fused", mma="tma_ws_mcast_b", stages=2,
-                      dispatch_copy="bulk", pool_ring=ring)
-        moe.load_weights(w1, w2)
-        moe.stage_inputs(xs, idx, w)
-        _, tensors, scalars = moe.launch_arguments(0)
-        check_launch_arguments(H, I, tensors)
-        t = dict(zip(names, tensors))
-        pools[ring] = t["mPoolX"].shape[0]
-        assert t["mH"].shape[0] == scalars[1] + 128  # h keeps every pool row
-        n_pool = scalars[1]
-    assert pools == {0: n_pool + 128, 3: 3 * 2 * 128}

@@ -218,14 +218,13 @@ def test_deadlock_possible_with_lead_zero_shows_invariant_matters():
     assert not _simulate_deadlock_free(bad, 2 * grid.pairs_l1)
 
 
-def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace, ring=0):
+def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace):
     """The dependency simulation with Dispatch threads, one per CTA, that copy rows 0, 1, ... in
     order (a row is dispatched once every thread is past it; an L1 tile needs its row
     dispatched) and are paced by the tiles: a thread copies row r only if r < ``window`` or
     row r - window's L1 tiles have ``pace`` = "started" (at least one) or "done" (all). This is
     the windowed Dispatch proposed in docs/status.md, which keeps the pool rows in L2 until
-    read. ``window`` None: no such pacing. ``ring`` K >= 1 (the kernel's pool_ring): also row r - K's
-    L1 tiles all done. Returns True if every CTA and every Dispatch thread finishes."""
+    read. Returns True if every CTA and every Dispatch thread finishes."""
     heads = [0] * len(seqs)
     disp = [0] * len(seqs)
     started, done = Counter(), Counter()
@@ -243,9 +242,8 @@ def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace, ri
                     progressed = True
             r = disp[c]
             if r < num_rows:
-                q, k = r - (window or 0), r - ring
-                paced = window is None or q < 0 or (started[q] >= 1 if pace == "started" else done[q] == num_l1_per_row)
-                if paced and (ring == 0 or k < 0 or done[k] == num_l1_per_row):
+                q = r - window
+                if q < 0 or (started[q] >= 1 if pace == "started" else done[q] == num_l1_per_row):
                     disp[c] += 1
                     progressed = True
         if all(h == len(s) for h, s in zip(heads, seqs)) and min(disp) == num_rows:
@@ -264,17 +262,6 @@ def test_windowed_dispatch_cannot_deadlock(grid, schedule, num_ctas, window, pac
     lead)."""
     seqs = _enumerate_all(schedule, grid, num_ctas)
     assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, window, pace)
-
-
-@settings(max_examples=100, deadline=None)
-@given(grids, schedules, cta_counts, st.one_of(st.none(), st.integers(1, 6)), st.integers(1, 6))
-def test_pool_ring_cannot_deadlock(grid, schedule, num_ctas, window, ring):
-    """The kernel's pool_ring: row r is copied into its ring slot only once row r - K's L1 tiles
-    are all done (their last reads of the slot), on top of any window W (one finished tile of row
-    r - W). Deadlock-free for every K >= 1: the lowest waiting row r has r - K dispatched, and the
-    L1 tiles of r - K depend only on lower rows (invariant I, the lead)."""
-    seqs = _enumerate_all(schedule, grid, num_ctas)
-    assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, window, "started", ring)
 
 
 def test_windowed_dispatch_waiting_on_its_own_row_deadlocks():
