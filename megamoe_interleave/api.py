@@ -333,7 +333,7 @@ class MegaMoE:
         self._flush_poison()
         self._run_torch_dataflow()
         self.world.barrier()
-        return [self._reduce(r) for r in ranks]
+        return [self.reduce_rank(r) for r in ranks]
 
     __call__ = forward
 
@@ -423,7 +423,7 @@ class MegaMoE:
         for d in range(P):
             perm = perms[d]
             dev = self.world.device
-            rows = reference._gather_rows(xs, perm, dev)
+            rows = reference.gather_rows(xs, perm, dev)
             w1_t = _w1_t_gate_up(self.w1[d])
             out = reference.unfused_expert_compute(rows, perm.weights.to(dev), perm.counts, w1_t, self.w2[d].transpose(1, 2))
             for s in range(P):
@@ -512,6 +512,16 @@ class MegaMoE:
             cache[name] = flat
         return flat[:need].view(rows, cols)
 
+    def dispatched_rows(self, d: int) -> torch.Tensor:
+        """Rank ``d``'s pool, ``[n_pool, H]``: the rows its Dispatch copies (pool row i =
+        x[src rank][src token] of :meth:`plan_rank`'s permutation) and its Linear-1 reads. A view
+        of scratch reused by the next call; valid after :meth:`launch_arguments` (a ``forward``)."""
+        n = self.plan_rank(d)[0].src_rank.numel()
+        flat = self._scratch.get(d, {}).get("pool_x")
+        if flat is None or flat.numel() < n * self.hidden:
+            raise RuntimeError(f"rank {d} has no pool yet: run forward() (or launch_arguments) first")
+        return flat[: n * self.hidden].view(n, self.hidden)
+
     def launch_arguments(self, d: int):
         """Host planning for rank ``d``: (num_ctas, tensor args, scalar args w/o barrier_base
         and num_ctas) of :class:`kernel_sm90.MegaMoESm90`. Works on any device (CPU tests
@@ -592,7 +602,7 @@ class MegaMoE:
         single = self._single_process()
         # Single process: the reductions are stream-ordered after every rank's kernel, so they
         # are queued before the error read-back (no idle gap); on error their output is dropped.
-        ys = [self._reduce(r) for r in ranks] if single else None
+        ys = [self.reduce_rank(r) for r in ranks] if single else None
         words = buf.counters[ranks[0]][:1] if len(ranks) == 1 else torch.cat([buf.counters[d][:1] for d in ranks])
         errors = words.tolist()  # the one post-launch sync (waits for kernels and reductions)
         self.last_kernel_us = start.elapsed_time(end) * 1e3
@@ -607,10 +617,12 @@ class MegaMoE:
                 raise_on_device_error(code, f"MegaMoESm90 rank {d}")
         if not single:
             self.world.barrier()  # every peer's Combine stores into our slots are complete
-            ys = [self._reduce(r) for r in ranks]
+            ys = [self.reduce_rank(r) for r in ranks]
         return ys
 
-    def _reduce(self, r: int) -> torch.Tensor:
+    def reduce_rank(self, r: int) -> torch.Tensor:
+        """y of local rank ``r``: the weighted top-k sum of its Combine slots (the last step of
+        ``forward``; valid once every rank's Combine stores are visible)."""
         T = self.buffer.num_tokens[r]
         combine = self.buffer.combine.local(r)[:, :T]
         idx = self.buffer.topk_idx.local(r)[:T]

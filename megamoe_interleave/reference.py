@@ -219,7 +219,7 @@ def unfused_pipeline(
     for d in range(P):
         perm = permute_for_rank(topk_idx, topk_weights, d, e_local)
         dev = w1_t_local[d].device
-        rows = _gather_rows(xs, perm, dev)
+        rows = gather_rows(xs, perm, dev)
         out = unfused_expert_compute(rows, perm.weights.to(dev), perm.counts, w1_t_local[d], w2_t_local[d])
         for s in range(P):
             sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]
@@ -227,7 +227,9 @@ def unfused_pipeline(
     return [weighted_combine(c, idx.to(c.device)) for c, idx in zip(combine, topk_idx)]
 
 
-def _gather_rows(xs: Sequence[torch.Tensor], perm: Permutation, device) -> torch.Tensor:
+def gather_rows(xs: Sequence[torch.Tensor], perm: Permutation, device) -> torch.Tensor:
+    """The dispatched rows of ``perm`` gathered with torch: row i = ``xs[src_rank[i]][src_token[i]]``
+    (what the fused kernel's Dispatch copies into its pool), on ``device``."""
     out = torch.empty(perm.src_rank.numel(), xs[0].shape[1], dtype=xs[0].dtype, device=device)
     for s, x in enumerate(xs):
         sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]

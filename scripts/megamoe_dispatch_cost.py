@@ -52,11 +52,9 @@ def no_dispatch_copy_kernels():
 
 def fill_pool(moe, d):
     """Rank ``d``'s dispatched pool, gathered with torch: pool row i = x[src rank][src token]."""
-    perm, _ = moe.plan_rank(d)
-    n = perm.src_rank.numel()
-    pool = moe._scratch[d]["pool_x"][: n * moe.hidden].view(n, moe.hidden)
+    pool = moe.dispatched_rows(d)
     xs = [moe.buffer.x.local(r) for r in range(moe.world.world_size)]
-    pool.copy_(reference._gather_rows(xs, perm, pool.device))  # the torch dataflow's gather
+    pool.copy_(reference.gather_rows(xs, moe.plan_rank(d)[0], pool.device))  # the torch dataflow's gather
 
 
 def timed_object(kw, w1, w2, xs, idx, wts, P):

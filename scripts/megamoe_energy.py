@@ -145,7 +145,7 @@ def main():
         moes[sched] = moe
         fns[f"fused[{sched}]"] = moe.rerun
     any_moe = next(iter(moes.values()))
-    fns["reduce"] = lambda: [any_moe._reduce(r) for r in any_moe.world.local_ranks]
+    fns["reduce"] = lambda: [any_moe.reduce_rank(r) for r in any_moe.world.local_ranks]
     _, fns["grouped_mm x2"] = bench.grouped_gemms(shape, args.P, w1, w2, idx, wts)
     fns["idle"] = lambda: time.sleep(0.05)
     for fn in fns.values():

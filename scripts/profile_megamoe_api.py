@@ -26,7 +26,7 @@ from megamoe_interleave.routing import make_routing  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 from xstage import provenance  # noqa: E402
 
-PHASES = ("stage_inputs", "plan_rank", "launch_arguments", "_run_fused", "_reduce")
+PHASES = ("stage_inputs", "plan_rank", "launch_arguments", "_run_fused", "reduce_rank")
 
 
 def timed_phases(moe: MegaMoE, totals: dict, sync: bool) -> None:

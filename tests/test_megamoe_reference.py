@@ -220,3 +220,30 @@ def test_rerun_needs_the_fused_backend_and_a_forward():
     moe.backend = "fused"  # the guard on the plan comes next (no kernel is launched)
     with pytest.raises(RuntimeError, match="forward"):
         moe.rerun()
+
+
+def test_dispatched_rows_is_the_kernels_pool():
+    """MegaMoE.dispatched_rows(d) is the leading [n_pool, H] of the pool tensor the kernel gets
+    (mPoolX), only once a launch planned it; gather_rows fills row i with x[src rank][src token]
+    (CPU)."""
+    from megamoe_interleave.kernel_sm90 import tensor_argument_spec
+    from megamoe_interleave.reference import gather_rows
+
+    P, E, H, I, k = 2, 16, 256, 128, 6
+    w1, w2, xs, idx, w = _problem(P, E, H, I, k, [120, 77], "balanced", 0.1, seed=5)
+    moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), num_experts=E, hidden=H, intermediate=I,
+                  topk=k, max_tokens_per_rank=128, block_n=128, backend="fused", mma="tma_ws_mcast_b", stages=2)
+    moe.load_weights(w1, w2)
+    moe.stage_inputs(xs, idx, w)
+    with pytest.raises(RuntimeError, match="forward"):
+        moe.dispatched_rows(1)
+    names = [n for n, _, _ in tensor_argument_spec(H, I)]
+    for d in range(P):
+        pool_x = dict(zip(names, moe.launch_arguments(d)[1]))["mPoolX"]
+        rows = moe.dispatched_rows(d)
+        perm = moe.plan_rank(d)[0]
+        n = perm.src_rank.numel()
+        assert rows.shape == (n, H) and rows.data_ptr() == pool_x.data_ptr() and n > 0
+        rows.copy_(gather_rows(xs, perm, rows.device))
+        for i in range(n):
+            assert torch.equal(pool_x[i], xs[int(perm.src_rank[i])][int(perm.src_token[i])])
