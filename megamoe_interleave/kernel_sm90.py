@@ -400,7 +400,7 @@ class MegaMoESm90:
         mPeerCombine: cute.Tensor,  # (P,) int64: base of every rank's combine [k, T_max, H] bf16
         mPoolSrc: cute.Tensor,  # (N_pool, 3) int32: (src rank, token, pick), expert-major
         mPoolWeight: cute.Tensor,  # (N_pool,) f32 routing weight
-        mPoolX: cute.Tensor,  # (N_pool, H) bf16 scratch: dispatched rows
+        mPoolX: cute.Tensor,  # (N_pool + BM, H) bf16 scratch: dispatched rows (BM rows of M-tile padding)
         mH: cute.Tensor,  # (N_pool, I) bf16 scratch: L1 output (post SwiGLU, weighted)
         mW1: cute.Tensor,  # (E_l, 2I, H) bf16, gate/up interleaved
         mW2: cute.Tensor,  # (E_l, H, I) bf16

@@ -162,6 +162,9 @@ def run_case(shape, kind, P, tokens, args, dense):
 
     fused_cases = variant_cases({name: getattr(args, name) for name in VARIANT_AXES}, args.schedules)
     fused_cases = [(axes, sched) for axes, sched in fused_cases if kernel_config_ok(H, I, moe_kwargs(sched, axes))]
+    if tokens > args.fused_max_tokens:
+        print(f"{shape.name}, P={P}, T={tokens}: fused variants skipped (T > --fused-max-tokens "
+              f"{args.fused_max_tokens})", file=sys.stderr)
     if tokens <= args.fused_max_tokens:
         for axes, sched in fused_cases:
             kw = moe_kwargs(sched, axes)
@@ -479,7 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--P", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--tokens", nargs="+", type=int, default=[8192])
     ap.add_argument("--trials", type=int, default=7)
-    ap.add_argument("--fused-max-tokens", type=int, default=8192)
+    ap.add_argument("--fused-max-tokens", type=int, default=8192,
+                    help="run the fused variants only up to this many tokens per rank (the baselines run at every "
+                         "--tokens); a skip is reported on stderr")
     ap.add_argument("--mma", nargs="+", default=["tma_ws_mcast_b"],
                     choices=["wgmma", "wgmma_cpasync", "fma", "tma_ws", "tma_ws_mcast", "tma_ws_mcast_b"],
                     help="fused-kernel mainloops, benchmarked side by side; tma_ws = TMA + mbarrier ring + producer "
