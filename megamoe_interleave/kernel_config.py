@@ -1,5 +1,5 @@
 """Configuration facts of the fused kernel that the host side needs without the CuTe DSL: the
-tile-math kinds, the trace row layout, the split-tail rule, the pair tiles and pool rows per row. :mod:`kernel_sm90` and
+tile-math kinds, the trace row layout, the split-tail rule and the pair tiles per row. :mod:`kernel_sm90` and
 :mod:`api` both take them from here (one definition, no mirrored copies)."""
 from __future__ import annotations
 
@@ -29,9 +29,3 @@ def pair_tiles_per_row(mma: str, n_cols: int, block_n: int) -> int:
     """Pair tiles of one scheduler row over ``n_cols`` output columns: a CTA pair covers one
     N block (tma_ws_mcast_b: the pair splits M) or two adjacent ones (the other kinds)."""
     return n_cols // block_n // (1 if mma == "tma_ws_mcast_b" else 2)
-
-
-def pool_rows_per_row(mma: str, block_m: int) -> int:
-    """Dispatched (pool) rows of one scheduler row: two M blocks when the CTA pair splits M
-    (tma_ws_mcast_b), else one."""
-    return 2 * block_m if mma == "tma_ws_mcast_b" else block_m

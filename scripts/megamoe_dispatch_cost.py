@@ -39,6 +39,10 @@ class NoDispatchCopy(kernel_sm90.MegaMoESm90):
         return None
 
 
+# The Dispatch options NoDispatchCopy is built with (no bulk copy, window or pinning to skip).
+NO_COPY_OPTIONS = dict(dispatch_copy="lsu", dispatch_evict_first=False, dispatch_window=0, dispatch_keep=False)
+
+
 @contextlib.contextmanager
 def no_dispatch_copy_kernels():
     """Inside: the API compiles NoDispatchCopy where it would compile MegaMoESm90 (construct
@@ -90,8 +94,7 @@ def main():
     for sched in ("expert_wave", "interleaved"):
         with no_dispatch_copy_kernels():  # a timeout 1 ns longer: its own entry in the API's compile cache
             moe, _, timed = timed_object(bench.fused_kwargs(shape, P, T, sched, timeout_ns=2_000_000_001,
-                                                            dispatch_copy="lsu", dispatch_evict_first=False,
-                                                            dispatch_window=0, dispatch_keep=False),
+                                                            **NO_COPY_OPTIONS),
                                          w1, w2, xs, idx, wts, P)
         for d in range(P):
             fill_pool(moe, d)

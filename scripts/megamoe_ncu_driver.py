@@ -39,12 +39,11 @@ P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
 w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
 if args.no_dispatch_copy:
-    from megamoe_dispatch_cost import fill_pool, no_dispatch_copy_kernels
+    from megamoe_dispatch_cost import NO_COPY_OPTIONS, fill_pool, no_dispatch_copy_kernels
 
     with no_dispatch_copy_kernels():
         moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-                      **fused_kwargs(s, P, T, args.schedule, dispatch_copy="lsu", dispatch_evict_first=False,
-                                     dispatch_window=0, dispatch_keep=False))
+                      **fused_kwargs(s, P, T, args.schedule, **NO_COPY_OPTIONS))
         moe.load_weights(w1, w2)
         moe.forward(xs, idx, wts)  # compiles NoDispatchCopy; sizes the pool
     for d in range(P):

@@ -21,17 +21,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_megamoe as bench  # noqa: E402
-from megamoe_interleave.api import MegaMoE, decode_trace, make_world  # noqa: E402
+from megamoe_interleave.api import MegaMoE, decode_trace, make_world, trace_mainloop_cycles  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 from xstage import provenance  # noqa: E402
 
 
 def clock_per_rank(moe) -> dict:
-    """rank -> median MHz over its tiles (cycles / ns from tile start to mainloop end)."""
+    """rank -> median MHz over its tiles (api.trace_mainloop_cycles: cycles / ns from tile start
+    to mainloop end)."""
     out = {}
     for rank, trace in sorted(moe.last_trace.items()):
-        mhz = [r["cycles"] / (r["t_mainloop"] - r["t_start"]) * 1e3 for cta in decode_trace(trace) for r in cta
-               if r["t_mainloop"] > r["t_start"]]
+        spans = (trace_mainloop_cycles(r["cycles"], r["t_start"], r["t_ready"], r["t_mainloop"])
+                 for cta in decode_trace(trace) for r in cta)
+        mhz = [m[0] * 1e3 for m in spans if m is not None]
         out[rank] = statistics.median(mhz) if mhz else None
     return out
 
