@@ -15,7 +15,10 @@ MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.
 NoDispatchCopy, pool filled by torch after the first call, so it computes the real y): one
 forward, the fill, then the two forwards above, so ``--launch-skip P`` still picks the second
 of them. Its kernel is named after the subclass: select it with
-``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing)."""
+``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing).
+
+``--option NAME=INT`` passes a MegaMoE keyword to the fused kernel (e.g. dispatch_window=0).
+For DRAM bytes over time per phase, see megamoe_pm_phases.py (``--section PmSampling``)."""
 import argparse
 import os
 import sys
@@ -34,7 +37,18 @@ ap.add_argument("--P", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "interleaved"])
 ap.add_argument("--no-dispatch-copy", action="store_true", help="the kernel without its Dispatch copy (see above)")
+ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+                help="a MegaMoE keyword of the fused kernel, e.g. dispatch_evict_first=0 (repeatable)")
 args = ap.parse_args()
+options = {}
+for item in args.option:
+    name, sep, value = item.partition("=")
+    if not sep:
+        ap.error(f"--option {item!r}: expected NAME=INT")
+    try:
+        options[name] = int(value)
+    except ValueError:
+        ap.error(f"--option {item!r}: {value!r} is not an integer")
 P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
 w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
@@ -43,14 +57,14 @@ if args.no_dispatch_copy:
 
     with no_dispatch_copy_kernels():
         moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-                      **fused_kwargs(s, P, T, args.schedule, **NO_COPY_OPTIONS))
+                      **fused_kwargs(s, P, T, args.schedule, **{**NO_COPY_OPTIONS, **options}))
         moe.load_weights(w1, w2)
         moe.forward(xs, idx, wts)  # compiles NoDispatchCopy; sizes the pool
     for d in range(P):
         fill_pool(moe, d)
 else:
     moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-                  **fused_kwargs(s, P, T, args.schedule))
+                  **fused_kwargs(s, P, T, args.schedule, **options))
     moe.load_weights(w1, w2)
 moe.forward(xs, idx, wts)
 moe.forward(xs, idx, wts)
