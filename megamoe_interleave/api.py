@@ -121,7 +121,7 @@ def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, ker
     return (num_sms // 2) // pairs_l1 + 1
 
 
-DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep", "dispatch_pool_normal")
+DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
 def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, num_sms: int,
@@ -138,8 +138,7 @@ def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_op
     if window is None:
         window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
     return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")),
-                dispatch_pool_normal=bool(given.get("dispatch_pool_normal")))
+                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -206,9 +205,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``dispatch_pool_normal`` (bulk
-    Dispatch with evict-first: the pool stores get the normal L2 priority, only the source
-    loads stay evict-first; None = off).
+    once their L1 tiles are done; None = off, measured slower).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -233,7 +230,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, dispatch_pool_normal: Optional[bool] = None):
+                 dispatch_keep: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -277,8 +274,7 @@ class MegaMoE:
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,
-            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep,
-            dispatch_pool_normal=dispatch_pool_normal))
+            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
