@@ -309,7 +309,9 @@ class MegaMoESm90:
         self.dispatch_copy = dispatch_copy
         # Each source row is read once per pick and each pool row written once; marking them
         # evict-first keeps them from pushing the reused weight / activation tiles out of L2.
-        # (Evict-first on the loads alone made ptxas serialize the WGMMAs: not offered.)
+        # (Evict-first on the loads alone made ptxas serialize the WGMMAs. With an explicit
+        # evict-normal hint on the pool stores it does not, but that read as much DRAM and ran
+        # no faster: results/h200/megamoe/pm_phases/pool_normal.)
         if dispatch_evict_first and dispatch_copy != "bulk":
             raise ValueError("dispatch_evict_first applies to dispatch_copy='bulk' only")
         self.dispatch_evict_first = bool(dispatch_evict_first)

@@ -18,7 +18,7 @@ launch when those are in the CSV, else by --dram-peak-gbs.
 """
 import argparse
 import csv
-import json
+import gzip
 import os
 import re
 import sys
@@ -44,11 +44,11 @@ def _number(text: str):
 
 
 def read_pm_kernels(path: str):
-    """Kernels of an ``ncu --page raw --csv --print-metric-instances values`` export:
+    """Kernels of an ``ncu --page raw --csv --print-metric-instances values`` export (plain or .gz):
     [(kernel name, scalars, series)], scalars = metric -> value (first number of the cell),
     series = PM-sampled metric (the part after ``TriageCompute.``) -> list of samples. Scalars
     in byte units (Kbyte, Mbyte, ...) are converted to bytes."""
-    with open(path, newline="") as f:
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
         rows = list(csv.reader(f))
     if len(rows) < 3 or "Kernel Name" not in rows[0]:
         raise ValueError(f"{path}: not an ncu raw CSV export (no 'Kernel Name' column)")
@@ -100,8 +100,9 @@ def stretches(shares, min_bins: int = 3):
         phase = runs[-1][0] if s is None and runs else (1 if (s or 0) >= 0.5 else 2)
         if runs and runs[-1][0] == phase:
             runs[-1][2] = b + 1
-        elif runs and runs[-1][2] - runs[-1][1] < min_bins and len(runs) > 1:
-            runs[-2][2] = runs.pop()[2]  # a blip: give it to the run before
+        elif len(runs) > 1 and runs[-1][2] - runs[-1][1] < min_bins:
+            blip = runs.pop()  # too short: it joins the run before it
+            runs[-1][2] = blip[2]
             if runs[-1][0] == phase:
                 runs[-1][2] = b + 1
             else:

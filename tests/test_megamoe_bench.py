@@ -15,6 +15,9 @@ _spec.loader.exec_module(bench)
 _spec = importlib.util.spec_from_file_location("megamoe_trace_timeline", ROOT / "scripts" / "megamoe_trace_timeline.py")
 timeline_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(timeline_script)
+_spec = importlib.util.spec_from_file_location("megamoe_pm_phases", ROOT / "scripts" / "megamoe_pm_phases.py")
+pm_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pm_script)
 
 
 def _bimodal_baseline(n=21, seed=1):
@@ -140,6 +143,58 @@ def test_trace_timeline_buckets_mainloop_cycles():
             w.writeheader()
             w.writerows(rows[:3])
         assert tl.timeline(tl.read_trace(path), 250) == {1: out[1], 2: out[2]}
+
+
+def _pm_export(path, read_pct, write_pct, cycles, totals_gb=None):
+    """A hand-made ``ncu --page raw --csv --print-metric-instances values`` export of one kernel."""
+    def series(values):
+        return f"{values[0]} (" + "; ".join(str(v) for v in values) + ")"
+    header = ["ID", "Kernel Name", "profiler__pmsampler_interval_time",
+              "FBSP.TriageCompute." + pm_script.READ, "FBSP.TriageCompute." + pm_script.WRITE,
+              "TPC.TriageCompute." + pm_script.CYCLES]
+    units = ["", "", "us", "%", "%", "cycle"]
+    row = ["0", "kernel_MegaMoESm90", "3 (3)", series(read_pct), series(write_pct), series(cycles)]
+    if totals_gb is not None:
+        header += ["dram__bytes_read.sum", "dram__bytes_write.sum"]
+        units += ["Gbyte", "Gbyte"]
+        row += [f"{totals_gb[0]:,}", f"{totals_gb[1]:,}"]
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header, units, row])
+
+
+def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
+    """scripts/megamoe_pm_phases.py: the sampled DRAM percentages go to the L1 / L2 stretch
+    the trace puts each sample in (trace span stretched onto the active samples), scaled to
+    ncu's counted totals when the export has them, else by the peak; idle samples at either
+    end are dropped; a short blip of the other phase joins the stretch around it."""
+    # 2 idle samples, 6 L1 samples, 4 L2 samples, 1 idle
+    read = [0, 0, 30, 30, 30, 30, 30, 30, 10, 10, 10, 10, 0]
+    write = [0, 0, 5, 5, 5, 5, 5, 5, 8, 8, 8, 8, 0]
+    cycles = [0, 0] + [4500] * 10 + [0]
+    trace = [dict(phase=1, t_start_ns=0, t_epilogue_ns=600), dict(phase=1, t_start_ns=0, t_epilogue_ns=590),
+             dict(phase=2, t_start_ns=600, t_epilogue_ns=1000), dict(phase=1, t_start_ns=700, t_epilogue_ns=705)]
+    path = tmp_path / "pm.csv"
+    _pm_export(path, read, write, cycles, totals_gb=(2.2, 0.7))
+    (kernel,) = pm_script.read_pm_kernels(str(path))
+    assert kernel[1]["dram__bytes_read.sum"] == pytest.approx(2.2e9)  # Gbyte -> bytes
+    out = pm_script.phase_bytes(kernel, trace)
+    assert out["samples"] == 10 and out["scaling"] == "dram__bytes_*.sum"
+    assert [(s["phase"], s["start_us"], s["end_us"]) for s in out["stretches"]] == [(1, 0.0, 18.0), (2, 18.0, 30.0)]
+    l1, l2 = out["stretches"]
+    assert l1["read_gb"] == pytest.approx(2.2 * 180 / 220, abs=1e-3)  # 6 x 30 of 220 percent-samples
+    assert l2["read_gb"] == pytest.approx(2.2 * 40 / 220, abs=1e-3)
+    assert l2["write_gb"] == pytest.approx(0.7 * 32 / 62, abs=1e-3)
+    assert l1["sm_clock_mhz"] == pytest.approx(1500.0)  # 4500 cycles per 3 us
+    assert out["per_phase"]["L1"]["time_us"] == 18.0
+    blip = [1, 1, 1, 1, 0, 0, 0, 0, 0.9, 0, 0, None]  # one L1 bin inside the L2 stretch; no tiles at the end
+    assert pm_script.stretches(blip) == [(1, 0, 4), (2, 4, 12)]
+    assert pm_script.stretches(blip, min_bins=1) == [(1, 0, 4), (2, 4, 8), (1, 8, 9), (2, 9, 12)]
+    _pm_export(path, read, write, cycles)  # no totals: scaled by the peak
+    out = pm_script.phase_bytes(pm_script.read_pm_kernels(str(path))[0], trace, dram_peak_gbs=1000.0)
+    assert out["read_gb"] == pytest.approx(220 / 100 * 1000e9 * 3e-6 / 1e9)
+    with pytest.raises(ValueError, match="not an ncu raw CSV"):
+        (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+        pm_script.read_pm_kernels(str(tmp_path / "bad.csv"))
 
 
 def test_check_against_flags_wrong_outputs():
