@@ -109,13 +109,23 @@ def fused_kwargs(shape, P, tokens, schedule, *, mma="tma_ws_mcast_b", stages=Non
                  **options):
     """MegaMoE kwargs of the fused kernel for ``shape`` at P ranks x ``tokens`` (tiles resolved
     by api.default_tiles, so callers can label variants with them); ``options`` with value None
-    are left to the API's defaults. Shared by the bench, megamoe_object_check and the ncu driver."""
+    are left to the API's defaults. Shared by the bench and the megamoe_* diagnostic scripts."""
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
     bm, bn, stages = default_tiles(mma, H, I, block_m, block_n, stages, rows_per_expert=P * tokens * k / E)
     kw = dict(num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=tokens, schedule=schedule,
               backend="fused", block_m=bm, block_n=bn, mma=mma, stages=stages)
     kw.update({name: v for name, v in options.items() if v is not None})
     return kw
+
+
+def loopback_moe(kwargs, w1, w2, P, *, world="loopback", poison_combine=False, **api_options):
+    """A MegaMoE of ``kwargs`` (:func:`fused_kwargs`) on a fresh ``world`` of P ranks on this
+    GPU, its weights loaded from ``w1`` / ``w2``; ``api_options`` (e.g. trace=True) go to the
+    constructor. The diagnostic scripts' one way to build the object they time or profile."""
+    moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=poison_combine,
+                  **api_options, **kwargs)
+    moe.load_weights(w1, w2)
+    return moe
 
 
 def run_case(shape, kind, P, tokens, args, dense):

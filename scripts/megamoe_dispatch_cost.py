@@ -26,7 +26,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_megamoe as bench  # noqa: E402
 from megamoe_interleave import kernel_sm90, reference  # noqa: E402
-from megamoe_interleave.api import MegaMoE, make_world  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 from xstage import provenance  # noqa: E402
 
@@ -63,8 +62,7 @@ def fill_pool(moe, d):
 
 def timed_object(kw, w1, w2, xs, idx, wts, P):
     """(MegaMoE, its first y, () -> kernel us of one forward)."""
-    moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False, **kw)
-    moe.load_weights(w1, w2)
+    moe = bench.loopback_moe(kw, w1, w2, P)
     y = [t.clone() for t in moe.forward(xs, idx, wts)]
 
     def timed():

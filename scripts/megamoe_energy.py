@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_megamoe as bench  # noqa: E402
-from megamoe_interleave.api import MegaMoE, make_world  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 from xstage import paired, provenance  # noqa: E402
 
@@ -136,9 +135,7 @@ def main():
     w1, w2, xs, idx, wts = bench.make_problem(shape, "balanced", args.P, args.tokens)
     fns, moes = {}, {}
     for sched in args.schedules:
-        moe = MegaMoE(make_world("loopback", world_size=args.P, device="cuda"), poison_combine=False,
-                      **bench.fused_kwargs(shape, args.P, args.tokens, sched))
-        moe.load_weights(w1, w2)
+        moe = bench.loopback_moe(bench.fused_kwargs(shape, args.P, args.tokens, sched), w1, w2, args.P)
         ys = moe.forward(xs, idx, wts)  # compile + warm-up; rerun() repeats its device work
         if not all(torch.equal(a, b) for a, b in zip(ys, moe.rerun())):
             raise SystemExit(f"{sched}: rerun() output differs from forward()'s")

@@ -28,8 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_megamoe import fused_kwargs, grouped_gemms, make_problem  # noqa: E402
-from megamoe_interleave.api import MegaMoE, make_world  # noqa: E402
+from bench_megamoe import fused_kwargs, grouped_gemms, loopback_moe, make_problem  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,16 +55,12 @@ if args.no_dispatch_copy:
     from megamoe_dispatch_cost import NO_COPY_OPTIONS, fill_pool, no_dispatch_copy_kernels
 
     with no_dispatch_copy_kernels():
-        moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-                      **fused_kwargs(s, P, T, args.schedule, **{**NO_COPY_OPTIONS, **options}))
-        moe.load_weights(w1, w2)
+        moe = loopback_moe(fused_kwargs(s, P, T, args.schedule, **{**NO_COPY_OPTIONS, **options}), w1, w2, P)
         moe.forward(xs, idx, wts)  # compiles NoDispatchCopy; sizes the pool
     for d in range(P):
         fill_pool(moe, d)
 else:
-    moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), poison_combine=False,
-                  **fused_kwargs(s, P, T, args.schedule, **options))
-    moe.load_weights(w1, w2)
+    moe = loopback_moe(fused_kwargs(s, P, T, args.schedule, **options), w1, w2, P)
 moe.forward(xs, idx, wts)
 moe.forward(xs, idx, wts)
 torch.cuda.synchronize()

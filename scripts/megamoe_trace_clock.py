@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import bench_megamoe as bench  # noqa: E402
-from megamoe_interleave.api import MegaMoE, decode_trace, make_world, trace_mainloop_cycles  # noqa: E402
+from megamoe_interleave.api import decode_trace, trace_mainloop_cycles  # noqa: E402
 from megamoe_interleave.shapes import get_shape  # noqa: E402
 from xstage import provenance  # noqa: E402
 
@@ -53,9 +53,7 @@ def main():
     result = {}
     for sched in args.schedules:
         kw = bench.fused_kwargs(shape, args.P, args.tokens, sched)
-        moe = MegaMoE(make_world("loopback", world_size=args.P, device="cuda"), trace=True, poison_combine=False,
-                      **kw)
-        moe.load_weights(w1, w2)
+        moe = bench.loopback_moe(kw, w1, w2, args.P, trace=True)
         moe.forward(xs, idx, wts)  # compile
         torch.cuda.synchronize()
         time.sleep(args.cooldown_s)
