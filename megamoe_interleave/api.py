@@ -205,7 +205,9 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower).
+    once their L1 tiles are done; None = off, measured slower), ``l2_columns`` (expert_wave:
+    each expert's L2 tiles column by column, so the CTAs running together share its W2
+    columns; scheduler.expert_wave_step; None = off).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -230,7 +232,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None):
+                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -252,7 +254,8 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved")
+        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
+                                 l2_columns=bool(l2_columns))
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns

@@ -533,7 +533,8 @@ class MegaMoESm90:
 
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(mRowRecord),
-                       wave_row_start=mScheduleTable, l2_start=mScheduleTable, pair_splits_m=self.mcast_b)
+                       wave_row_start=mScheduleTable, l2_start=mScheduleTable, pair_splits_m=self.mcast_b,
+                       row_block=self.pool_rows_per_row)
         if const_expr(self.dispatch_warps == 0):
             self.copy_chunks(mPeerX, mPoolSrc, mPoolX, Int32(0), num_pool * (self.hidden // 8),
                              cta * (self.num_threads // 32) + tidx // 32, nctas * (self.num_threads // 32),

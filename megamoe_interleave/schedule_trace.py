@@ -18,8 +18,9 @@ from .scheduler import RowGrid, Schedule
 class ScheduleTrace:
     """One kernel class for both schedulers; ``schedule`` is a compile-time switch."""
 
-    def __init__(self, schedule: Schedule, pairs_l1: int, pairs_l2: int):
+    def __init__(self, schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
         self.schedule = schedule
+        self.row_block = row_block  # pool rows per scheduler row (RowGrid.row_block; l2_columns reads it)
         self.pairs_l1 = pairs_l1
         self.pairs_l2 = pairs_l2
 
@@ -57,6 +58,7 @@ class ScheduleTrace:
             row_record=DeviceRowRecords(mRowRecord),
             wave_row_start=mScheduleTable,
             l2_start=mScheduleTable,
+            row_block=self.row_block,
         )
         g = Int32(cta) // 2
         r = Int32(cta) % 2
@@ -84,7 +86,7 @@ class ScheduleTrace:
             mCount[cta] = n
 
 
-def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int):
+def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
     """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
     from quack.compile_utils import make_fake_stream, make_fake_tensor
 
@@ -98,5 +100,5 @@ def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int):
         make_fake_tensor(Int32, (n_ctas,)),
         make_fake_stream(),
     )
-    op = ScheduleTrace(schedule, pairs_l1, pairs_l2)
+    op = ScheduleTrace(schedule, pairs_l1, pairs_l2, row_block)
     return cute.compile(op, *args, options="--enable-tvm-ffi")

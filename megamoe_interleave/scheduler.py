@@ -80,6 +80,20 @@ def select(cond, a, b):
     return cutlass.Int32(cutlass.select_(cond, a, b))
 
 
+def divmod_small(a, b):
+    """``(a // b, a % b)`` for 0 <= a < 2**20 and b >= 1: exact integers on the host; in the
+    kernel through one ``rcp.approx`` instead of an integer division (whose code made ptxas
+    serialize the fused kernel's WGMMAs). Exact: (a + 1/2) / b lies at least 1 / (2 b) from
+    an integer, and rcp.approx's relative error (~2^-23) times a + 1/2 < 2^20 stays below it."""
+    if _is_py(a) and _is_py(b):
+        return a // b, a % b
+    import cutlass
+    import cutlass.cute as cute
+
+    q = cutlass.Int32((cutlass.Float32(a) + 0.5) * cute.arch.rcp_approx(cutlass.Float32(b)))
+    return q, a - q * b
+
+
 def logical_and(a, b):
     if _is_py(a) and _is_py(b):
         return bool(a) and bool(b)
@@ -141,6 +155,7 @@ class RowGrid:
     pair_splits_m: bool = False
     row_record: Any = None
     l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
+    row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
 
 
 def make_row_grid(
@@ -188,6 +203,7 @@ def make_row_grid(
         num_waves=num_waves,
         pair_splits_m=pair_splits_m,
         row_record=row_record,
+        row_block=row_block,
     )
 
 
@@ -256,7 +272,11 @@ def _row_record(grid: RowGrid, row, valid):
 
 
 def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
-    expert, m_index, tok0, count = _row_record(grid, row, valid)
+    return _tile_of_record(grid, valid, phase, row, pair, r, _row_record(grid, row, valid))
+
+
+def _tile_of_record(grid: RowGrid, valid, phase, row, pair, r, record) -> Tile:
+    expert, m_index, tok0, count = record
     if grid.pair_splits_m:
         return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
                     tok0=tok0, count=count)
@@ -366,12 +386,19 @@ def expert_wave_done(cursor, grid: RowGrid):
     return t >= grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
 
 
-def expert_wave_step(cursor, g, G, r, grid: RowGrid):
+def expert_wave_step(cursor, g, G, r, grid: RowGrid, l2_columns: bool = False):
     """Global order = concat over waves w of (L1 tiles of w, row-major; L2 tiles of w).
 
     Wave w occupies global pair indices [(P1+P2)*S_w, (P1+P2)*S_{w+1}) since every row
     contributes P1 + P2 pair tiles. If ``t`` is beyond the current wave the step only
     advances the wave (idle tile); otherwise it emits and advances ``t`` by G.
+
+    ``l2_columns``: the L2 tiles of each expert keep their positions ``[O_e, O_e + R_e) * P2``
+    in the wave's L2 stream but are visited column by column (local position
+    ``(q - O_e) * P2 + pair`` -> pair ``local // R_e``, row ``O_e + local % R_e``), so the
+    pairs running together share one expert's W2 columns. The expert of a position is that
+    of its row-major row, so the row's record still serves. Every L2 tile of a wave still
+    follows all of the wave's L1 tiles in the order, so the deadlock argument is unchanged.
     """
     t, w = cursor
     P1, P2 = grid.pairs_l1, grid.pairs_l2
@@ -392,7 +419,16 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid):
     row = select(in_wave, row, 0)
     t_next = select(in_wave, t + G, t)
     w_next = select(logical_or(in_wave, done), w, w + 1)
-    return _tile(grid, valid, phase, row, pair, r), (t_next, w_next)
+    record = _row_record(grid, row, valid)
+    if l2_columns:
+        e, m_q, tok0, count = record
+        rows_e = (count + grid.row_block - 1) // grid.row_block
+        rows_e = select(rows_e > 0, rows_e, 1)  # idle steps carry a zero record
+        col, m_col = divmod_small(m_q * P2 + pair, rows_e)
+        row = select(is_l2, row - m_q + m_col, row)
+        pair = select(is_l2, col, pair)
+        record = (e, select(is_l2, m_col, m_q), tok0, count)
+    return _tile_of_record(grid, valid, phase, row, pair, r, record), (t_next, w_next)
 
 
 # ---------------------------------------------------------------------------
@@ -405,6 +441,7 @@ class Schedule:
     name: str
     lead: int = 1
     balance_l2: bool = False  # interleaved: see interleaved_init
+    l2_columns: bool = False  # expert_wave: L2 tiles column by column in each expert (expert_wave_step)
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
@@ -413,6 +450,8 @@ class Schedule:
             raise ValueError(f"lead D must be >= 1, got {self.lead}")
         if self.balance_l2 and self.name != "interleaved":
             raise ValueError("balance_l2 applies to the interleaved schedule only")
+        if self.l2_columns and self.name != "expert_wave":
+            raise ValueError("l2_columns applies to the expert_wave schedule only")
 
     def init(self, g, grid: RowGrid):
         if self.name == "interleaved":
@@ -427,7 +466,7 @@ class Schedule:
     def step(self, cursor, g, G, r, grid: RowGrid):
         if self.name == "interleaved":
             return interleaved_step(cursor, g, G, r, grid, self.lead)
-        return expert_wave_step(cursor, g, G, r, grid)
+        return expert_wave_step(cursor, g, G, r, grid, self.l2_columns)
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:

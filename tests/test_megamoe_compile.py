@@ -11,7 +11,8 @@ SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=3, balance_l2
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
+@pytest.mark.parametrize("schedule", SCHEDULES + [Schedule("expert_wave", l2_columns=True)],
+                         ids=lambda s: s.name + ("_l2_columns" if s.l2_columns else ""))
 def test_schedule_trace_compiles(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
@@ -450,6 +451,16 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
     assert stack <= 16 and len(local) <= 4, f"local memory: {stack} B stack, {len(local)} accesses (spills)"
     assert not [i for i in local if alloc < i < last_mma], "local memory access in the consumers' code"
+
+
+@pytest.mark.compile
+def test_l2_columns_sass_wgmma_pipelined(tmp_path):
+    """expert_wave with l2_columns at P = 8's defaults (bulk Dispatch, evict-first, W = 5):
+    the same SASS checks. Its schedule step divides by the expert's row count through
+    rcp.approx (scheduler.divmod_small); an integer division there made ptxas serialize the
+    WGMMAs."""
+    test_tma_ws_sass_wgmma_pipelined(tmp_path, Schedule("expert_wave", l2_columns=True), "tma_ws_mcast_b", 256, 3,
+                                      False, "bulk/ef/W5")
 
 
 @pytest.mark.compile

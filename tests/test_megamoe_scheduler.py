@@ -31,6 +31,7 @@ grids = st.builds(
 )
 schedules = st.one_of(
     st.just(Schedule("expert_wave")),
+    st.just(Schedule("expert_wave", l2_columns=True)),
     st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d)),
     st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d, balance_l2=True)),
 )
@@ -321,3 +322,51 @@ def test_d_knee_eq16():
     assert d_knee(128, 132, 2048) == pytest.approx(128 * 132 / 4096)
     assert default_lead(128, 132, 2048) == 5
     assert default_lead(128, 2, 4096) == 1
+
+
+def test_l2_columns_visits_each_experts_l2_tiles_column_by_column():
+    """expert_wave with l2_columns: in the grid-wide order each expert's L2 pair tiles run
+    column-major (all its rows of one N column, then the next column) and keep the row-major
+    order's positions; the L1 tiles and every other position are unchanged."""
+    grid = make_row_grid([300, 0, 130, 70], block_m=64, n_blocks_l1=6, n_blocks_l2=4, experts_per_wave=2)
+    G = 3
+
+    def global_order(schedule):
+        seqs = [enumerate_order(schedule, grid, g, G, 0) for g in range(G)]
+        order = [None] * sum(len(s) for s in seqs)
+        for g, seq in enumerate(seqs):
+            for i, t in enumerate(seq):
+                order[i * G + g] = t  # step i of pair g
+        return [t for t in order if t is not None]
+
+    rows, cols = global_order(Schedule("expert_wave")), global_order(Schedule("expert_wave", l2_columns=True))
+    assert len(rows) == len(cols)
+    for a, b in zip(rows, cols):
+        assert (a.valid, a.phase, a.expert) == (b.valid, b.phase, b.expert)
+        if a.phase == PHASE_L1:
+            assert tile_key(a) == tile_key(b)
+    for e in (0, 2, 3):
+        l2 = [(t.m_block, t.n_block // 2) for t in cols if t.valid and t.phase == PHASE_L2 and t.expert == e]
+        rows_e = -(-[300, 0, 130, 70][e] // 64)
+        assert l2 == [(m, n) for n in range(grid.pairs_l2) for m in range(rows_e)], e
+    with pytest.raises(ValueError, match="expert_wave"):
+        Schedule("interleaved", lead=2, l2_columns=True)
+
+
+def test_divmod_small_float_path_is_exact():
+    """scheduler.divmod_small's kernel path, floor((a + 1/2) * rcp(b)) in float32, modelled with
+    numpy float32 and a reciprocal off by the worst relative error of rcp.approx (2^-23, both
+    signs): exact for every a < 4096 and b < 256 (the L2 stream positions of one expert and
+    its rows), and the host path is Python's divmod."""
+    import numpy as np
+
+    from megamoe_interleave.scheduler import divmod_small
+
+    a = np.arange(4096, dtype=np.float32)[:, None]
+    b = np.arange(1, 256, dtype=np.float32)[None, :]
+    want = np.floor_divide(np.arange(4096)[:, None], np.arange(1, 256)[None, :])
+    for eps in (-2.0 ** -23, 0.0, 2.0 ** -23):
+        rcp = (np.float32(1.0) / b) * np.float32(1.0 + eps)
+        got = ((a + np.float32(0.5)) * rcp).astype(np.int32)
+        assert (got == want).all(), eps
+    assert divmod_small(97, 6) == (16, 1) and divmod_small(0, 1) == (0, 0)
