@@ -34,7 +34,7 @@ import torch
 
 from . import reference
 from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
-from .scheduler import (SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
+from .scheduler import (DIVMOD_SMALL_MAX, SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
                         schedule_table)
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
@@ -256,6 +256,12 @@ class MegaMoE:
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
         self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
                                  l2_columns=bool(l2_columns))
+        if l2_columns:  # the order's position within an expert's L2 tiles must suit divmod_small
+            row_block = 2 * block_m if mma == "tma_ws_mcast_b" else block_m
+            positions = (max_tokens_per_rank * P // row_block + 1) * pair_tiles_per_row(mma, hidden, block_n)
+            if positions >= DIVMOD_SMALL_MAX:
+                raise ValueError(f"l2_columns: up to {positions} L2 pair tiles per expert, the order handles "
+                                 f"< {DIVMOD_SMALL_MAX}; lower max_tokens_per_rank or leave l2_columns off")
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns

@@ -80,11 +80,16 @@ def select(cond, a, b):
     return cutlass.Int32(cutlass.select_(cond, a, b))
 
 
+DIVMOD_SMALL_MAX = 1 << 20  # divmod_small's dividends stay below this
+
+
 def divmod_small(a, b):
-    """``(a // b, a % b)`` for 0 <= a < 2**20 and b >= 1: exact integers on the host; in the
-    kernel through one ``rcp.approx`` instead of an integer division (whose code made ptxas
-    serialize the fused kernel's WGMMAs). Exact: (a + 1/2) / b lies at least 1 / (2 b) from
-    an integer, and rcp.approx's relative error (~2^-23) times a + 1/2 < 2^20 stays below it."""
+    """``(a // b, a % b)`` for 0 <= a < 2**20 (:data:`DIVMOD_SMALL_MAX`) and b >= 1: exact
+    integers on the host; in the kernel through one ``rcp.approx`` instead of an integer
+    division (whose code made ptxas serialize the fused kernel's WGMMAs). Exact: (a + 1/2) / b
+    lies at least 1 / (2 b) from an integer, and the float error (rcp.approx's 1 ulp plus the
+    product's rounding, <= 1.5 * 2^-23 relative) is at most (a + 1/2) / b * 1.5 * 2^-23, which
+    is below 1 / (2 b) while a + 1/2 < 2^22 / 3."""
     if _is_py(a) and _is_py(b):
         return a // b, a % b
     import cutlass
@@ -421,6 +426,8 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, l2_columns: bool = False):
     w_next = select(logical_or(in_wave, done), w, w + 1)
     record = _row_record(grid, row, valid)
     if l2_columns:
+        if grid.row_block <= 0:
+            raise ValueError("l2_columns needs grid.row_block (pool rows per scheduler row; make_row_grid sets it)")
         e, m_q, tok0, count = record
         rows_e = (count + grid.row_block - 1) // grid.row_block
         rows_e = select(rows_e > 0, rows_e, 1)  # idle steps carry a zero record

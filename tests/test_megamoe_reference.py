@@ -126,6 +126,11 @@ def test_api_rejects_bad_input_before_launch():
         MegaMoE(world, num_experts=15, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8)
     with pytest.raises(ValueError):
         MegaMoE(world, num_experts=16, hidden=100, intermediate=64, topk=2, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="expert_wave"):
+        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, l2_columns=True)
+    with pytest.raises(ValueError, match="l2_columns: up to"):  # positions past divmod_small's exact range
+        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=1 << 26,
+                schedule="expert_wave", block_n=32, l2_columns=True)
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, block_n=32)
     w1, w2, xs, idx, w = _problem(2, 16, 128, 64, 2, [4, 4])
     with pytest.raises(RuntimeError):
