@@ -93,8 +93,9 @@ def l1_share(trace_rows, n_bins: int):
 
 def stretches(shares, min_bins: int = 3):
     """Runs of bins by their majority phase (1 where the L1 share is >= 0.5, else 2; bins
-    without tiles join the run before them): [(phase, first bin, end bin)]; runs shorter
-    than ``min_bins`` merge into the run before them."""
+    without tiles join the run before them): [(phase, first bin, end bin)]; a run shorter
+    than ``min_bins`` between two others merges into the run before it (the first and the
+    last run stay as they are)."""
     runs = []
     for b, s in enumerate(shares):
         phase = runs[-1][0] if s is None and runs else (1 if (s or 0) >= 0.5 else 2)
