@@ -258,7 +258,8 @@ def test_l2_columns_bitwise_equal(mma):
     """expert_wave's expert-column L2 order changes no bit of y against the row-major order
     (each output element is one tile's, whatever the order), with masked picks, partial blocks
     and experts of several rows; LSU and windowed bulk Dispatch; three calls each (counters
-    reset)."""
+    reset). At this size tma_ws has one L2 pair tile per row (its order is the row order, only
+    the code differs); tma_ws_mcast_b has two, so its rows' tiles really move."""
     from megamoe_interleave.reference import reference_moe_fp32
 
     P, k, hidden, inter = 2, 6, 256, 128
