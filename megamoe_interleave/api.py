@@ -35,7 +35,7 @@ import torch
 from . import reference
 from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
 from .scheduler import (DIVMOD_SMALL_MAX, SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
-                        schedule_table)
+                        pool_rows_per_row, schedule_table)
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
 INTERLEAVE_GRANULARITY = 8
@@ -257,7 +257,7 @@ class MegaMoE:
         self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
                                  l2_columns=bool(l2_columns))
         if l2_columns:  # the order's position within an expert's L2 tiles must suit divmod_small
-            row_block = 2 * block_m if mma == "tma_ws_mcast_b" else block_m
+            row_block = pool_rows_per_row(block_m, mma == "tma_ws_mcast_b")
             positions = (max_tokens_per_rank * P // row_block + 1) * pair_tiles_per_row(mma, hidden, block_n)
             if positions >= DIVMOD_SMALL_MAX:
                 raise ValueError(f"l2_columns: up to {positions} L2 pair tiles per expert, the order handles "

@@ -85,7 +85,7 @@ from quack.activation import swiglu, tanh
 from xstage import device as xdev
 
 from .kernel_config import MMA_KINDS, TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail  # noqa: F401 (re-exported)
-from .scheduler import PHASE_L1, RowGrid, Schedule, Tile
+from .scheduler import PHASE_L1, RowGrid, Schedule, Tile, pool_rows_per_row
 
 COUNTER_ERROR = 0
 COUNTER_BARRIER = 1
@@ -364,7 +364,7 @@ class MegaMoESm90:
         # producer's row-counter spin (bounded by timeout_ns), so the ring bound is longer; a
         # timed-out spin is then reported alone rather than together with a ring timeout.
         self.ring_timeout_ns = 2 * timeout_ns
-        self.pool_rows_per_row = 2 * block_m if self.mcast_b else block_m  # pool rows of a scheduler row
+        self.pool_rows_per_row = pool_rows_per_row(block_m, self.mcast_b)
         self.pairs_l1 = pair_tiles_per_row(mma, 2 * intermediate, block_n)
         self.pairs_l2 = pair_tiles_per_row(mma, hidden, block_n)
         # Shared memory: A/B stages + a staging tile for the epilogues. Non-ws paths: an fp32

@@ -163,6 +163,12 @@ class RowGrid:
     row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
 
 
+def pool_rows_per_row(block_m: int, pair_splits_m: bool) -> int:
+    """Pool rows of one scheduler row: ``block_m``, or ``2 * block_m`` when the CTA pair splits
+    a row along M (:class:`RowGrid`'s ``pair_splits_m``; the kernel's tma_ws_mcast_b)."""
+    return 2 * block_m if pair_splits_m else block_m
+
+
 def make_row_grid(
     tokens_per_expert: Sequence[int],
     *,
@@ -182,7 +188,7 @@ def make_row_grid(
     if block_m <= 0:
         raise ValueError("block_m must be positive")
     num_experts = len(tokens_per_expert)
-    row_block = 2 * block_m if pair_splits_m else block_m
+    row_block = pool_rows_per_row(block_m, pair_splits_m)
     m_blocks = [(int(c) + row_block - 1) // row_block for c in tokens_per_expert]
     if any(c < 0 for c in tokens_per_expert):
         raise ValueError("negative token count")
@@ -317,7 +323,7 @@ def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: in
     its WGMMA work: K (L1 H, L2 I) times its rows -- 64 for a ``split_tail`` half tile (the
     pair's members both hold <= 64 rows of the block), else ``block_m``."""
     G = num_pairs
-    per_member = 2 * block_m if grid.pair_splits_m else block_m
+    per_member = pool_rows_per_row(block_m, grid.pair_splits_m)
     records = np.asarray(grid.row_record, dtype=np.int64).reshape(-1, 4)
     left = records[:, 3] - records[:, 1] * per_member  # rows of each scheduler row
     # the fuller member's rows (pair_splits_m: member 0 takes the first block_m of them)
