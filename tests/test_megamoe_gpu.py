@@ -266,7 +266,7 @@ def test_l2_columns_bitwise_equal(mma):
     w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=71, hidden=hidden, inter=inter)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     outs = []
-    for options in (dict(), dict(l2_columns=True), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2)):
+    for options in (dict(l2_columns=False), dict(), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2)):
         moe = _make(P, k, "expert_wave", mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
                     num_sms=8, **options)
         moe.load_weights(w1, w2)

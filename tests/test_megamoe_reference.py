@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-from megamoe_interleave.api import MegaMoE, make_world, transform_weights, untransform_w1
+from megamoe_interleave.api import MegaMoE, make_world, resolve_l2_columns, transform_weights, untransform_w1
 from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline, permute_for_rank
 from megamoe_interleave.routing import (
     balanced_routing, expert_load, imbalance, make_routing, mask_picks, skewed_routing,
 )
 from megamoe_interleave.shapes import SHAPES, get_shape
+from megamoe_interleave.scheduler import DIVMOD_SMALL_MAX
 
 
 def test_routing_seedable_valid_and_distinct():
@@ -120,6 +121,20 @@ def test_permutation_is_expert_major_and_complete():
         (0, 1, 0, 0), (0, 0, 1, 1), (1, 0, 0, 1)]
 
 
+def test_l2_columns_default_on_for_expert_wave_within_divmod_range():
+    world = make_world("loopback", world_size=2, device="cpu")
+    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
+                  schedule="expert_wave", block_n=32)
+    assert moe.schedule.l2_columns
+    assert not MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
+                       schedule="expert_wave", block_n=32, l2_columns=False).schedule.l2_columns
+    assert resolve_l2_columns("expert_wave", None, DIVMOD_SMALL_MAX - 1)
+    assert not resolve_l2_columns("expert_wave", None, DIVMOD_SMALL_MAX)  # past the range: the row order
+    assert not resolve_l2_columns("interleaved", None, 10)
+    with pytest.raises(ValueError, match="l2_columns: up to"):
+        resolve_l2_columns("expert_wave", True, DIVMOD_SMALL_MAX)
+
+
 def test_api_rejects_bad_input_before_launch():
     world = make_world("loopback", world_size=2, device="cpu")
     with pytest.raises(ValueError):
@@ -132,6 +147,7 @@ def test_api_rejects_bad_input_before_launch():
         MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=1 << 26,
                 schedule="expert_wave", block_n=32, l2_columns=True)
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, block_n=32)
+    assert not moe.schedule.l2_columns  # interleaved
     w1, w2, xs, idx, w = _problem(2, 16, 128, 64, 2, [4, 4])
     with pytest.raises(RuntimeError):
         moe.forward(xs, idx, w)  # weights not loaded
