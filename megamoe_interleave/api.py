@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
@@ -109,45 +108,37 @@ def default_dispatch_copy(hidden: int, intermediate: int, schedule, kernel_optio
 
 
 def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, kernel_options: dict,
-                            num_sms: int, expert_pool_rows: float = 0.0) -> int:
+                            num_sms: int) -> int:
     """``dispatch_window=None``: for expert_wave with bulk copies, one row more than the L1 rows
     in flight, (num_sms / 2 CTA pairs) // (L1 pair tiles per row) + 1 = 5 at DeepSeek-V4-Flash
     with 128 x 256 tiles on 132 SMs; else 0 (unpaced). Measured on the H200 (P = 8 loopback,
     8192 tokens/rank, paired vs the grouped GEMMs, results/h200/megamoe/window): expert_wave
     W = 0 / 4 / 5 / 6 / 7 / 8 / 14: 1.048 / 1.088 / 1.009 / 1.017 / 1.033 / 1.044 / 1.050x (W = 4
-    <= the rows in flight stalls the L1 stream); interleaved no W in 5..14 beat W = 0 (1.029x).
-    With ``schedule.l1_columns`` the pairs in flight hold whole experts' rows: W = R (ceil(pairs /
-    (R P1)) + 1) for R scheduler rows per expert (``expert_pool_rows``, the balanced estimate;
-    12 at DeepSeek-V4-Flash, P = 8)."""
+    <= the rows in flight stalls the L1 stream); interleaved no W in 5..14 beat W = 0 (1.029x)."""
     if dispatch_copy != "bulk" or schedule.name != "expert_wave":
         return 0
     pairs_l1 = pair_tiles_per_row(kernel_options["mma"], 2 * intermediate, kernel_options["block_n"])
-    if schedule.l1_columns:
-        row_block = pool_rows_per_row(kernel_options["block_m"], kernel_options["mma"] == "tma_ws_mcast_b")
-        rows = max(1, math.ceil(expert_pool_rows / row_block))
-        return rows * (-(-(num_sms // 2) // (rows * pairs_l1)) + 1)
     return (num_sms // 2) // pairs_l1 + 1
 
 
-DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep", "dispatch_pool_normal")
+DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
-def resolve_columns(name: str, schedule: str, value: Optional[bool], positions: int, default: bool) -> bool:
-    """``MegaMoE(l1_columns=..., l2_columns=...)`` (``name``): None = ``default`` wherever the
-    column order applies, i.e. expert_wave with ``positions`` (pair tiles of the largest
-    expert in that phase) in ``scheduler.divmod_small``'s exact range; True past that range is
-    an error. Defaults: l2_columns on (measured 0.25-0.3 % faster than the row order at P = 8,
-    results/h200/megamoe/l2_columns/), l1_columns off."""
-    if value is None:
-        return default and schedule == "expert_wave" and positions < DIVMOD_SMALL_MAX
-    if value and positions >= DIVMOD_SMALL_MAX:
-        raise ValueError(f"{name}: up to {positions} pair tiles per expert, the order handles "
-                         f"< {DIVMOD_SMALL_MAX}; lower max_tokens_per_rank or leave {name} off")
-    return bool(value)
+def resolve_l2_columns(schedule: str, l2_columns: Optional[bool], l2_positions: int) -> bool:
+    """``MegaMoE(l2_columns=...)``: None = on wherever it applies, i.e. expert_wave with at most
+    ``l2_positions`` (L2 pair tiles of the largest expert) in ``scheduler.divmod_small``'s exact
+    range (measured 0.25-0.3 % faster than the row order at P = 8, results/h200/megamoe/l2_columns/);
+    True past that range is an error."""
+    if l2_columns is None:
+        return schedule == "expert_wave" and l2_positions < DIVMOD_SMALL_MAX
+    if l2_columns and l2_positions >= DIVMOD_SMALL_MAX:
+        raise ValueError(f"l2_columns: up to {l2_positions} L2 pair tiles per expert, the order handles "
+                         f"< {DIVMOD_SMALL_MAX}; lower max_tokens_per_rank or leave l2_columns off")
+    return bool(l2_columns)
 
 
 def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, num_sms: int,
-                             fused: bool = True, expert_pool_rows: float = 0.0, **given) -> dict:
+                             fused: bool = True, **given) -> dict:
     """The fused kernel's :data:`DISPATCH_OPTIONS` with the API's defaults for those not given
     (None): :func:`default_dispatch_copy` ("lsu" off the fused backend), evict-first with
     bulk copies, :func:`default_dispatch_window`, no keep (measured slower: with W = 6 expert_wave
@@ -158,10 +149,9 @@ def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_op
     evict_first = given.get("dispatch_evict_first")
     window = given.get("dispatch_window")
     if window is None:
-        window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms, expert_pool_rows)
+        window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
     return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")),
-                dispatch_pool_normal=bool(given.get("dispatch_pool_normal")))
+                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -228,13 +218,10 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``dispatch_pool_normal`` (bulk
-    Dispatch with evict-first: the pool stores get the normal L2 priority, only the source
-    loads stay evict-first; None = off), ``l2_columns`` (expert_wave:
+    once their L1 tiles are done; None = off, measured slower), ``l2_columns`` (expert_wave:
     each expert's L2 tiles column by column, so the CTAs running together share its W2
     columns; scheduler.expert_wave_step; None = on for expert_wave where the order's positions
-    fit ``scheduler.divmod_small``, else off), ``l1_columns`` (expert_wave: the same for the L1
-    tiles and W1; the Dispatch window then spans two experts' rows; None = off).
+    fit ``scheduler.divmod_small``, else off).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -259,8 +246,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, dispatch_pool_normal: Optional[bool] = None,
-                 l1_columns: Optional[bool] = None, l2_columns: Optional[bool] = None):
+                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -282,14 +268,11 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
         self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        # l1/l2_columns: the order's position within an expert's tiles must suit divmod_small
-        expert_rows = max_tokens_per_rank * P // pool_rows_per_row(block_m, mma == "tma_ws_mcast_b") + 1
-        self.schedule = Schedule(
-            schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
-            l1_columns=resolve_columns("l1_columns", schedule, l1_columns,
-                                       expert_rows * pair_tiles_per_row(mma, 2 * intermediate, block_n), False),
-            l2_columns=resolve_columns("l2_columns", schedule, l2_columns,
-                                       expert_rows * pair_tiles_per_row(mma, hidden, block_n), True))
+        # l2_columns: the order's position within an expert's L2 tiles must suit divmod_small
+        l2_positions = ((max_tokens_per_rank * P // pool_rows_per_row(block_m, mma == "tma_ws_mcast_b") + 1)
+                        * pair_tiles_per_row(mma, hidden, block_n))
+        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
+                                 l2_columns=resolve_l2_columns(schedule, l2_columns, l2_positions))
         self.experts_per_wave = experts_per_wave
         self.backend = backend
         self.timeout_ns = timeout_ns
@@ -310,9 +293,8 @@ class MegaMoE:
                                     l2_handoffs=l2_handoffs, silu=silu)
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
-            expert_pool_rows=rows_per_expert, dispatch_copy=dispatch_copy,
-            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep,
-            dispatch_pool_normal=dispatch_pool_normal))
+            dispatch_copy=dispatch_copy,
+            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

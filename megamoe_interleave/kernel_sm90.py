@@ -259,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, dispatch_pool_normal: bool = False):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -309,10 +309,9 @@ class MegaMoESm90:
         self.dispatch_copy = dispatch_copy
         # Each source row is read once per pick and each pool row written once; marking them
         # evict-first keeps them from pushing the reused weight / activation tiles out of L2.
-        # dispatch_pool_normal: evict-first on the loads only; the pool stores carry an explicit
-        # evict-normal hint (stores without any hint made ptxas serialize the WGMMAs). In the row
-        # order it reads as much DRAM and runs no faster (results/h200/megamoe/pm_phases/pool_normal);
-        # it is meant for the L1 column order, which reads each pool row once per weight column.
+        # (Evict-first on the loads alone made ptxas serialize the WGMMAs. With an explicit
+        # evict-normal hint on the pool stores it does not, but that read as much DRAM and ran
+        # no faster: results/h200/megamoe/pm_phases/pool_normal.)
         if dispatch_evict_first and dispatch_copy != "bulk":
             raise ValueError("dispatch_evict_first applies to dispatch_copy='bulk' only")
         self.dispatch_evict_first = bool(dispatch_evict_first)
@@ -330,11 +329,7 @@ class MegaMoESm90:
             raise ValueError("dispatch_keep needs dispatch_window >= 1 (it bounds the evict-last pool lines)")
         self.dispatch_keep = bool(dispatch_keep)
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
-        if dispatch_pool_normal and not (self.dispatch_evict_first and not self.dispatch_keep):
-            raise ValueError("dispatch_pool_normal needs dispatch_evict_first and no dispatch_keep")
-        self.dispatch_pool_normal = bool(dispatch_pool_normal)
-        self.bulk_store_policy = ("evict_last" if self.dispatch_keep else
-                                  "evict_normal" if self.dispatch_pool_normal else self.bulk_load_policy)
+        self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
@@ -613,14 +608,8 @@ class MegaMoESm90:
 
     def prologue_rows(self, grid, nctas):
         """Rows [0, n) that every thread copies before the roles split: those the CTAs' first
-        tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs;
-        with ``l1_columns`` any row of that row's expert)."""
-        n = cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
-        if const_expr(self.schedule.l1_columns):
-            q = cutlass.max(n - 1, 0)
-            _, m_index, _, count = grid.row_record[q]
-            n = cutlass.min(grid.num_rows, q - m_index + (count + grid.row_block - 1) // grid.row_block)
-        return n
+        tiles may read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
+        return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
 
     @cute.jit
     def copy_chunks(self, mPeerX, mPoolSrc, mPoolX, lo: Int32, hi: Int32, warp: Int32, num_warps: Int32,

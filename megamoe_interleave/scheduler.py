@@ -397,7 +397,7 @@ def expert_wave_done(cursor, grid: RowGrid):
     return t >= grid.num_rows * (grid.pairs_l1 + grid.pairs_l2)
 
 
-def expert_wave_step(cursor, g, G, r, grid: RowGrid, l1_columns: bool = False, l2_columns: bool = False):
+def expert_wave_step(cursor, g, G, r, grid: RowGrid, l2_columns: bool = False):
     """Global order = concat over waves w of (L1 tiles of w, row-major; L2 tiles of w).
 
     Wave w occupies global pair indices [(P1+P2)*S_w, (P1+P2)*S_{w+1}) since every row
@@ -410,12 +410,6 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, l1_columns: bool = False, l
     pairs running together share one expert's W2 columns. The expert of a position is that
     of its row-major row, so the row's record still serves. Every L2 tile of a wave still
     follows all of the wave's L1 tiles in the order, so the deadlock argument is unchanged.
-
-    ``l1_columns``: the same for the L1 tiles (positions ``[O_e, O_e + R_e) * P1``), so the
-    pairs running together share one expert's W1 columns and re-read its pool rows instead.
-    The column-0 tile of row q is preceded in the order only by tiles of rows < q (earlier
-    experts, then column 0 of rows O_e .. q - 1), which keeps the Dispatch window's argument
-    (kernel_sm90.dispatch_rows_bulk: row q waits for a finished L1 tile of row q - W).
     """
     t, w = cursor
     P1, P2 = grid.pairs_l1, grid.pairs_l2
@@ -437,20 +431,16 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, l1_columns: bool = False, l
     t_next = select(in_wave, t + G, t)
     w_next = select(logical_or(in_wave, done), w, w + 1)
     record = _row_record(grid, row, valid)
-    if l1_columns or l2_columns:
+    if l2_columns:
         if grid.row_block <= 0:
-            raise ValueError("l1/l2_columns need grid.row_block (pool rows per scheduler row; make_row_grid sets it)")
+            raise ValueError("l2_columns needs grid.row_block (pool rows per scheduler row; make_row_grid sets it)")
         e, m_q, tok0, count = record
         rows_e = (count + grid.row_block - 1) // grid.row_block
         rows_e = select(rows_e > 0, rows_e, 1)  # idle steps carry a zero record
-        if l1_columns and l2_columns:
-            moved, pairs = True, select(is_l2, P2, P1)
-        else:
-            moved, pairs = (is_l2, P2) if l2_columns else (logical_not(is_l2), P1)
-        col, m_col = divmod_small(m_q * pairs + pair, rows_e)
-        row = select(moved, row - m_q + m_col, row)
-        pair = select(moved, col, pair)
-        record = (e, select(moved, m_col, m_q), tok0, count)
+        col, m_col = divmod_small(m_q * P2 + pair, rows_e)
+        row = select(is_l2, row - m_q + m_col, row)
+        pair = select(is_l2, col, pair)
+        record = (e, select(is_l2, m_col, m_q), tok0, count)
     return _tile_of_record(grid, valid, phase, row, pair, r, record), (t_next, w_next)
 
 
@@ -465,7 +455,6 @@ class Schedule:
     lead: int = 1
     balance_l2: bool = False  # interleaved: see interleaved_init
     l2_columns: bool = False  # expert_wave: L2 tiles column by column in each expert (expert_wave_step)
-    l1_columns: bool = False  # expert_wave: L1 tiles column by column in each expert (expert_wave_step)
 
     def __post_init__(self):
         if self.name not in SCHEDULES:
@@ -474,8 +463,8 @@ class Schedule:
             raise ValueError(f"lead D must be >= 1, got {self.lead}")
         if self.balance_l2 and self.name != "interleaved":
             raise ValueError("balance_l2 applies to the interleaved schedule only")
-        if (self.l1_columns or self.l2_columns) and self.name != "expert_wave":
-            raise ValueError("l1_columns / l2_columns apply to the expert_wave schedule only")
+        if self.l2_columns and self.name != "expert_wave":
+            raise ValueError("l2_columns applies to the expert_wave schedule only")
 
     def init(self, g, grid: RowGrid):
         if self.name == "interleaved":
@@ -490,7 +479,7 @@ class Schedule:
     def step(self, cursor, g, G, r, grid: RowGrid):
         if self.name == "interleaved":
             return interleaved_step(cursor, g, G, r, grid, self.lead)
-        return expert_wave_step(cursor, g, G, r, grid, self.l1_columns, self.l2_columns)
+        return expert_wave_step(cursor, g, G, r, grid, self.l2_columns)
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:

@@ -226,15 +226,13 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "dispatch_pool_normal", "experts_per_wave",
-               "l1_columns", "l2_columns")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "l2_columns")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("dispatch_pool_normal", "pooln"),
-                ("experts_per_wave", "epw"), ("l1_columns", "l1col"), ("l2_columns", "l2col"))
+                ("experts_per_wave", "epw"), ("l2_columns", "l2col"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
-EXPERT_WAVE_AXES = ("experts_per_wave", "l1_columns", "l2_columns")  # of the expert_wave schedule only
+EXPERT_WAVE_AXES = ("experts_per_wave", "l2_columns")  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
 
 
@@ -522,11 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bulk Dispatch: copy row r once row r - W has a finished L1 tile (0 = unpaced), side by "
                          "side (default: api.default_dispatch_window)")
     ap.add_argument("--l2-columns", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="expert_wave: each expert's L2 tiles column by column, off / on side by side (default: on)")
-    ap.add_argument("--l1-columns", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="expert_wave: each expert's L1 tiles column by column, off / on side by side (default: off)")
-    ap.add_argument("--dispatch-pool-normal", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="bulk Dispatch with evict-first: pool stores at the normal L2 priority, off / on side by side")
+                    help="expert_wave: each expert's L2 tiles column by column, off / on side by side")
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")

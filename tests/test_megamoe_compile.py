@@ -11,10 +11,8 @@ SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=3, balance_l2
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("schedule", SCHEDULES + [Schedule("expert_wave", l2_columns=True),
-                                                 Schedule("expert_wave", l1_columns=True, l2_columns=True)],
-                         ids=lambda s: s.name + ("_l1_columns" if s.l1_columns else "")
-                         + ("_l2_columns" if s.l2_columns else ""))
+@pytest.mark.parametrize("schedule", SCHEDULES + [Schedule("expert_wave", l2_columns=True)],
+                         ids=lambda s: s.name + ("_l2_columns" if s.l2_columns else ""))
 def test_schedule_trace_compiles(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
@@ -401,11 +399,11 @@ def _cuobjdump():
 
 
 def _dispatch_options(spec: str) -> dict:
-    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep][/pooln]"."""
+    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep]"."""
     copy, *flags = spec.split("/")
     window = next((int(f[1:]) for f in flags if f.startswith("W")), 0)
     return dict(dispatch_copy=copy, dispatch_evict_first="ef" in flags, dispatch_window=window,
-                dispatch_keep="keep" in flags, dispatch_pool_normal="pooln" in flags)
+                dispatch_keep="keep" in flags)
 
 
 @pytest.mark.compile
@@ -463,15 +461,6 @@ def test_l2_columns_sass_wgmma_pipelined(tmp_path):
     WGMMAs."""
     test_tma_ws_sass_wgmma_pipelined(tmp_path, Schedule("expert_wave", l2_columns=True), "tma_ws_mcast_b", 256, 3,
                                       False, "bulk/ef/W5")
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("dispatch", ["bulk/ef/W12", "bulk/ef/W12/pooln"])
-def test_l1_columns_sass_wgmma_pipelined(tmp_path, dispatch):
-    """expert_wave with l1_columns and l2_columns at P = 8 (W = 12, the pool stores
-    evict-first or evict-normal): the same SASS checks."""
-    test_tma_ws_sass_wgmma_pipelined(tmp_path, Schedule("expert_wave", l1_columns=True, l2_columns=True),
-                                      "tma_ws_mcast_b", 256, 3, False, dispatch)
 
 
 @pytest.mark.compile
@@ -582,13 +571,6 @@ def test_default_dispatch_window():
         assert (got["dispatch_window"], got["dispatch_keep"]) == (want, False), (P, schedule.name)
         MegaMoESm90(H, I, schedule, **options, **got)
     assert resolve_dispatch_options(H, I, SCHEDULES[0], options, 132, dispatch_window=3)["dispatch_window"] == 3
-    # l1_columns: the pairs in flight hold whole experts' rows; R = 6 rows of 256 per expert at
-    # P = 8 (1536 pool rows), 66 pairs < 6 x 16 -> W = 6 x (1 + 1) = 12
-    cols = Schedule("expert_wave", l1_columns=True)
-    bm, bn, stages = default_tiles("tma_ws_mcast_b", H, I, rows_per_expert=8 * 8192 * k / E)
-    options = dict(block_m=bm, block_n=bn, mma="tma_ws_mcast_b", stages=stages)
-    assert resolve_dispatch_options(H, I, cols, options, 132, expert_pool_rows=8 * 8192 * k / E)["dispatch_window"] == 12
-    assert resolve_dispatch_options(H, I, cols, options, 132, expert_pool_rows=256)["dispatch_window"] == 6
 
 
 def test_setmaxnreg_fits_the_launch_register_pool():

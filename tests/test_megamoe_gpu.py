@@ -13,10 +13,8 @@ BLOCK_M, BLOCK_N = 64, 64
 
 
 @pytest.mark.parametrize("schedule", [Schedule("expert_wave"), Schedule("expert_wave", l2_columns=True),
-                                      Schedule("expert_wave", l1_columns=True, l2_columns=True),
                                       Schedule("interleaved", lead=2), Schedule("interleaved", lead=2, balance_l2=True)],
-                         ids=["expert_wave", "expert_wave_l2_columns", "expert_wave_l1_l2_columns", "interleaved",
-                              "interleaved_balanced"])
+                         ids=["expert_wave", "expert_wave_l2_columns", "interleaved", "interleaved_balanced"])
 def test_device_schedule_equals_python_reference(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
@@ -257,8 +255,7 @@ def test_tma_ws_wide_tiles(mma, block_m, block_n, stages):
 
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
 def test_l2_columns_bitwise_equal(mma):
-    """expert_wave's expert-column L2 order (and L1 order, with the pool stores evict-normal)
-    changes no bit of y against the row-major order
+    """expert_wave's expert-column L2 order changes no bit of y against the row-major order
     (each output element is one tile's, whatever the order), with masked picks, partial blocks
     and experts of several rows; LSU and windowed bulk Dispatch; three calls each (counters
     reset). At this size tma_ws has one L2 pair tile per row (its order is the row order, only
@@ -269,8 +266,7 @@ def test_l2_columns_bitwise_equal(mma):
     w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=71, hidden=hidden, inter=inter)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     outs = []
-    for options in (dict(l2_columns=False), dict(), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2),
-                    dict(l1_columns=True, dispatch_copy="bulk", dispatch_window=2, dispatch_pool_normal=True)):
+    for options in (dict(l2_columns=False), dict(), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2)):
         moe = _make(P, k, "expert_wave", mma, block_m=128, block_n=128, stages=2, hidden=hidden, inter=inter,
                     num_sms=8, **options)
         moe.load_weights(w1, w2)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megamoe_interleave.api import MegaMoE, make_world, resolve_columns, transform_weights, untransform_w1
+from megamoe_interleave.api import MegaMoE, make_world, resolve_l2_columns, transform_weights, untransform_w1
 from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline, permute_for_rank
 from megamoe_interleave.routing import (
     balanced_routing, expert_load, imbalance, make_routing, mask_picks, skewed_routing,
@@ -128,13 +128,11 @@ def test_l2_columns_default_on_for_expert_wave_within_divmod_range():
     assert moe.schedule.l2_columns
     assert not MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
                        schedule="expert_wave", block_n=32, l2_columns=False).schedule.l2_columns
-    assert not moe.schedule.l1_columns  # off unless asked for
-    assert resolve_columns("l2_columns", "expert_wave", None, DIVMOD_SMALL_MAX - 1, True)
-    assert not resolve_columns("l2_columns", "expert_wave", None, DIVMOD_SMALL_MAX, True)  # the row order
-    assert not resolve_columns("l2_columns", "interleaved", None, 10, True)
-    assert not resolve_columns("l1_columns", "expert_wave", None, 10, False)
-    with pytest.raises(ValueError, match="l1_columns: up to"):
-        resolve_columns("l1_columns", "expert_wave", True, DIVMOD_SMALL_MAX, False)
+    assert resolve_l2_columns("expert_wave", None, DIVMOD_SMALL_MAX - 1)
+    assert not resolve_l2_columns("expert_wave", None, DIVMOD_SMALL_MAX)  # past the range: the row order
+    assert not resolve_l2_columns("interleaved", None, 10)
+    with pytest.raises(ValueError, match="l2_columns: up to"):
+        resolve_l2_columns("expert_wave", True, DIVMOD_SMALL_MAX)
 
 
 def test_api_rejects_bad_input_before_launch():

@@ -3,7 +3,7 @@ import dataclasses
 from collections import Counter
 
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from megamoe_interleave.scheduler import (
     PHASE_L1,
@@ -32,8 +32,6 @@ grids = st.builds(
 schedules = st.one_of(
     st.just(Schedule("expert_wave")),
     st.just(Schedule("expert_wave", l2_columns=True)),
-    st.just(Schedule("expert_wave", l1_columns=True)),
-    st.just(Schedule("expert_wave", l1_columns=True, l2_columns=True)),
     st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d)),
     st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d, balance_l2=True)),
 )
@@ -262,22 +260,9 @@ def test_windowed_dispatch_cannot_deadlock(grid, schedule, num_ctas, window, pac
     only on rows it has already dispatched (window >= 1). Take the lowest row at which any
     Dispatch thread waits: every thread is past row r - W, so that row's L1 tiles have their
     input, and the tiles before them in their CTAs depend on lower rows only (invariant I, the
-    lead). With l1_columns only the kernel's pace, "started", holds: a row's column-0 tile is
-    preceded by lower rows' tiles only, but its other tiles follow higher rows' column-0 tiles
-    (test_l1_columns_window_must_pace_on_started)."""
-    assume(not (schedule.l1_columns and pace == "done"))
+    lead)."""
     seqs = _enumerate_all(schedule, grid, num_ctas)
     assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, window, pace)
-
-
-def test_l1_columns_window_must_pace_on_started():
-    """Why the kernel's window waits for one finished L1 tile of row r - W, not all of them:
-    in expert-column order row 0's second tile comes after row 1's first, so a Dispatch of row 1
-    that waited for all of row 0's tiles would deadlock."""
-    grid = make_row_grid([33], block_m=16, n_blocks_l1=2, n_blocks_l2=2, experts_per_wave=1, pair_splits_m=True)
-    seqs = _enumerate_all(Schedule("expert_wave", l1_columns=True), grid, 2)
-    assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, 1, "started")
-    assert not _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, 1, "done")
 
 
 def test_windowed_dispatch_waiting_on_its_own_row_deadlocks():
@@ -366,37 +351,6 @@ def test_l2_columns_visits_each_experts_l2_tiles_column_by_column():
         assert l2 == [(m, n) for n in range(grid.pairs_l2) for m in range(rows_e)], e
     with pytest.raises(ValueError, match="expert_wave"):
         Schedule("interleaved", lead=2, l2_columns=True)
-    with pytest.raises(ValueError, match="expert_wave"):
-        Schedule("interleaved", lead=2, l1_columns=True)
-
-
-def _global_order(schedule, grid, G):
-    """The grid-wide order of pair tiles (member 0's view): pair g's k-th tile is position g + k G."""
-    seqs = [enumerate_order(schedule, grid, g, G, 0) for g in range(G)]
-    return [seqs[t % G][t // G] for t in range(sum(map(len, seqs)))]
-
-
-@pytest.mark.parametrize("split_m", [False, True])
-@pytest.mark.parametrize("l2_columns", [False, True])
-def test_l1_columns_visits_each_experts_l1_tiles_column_by_column(split_m, l2_columns):
-    """With l1_columns each expert's L1 tiles take the row-major order's positions but go column
-    by column (all rows of pair column 0, then column 1, ...); the L2 tiles are those of the
-    order without it (row-major, or column by column with l2_columns too)."""
-    counts = [300, 0, 70, 513, 129]
-    grid = make_row_grid(counts, block_m=64, n_blocks_l1=6, n_blocks_l2=4, experts_per_wave=2, pair_splits_m=split_m)
-    base = _global_order(Schedule("expert_wave", l2_columns=l2_columns), grid, 5)
-    cols = _global_order(Schedule("expert_wave", l1_columns=True, l2_columns=l2_columns), grid, 5)
-    assert len(base) == len(cols)
-    pair_of = (lambda t: t.n_block) if split_m else (lambda t: t.n_block // 2)
-    for e in range(len(counts)):
-        pos = [i for i, t in enumerate(base) if t.valid and t.phase == PHASE_L1 and t.expert == e]
-        assert pos == [i for i, t in enumerate(cols) if t.valid and t.phase == PHASE_L1 and t.expert == e]
-        o0, o1 = grid.expert_row_offset[e], grid.expert_row_offset[e + 1]
-        assert [(pair_of(cols[i]), cols[i].row) for i in pos] == [(p, q) for p in range(grid.pairs_l1)
-                                                                   for q in range(o0, o1)]
-    for a, b in zip(base, cols):
-        if a.phase == PHASE_L2:
-            assert a == b
 
 
 def test_divmod_small_float_path_is_exact():
