@@ -221,8 +221,7 @@ class MegaMoE:
     once their L1 tiles are done; None = off, measured slower), ``l2_columns`` (expert_wave:
     each expert's L2 tiles column by column, so the CTAs running together share its W2
     columns; scheduler.expert_wave_step; None = on for expert_wave where the order's positions
-    fit ``scheduler.divmod_small``, else off), ``h_store`` (tma_ws*: "lsu", the epilogue warps'
-    16-byte stores of h; "tma", TMA tensor stores of a full L1 tile's h, kernel_sm90.H_STORES).
+    fit ``scheduler.divmod_small``, else off).
 
     ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
     reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
@@ -247,7 +246,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None, h_store: str = "lsu"):
+                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -291,7 +290,7 @@ class MegaMoE:
         # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
         self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
                                     trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu, h_store=h_store)
+                                    l2_handoffs=l2_handoffs, silu=silu)
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,

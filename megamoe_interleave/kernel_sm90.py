@@ -104,8 +104,6 @@ NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue wa
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
 DISPATCH_COPIES = ("lsu", "bulk")  # how the dispatch warp copies rows (see dispatch_rows_bulk)
-H_STORES = ("lsu", "tma")  # how the epilogue warps store a full L1 tile's h (see epilogue_tiles)
-H_BOX_COLS = 64  # h columns of one TMA store box: one 128-byte swizzle row of bf16
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
 DISPATCH_POLL_NS = 256  # windowed Dispatch: sleep between polls of a row counter (counted bound, no timer)
@@ -261,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, h_store: str = "lsu"):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -337,17 +335,6 @@ class MegaMoESm90:
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
                                 and row_bytes // k <= BULK_PIECE_BYTES)
         self.bulk_piece_bytes = row_bytes // self.bulk_pieces  # per bounce buffer
-        # h_store="tma": a full L1 tile (block_m valid rows) leaves through TMA tensor stores of
-        # 64-column boxes instead of the epilogue warps' 16-byte st.global (an expert's partial
-        # last m-block keeps st.global: a box would write into the next expert's h rows). The
-        # staged h then sits box by box, 128-byte rows with the TMA's 128-byte swizzle
-        # (stage_index).
-        if h_store not in H_STORES:
-            raise ValueError(f"h_store must be one of {H_STORES}, got {h_store!r}")
-        if h_store == "tma" and (mma not in WS_KINDS or (block_n // 2) % H_BOX_COLS):
-            raise ValueError(f"h_store='tma' needs mma in {WS_KINDS} and block_n a multiple of {2 * H_BOX_COLS}")
-        self.h_tma = h_store == "tma"
-        self.h_boxes = (block_n // 2) // H_BOX_COLS
         # tma_ws_mcast: the two CTAs of a scheduler pair (same row, adjacent N blocks, so the
         # same A tile) form a 2-CTA cluster; each loads half of A and multicasts it to both.
         # tma_ws_mcast_b: the pair splits a 2*BM-row scheduler row along M (adjacent M blocks of
@@ -443,9 +430,6 @@ class MegaMoESm90:
         # other paths, fp32 accumulators for the row-wise epilogues (+4 words of padding per row).
         if const_expr(self.ws):
             self.sC_layout = cute.make_layout(self.block_m * self.stage_words)  # see stage_index
-            if const_expr(self.h_tma):  # the same words as h_boxes (BM, 64) bf16 TMA boxes
-                self.sH_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR,
-                                                             (self.block_m, H_BOX_COLS), stage=self.h_boxes)
         else:
             self.sC_layout = cute.make_layout((self.block_m, self.block_n), stride=(self.block_n + 4, 1))
 
@@ -456,7 +440,7 @@ class MegaMoESm90:
         class SharedStorage:
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[Float32, c_size], 1024 if self.h_tma else 128]
+            sC: cute.struct.Align[cute.struct.MemRange[Float32, c_size], 128]
             # full/empty mbarriers of the tma_ws A/B ring (last: the other paths' layout is unchanged)
             ab_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.stages], 8]
             # tma_ws epilogues: per-row routing weight (L1) / Combine destination address (L2),
@@ -468,7 +452,7 @@ class MegaMoESm90:
             bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
 
         self.shared_storage = SharedStorage
-        tma = (None,) * 10
+        tma = (None,) * 8
         if const_expr(self.ws):
             tma = self.make_tma_atoms(mPoolX, mH, mW1, mW2)
         launch = dict(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream)
@@ -478,7 +462,7 @@ class MegaMoESm90:
             mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
             mScheduleTable, mCounters, mTrace, num_rows, num_pool,
             max_tokens, topk, barrier_base, self.tiled_mma, self.sA_layout, self.sB_layout, self.sC_layout,
-            self.sH_layout if self.h_tma else None, *tma,
+            *tma,
         ).launch(**launch)
 
     def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
@@ -506,12 +490,6 @@ class MegaMoESm90:
                 compact, cute.slice_(smem_layout, (None, None, 0)), (rows, BLOCK_K),
                 num_multicast=2 if mcast else 1)
             out += [atom, coords]
-        if const_expr(self.h_tma):  # h_store="tma": the L1 epilogue's store of h (n_pad, I)
-            out += list(cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), cute.make_tensor(mH.iterator, cute.make_layout((n_pad, I), stride=(I, 1))),
-                cute.slice_(self.sH_layout, (None, None, 0)), (self.block_m, H_BOX_COLS)))
-        else:
-            out += [None, None]
         return tuple(out)
 
     # ---------------------------------------------------------------- device
@@ -528,8 +506,8 @@ class MegaMoESm90:
     def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
                mScheduleTable, mCounters, mTrace, num_rows: Int32,
                num_pool: Int32, max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma,
-               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, sH_layout,
-               tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, tma_h, mHs):
+               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout, sC_layout: cute.Layout,
+               tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
@@ -544,9 +522,6 @@ class MegaMoESm90:
             sC = storage.sA.get_tensor(sC_layout, dtype=Float32)
         else:
             sC = storage.sC.get_tensor(sC_layout, dtype=Int32 if self.ws else Float32)
-        sH = None
-        if const_expr(self.h_tma):  # the staging tile's words seen as the TMA boxes of h
-            sH = storage.sC.get_tensor(sH_layout.outer, swizzle=sH_layout.inner, dtype=BFloat16)
         sRowW = storage.row_w.get_tensor(cute.make_layout(self.block_m))
         sRowAddr = storage.row_addr.get_tensor(cute.make_layout(self.block_m))
         ab_pipe = None
@@ -580,7 +555,7 @@ class MegaMoESm90:
                 grid, cta, nctas, tidx, timeout, ab_pipe, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2,
                 mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
                 max_tokens, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace,
-                storage.bulk_buf.data_ptr(), storage.bulk_mbar.data_ptr(), tma_h, mHs, sH)
+                storage.bulk_buf.data_ptr(), storage.bulk_mbar.data_ptr())
         else:
             g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
             n_tile = Int32(0)
@@ -1145,7 +1120,7 @@ class MegaMoESm90:
                                tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2, mPeerX, mPeerCombine, mPoolSrc,
                                mPoolWeight, mPoolX, mH, mW1, mW2, mCounters,
                                max_tokens: Int32, sA, sB, sC, sRowW, sRowAddr, tiled_mma, mTrace, bulk_buf,
-                               bulk_mbar, tma_h, mHs, sH):
+                               bulk_mbar):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         producer = self.num_mma_threads // 32
         first_dispatch_warp = producer + 1 + self.num_epi_threads // 32
@@ -1160,7 +1135,7 @@ class MegaMoESm90:
                                     tma_b2, mB2, mCounters, sA, sB)
             if warp > producer and warp < first_dispatch_warp:
                 self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
-                                    mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr, tma_h, mHs, sH)
+                                    mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
             if const_expr(self.dispatch_warps > 0):
                 if warp >= first_dispatch_warp:
                     if const_expr(self.dispatch_copy == "bulk"):
@@ -1338,15 +1313,11 @@ class MegaMoESm90:
             cur = tile_fields(ahead)
             n0, n1 = Int32(nxt[0]), Int32(nxt[1])
 
-    def stage_index(self, m, c, h_tile: bool = False):
+    def stage_index(self, m, c):
         """Index of word ``c`` of row ``m`` in the staging tile (BM x stage_words 32-bit words,
         no padding): the 16-byte group XOR-swizzled by the row, so a warp's staging stores (8
         rows x 4 consecutive words) hit 32 distinct banks, and the 4 words of an epilogue
-        thread's 16-byte chunk stay contiguous. ``h_tile`` with h_store="tma": the L1 tile's h
-        columns box by box (64 columns = 32 words), each box BM rows of 32 words with the
-        same swizzle, which is the TMA's 128-byte swizzle of a (BM, 64) bf16 box."""
-        if const_expr(h_tile and self.h_tma):
-            return (c // 32) * (self.block_m * 32) + m * 32 + ((c % 32) ^ ((m % 8) * 4))
+        thread's 16-byte chunk stay contiguous."""
         words = self.stage_words
         rows_per_line = max(1, 32 // words)  # rows sharing one 32-bank line
         groups = min(8, words // 4)  # 16-byte groups per row
@@ -1358,13 +1329,11 @@ class MegaMoESm90:
         BN/2 h columns; L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL."""
         cute.arch.barrier(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
         self.stage_output(frags, half, sO, sRowW, swiglu_l1, part)
-        if const_expr(swiglu_l1 and self.h_tma):
-            cute.arch.fence_view_async_shared()  # staged h -> the epilogue's TMA store reads it
         cute.arch.barrier_arrive(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
 
     @cute.jit
     def epilogue_tiles(self, grid, cta: Int32, nctas: Int32, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight,
-                       mH, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr, tma_h, mHs, sH):
+                       mH, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr):
         """Epilogue warps (``num_epi_threads`` of the producer warpgroup's other threads, ``et`` = index
         among them): per tile of the same schedule, (1) the rows' metadata into shared memory
         (L1: routing weight, used by the consumers' SwiGLU; L2: the Combine destination
@@ -1394,22 +1363,15 @@ class MegaMoESm90:
                 cute.arch.barrier_arrive(barrier_id=EPI_EMPTY_BARRIER_ID, number_of_threads=self.handoff_threads())
                 cute.arch.barrier(barrier_id=EPI_FULL_BARRIER_ID, number_of_threads=self.handoff_threads())
                 if tile.phase == PHASE_L1:
-                    lsu_rows = rows
-                    if const_expr(self.h_tma):
-                        if rows == self.block_m:
-                            lsu_rows = 0
-                            if et == 0:  # one thread issues, commits and waits (the bulk group is per thread)
-                                self.store_h_tma(tma_h, mHs, sH, row0, tile.n_block)
                     h_base = Int64(mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
                     u = et
-                    while u < lsu_rows * chunks_l1:
+                    while u < rows * chunks_l1:
                         m, c = u // chunks_l1, u % chunks_l1
-                        k = self.stage_index(m, 4 * c, True)
+                        k = self.stage_index(m, 4 * c)
                         xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
                                       sO[k], sO[k + 1], sO[k + 2], sO[k + 3])
                         u = u + self.num_epi_threads
-                    # Publish h: generic stores (or completed TMA stores) -> proxy fence (read by
-                    # TMA) -> barrier -> release.
+                    # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
                     self.epi_sync()
                     if et == 0:
@@ -1432,20 +1394,6 @@ class MegaMoESm90:
                     self.epi_sync()  # every thread done with sRowAddr before the next tile's metadata
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
-
-    @cute.jit
-    def store_h_tma(self, tma_h, mHs, sH, row0: Int32, n_block: Int32):
-        """h_store="tma", one epilogue thread: the staged full L1 tile (BM rows from pool row
-        ``row0``, h columns of ``n_block``) to h with one TMA store per 64-column box, then wait
-        until the stores are complete (not only read): the caller publishes h right after, and
-        the staging tile is free for the next handoff."""
-        gH = cute.local_tile(cute.domain_offset((row0, 0), mHs), (self.block_m, H_BOX_COLS), (0, None))
-        tHsH, tHgH = cpasync.tma_partition(tma_h, 0, cute.make_layout(1), cute.group_modes(sH, 0, 2),
-                                           cute.group_modes(gH, 0, 2))
-        for b in cutlass.range_constexpr(self.h_boxes):
-            cute.copy(tma_h, tHsH[None, b], tHgH[None, n_block * self.h_boxes + b])
-        cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     def consumer_fragments(self, tiled_mma, tidx, sA, sB):
         """This thread's WGMMA fragments: ``full`` = (tiled_mma, acc, tCrA, tCrB, tCcC) of the
@@ -1560,8 +1508,8 @@ class MegaMoESm90:
                             vals[4 * t + 2 * v1 + v0] = BFloat16(self.swiglu(acc[i + v0], acc[i + 4 + v0]) * w)
                 _, nn = tCcC[8 * jj]  # gate column 16 jj' + 2 q -> h column group jj'
                 group = (nn - 2 * (lane % 4)) // 16 + lane // 16
-                xdev.stmatrix_x4(sO.iterator + self.stage_index(row, 4 * group, True), words[0], words[1],
-                                 words[2], words[3])
+                xdev.stmatrix_x4(sO.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
+                                 words[3])
         else:
             for i0 in cutlass.range_constexpr(lo, hi, 8):
                 for k in cutlass.range_constexpr(8):

@@ -226,12 +226,11 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "l2_columns",
-               "h_store")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "l2_columns")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("experts_per_wave", "epw"), ("l2_columns", "l2col"), ("h_store", "h="))
+                ("experts_per_wave", "epw"), ("l2_columns", "l2col"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 EXPERT_WAVE_AXES = ("experts_per_wave", "l2_columns")  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
@@ -520,8 +519,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dispatch-window", nargs="+", type=int, default=[None],
                     help="bulk Dispatch: copy row r once row r - W has a finished L1 tile (0 = unpaced), side by "
                          "side (default: api.default_dispatch_window)")
-    ap.add_argument("--h-store", nargs="+", default=[None], choices=["lsu", "tma"],
-                    help="tma_ws*: how a full L1 tile's h is stored, side by side (default: lsu)")
     ap.add_argument("--l2-columns", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="expert_wave: each expert's L2 tiles column by column, off / on side by side")
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],

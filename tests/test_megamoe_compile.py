@@ -416,7 +416,7 @@ def _dispatch_options(spec: str) -> dict:
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
-def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch, h_store="lsu"):
+def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the
     launch's 168 registers per thread ptxas serialized them in some builds (C7511, a
     ``WARPGROUP.DEPBAR ... 0x0`` after every HGMMA: ~25 % slower mainloops, measured on the
@@ -436,8 +436,7 @@ def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, t
     d = tmp_path / "cubin"
     d.mkdir()
     compile_megamoe_sm90(4096, 2048, schedule, options=f"--keep-cubin --dump-dir={d}", block_m=128,
-                         block_n=block_n, mma=mma, stages=stages, trace=trace, h_store=h_store,
-                         **_dispatch_options(dispatch))
+                         block_n=block_n, mma=mma, stages=stages, trace=trace, **_dispatch_options(dispatch))
     (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
     sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -462,37 +461,6 @@ def test_l2_columns_sass_wgmma_pipelined(tmp_path):
     WGMMAs."""
     test_tma_ws_sass_wgmma_pipelined(tmp_path, Schedule("expert_wave", l2_columns=True), "tma_ws_mcast_b", 256, 3,
                                       False, "bulk/ef/W5")
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("schedule,stages,dispatch", [(Schedule("expert_wave", l2_columns=True), 3, "bulk/ef/W5"),
-                                                      (Schedule("expert_wave", l2_columns=True), 4, "lsu"),
-                                                      (SCHEDULES[1], 3, "bulk/ef")],
-                         ids=["ew_P8", "ew_P1", "il_P8"])
-def test_h_tma_store_sass_wgmma_pipelined(tmp_path, schedule, stages, dispatch):
-    """h_store="tma" at the defaults' P = 8 / P = 1 builds: the same SASS checks (the consumers
-    stage h box by box and fence before the handoff)."""
-    test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, "tma_ws_mcast_b", 256, stages, False, dispatch, "tma")
-
-
-@pytest.mark.compile
-def test_h_tma_store_ptx(tmp_path):
-    """h_store="tma": one thread stores a full L1 tile's h as block_n / 128 TMA boxes of 64
-    columns (one bulk group, waited for completion, not just the read, before h is
-    published); the consumers fence their staging stores for the async proxy. The default
-    build has none of it."""
-    ptx = _compile_ptx(tmp_path, 4096, 2048, Schedule("expert_wave"), block_m=128, block_n=256, mma="tma_ws_mcast_b",
-                       stages=3, h_store="tma")
-    stores = re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta[^;]*;", ptx)
-    assert len(stores) == 2, stores
-    tail = ptx[ptx.index(stores[-1]):]
-    assert re.match(r"[^;]*;\s*cp\.async\.bulk\.commit_group;\s*cp\.async\.bulk\.wait_group\s+0;", tail), tail[:300]
-    assert ptx.count("fence.proxy.async.shared::cta") == 1
-    (tmp_path / "plain").mkdir()
-    plain = _compile_ptx(tmp_path / "plain", 4096, 2048, Schedule("expert_wave"), block_m=128, block_n=256,
-                         mma="tma_ws_mcast_b", stages=3)
-    assert not re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", plain)
-    assert "fence.proxy.async.shared::cta" not in plain
 
 
 @pytest.mark.compile

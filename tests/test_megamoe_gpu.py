@@ -280,33 +280,6 @@ def test_l2_columns_bitwise_equal(mma):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mma,block_n", [("tma_ws", 128), ("tma_ws_mcast_b", 128), ("tma_ws_mcast_b", 256)])
-@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
-def test_h_tma_store_bitwise_equal(mma, block_n, schedule):
-    """h_store="tma" (a full L1 tile's h through TMA boxes of 64 columns: one box at
-    block_n = 128, two at 256; an expert's partial last m-block keeps the 16-byte stores)
-    changes no bit of y against the epilogue warps' stores, with masked picks, skewed routing
-    (experts with full and partial 128-row blocks) and three calls each."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
-    P, k, hidden, inter = 2, 6, 512, 256
-    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=73, hidden=hidden, inter=inter)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for h_store in ("lsu", "tma"):
-        moe = _make(P, k, schedule, mma, block_m=128, block_n=block_n, stages=2, hidden=hidden, inter=inter,
-                    num_sms=8, h_store=h_store)
-        moe.load_weights(w1, w2)
-        for _ in range(3):
-            y = moe.forward(xs, idx, w)
-            _check(y, refs)
-        outs.append(y)
-        counts = {rec[0]: rec[3] for rec in moe.plan_rank(0)[1].row_record}  # expert -> rows
-        assert any(c >= 2 * 128 for c in counts.values()) and any(c % 128 for c in counts.values()), counts
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("mma", ["tma_ws", "tma_ws_mcast_b"])
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 def test_bulk_dispatch_bitwise_equal(mma, hidden):
