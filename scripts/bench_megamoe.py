@@ -118,13 +118,21 @@ def fused_kwargs(shape, P, tokens, schedule, *, mma="tma_ws_mcast_b", stages=Non
     return kw
 
 
-def loopback_moe(kwargs, w1, w2, P, *, world="loopback", poison_combine=False, **api_options):
+def loopback_moe(kwargs, w1, w2, P, *, world="loopback", poison_combine=False, weight_cache=None, **api_options):
     """A MegaMoE of ``kwargs`` (:func:`fused_kwargs`) on a fresh ``world`` of P ranks on this
     GPU, its weights loaded from ``w1`` / ``w2``; ``api_options`` (e.g. trace=True) go to the
-    constructor. The diagnostic scripts' one way to build the object they time or profile."""
+    constructor. The bench's and the diagnostic scripts' one way to build the object they time
+    or profile. ``weight_cache`` (a dict per problem): the MegaMoEs of one problem share one
+    copy of the kernel-layout weights (12 GB at DeepSeek-V4-Flash, P = 8: one copy per
+    variant ran out of memory at 14 variants)."""
     moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=poison_combine,
                   **api_options, **kwargs)
-    moe.load_weights(w1, w2)
+    if weight_cache is None or "w" not in weight_cache:
+        moe.load_weights(w1, w2)
+        if weight_cache is not None:
+            weight_cache["w"] = (moe.w1, moe.w2)
+    else:
+        moe.w1, moe.w2 = (copy.copy(w) for w in weight_cache["w"])
     return moe
 
 
@@ -302,16 +310,9 @@ def check_against(ys, refs, name):
 
 def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="fused", weight_cache=None):
     """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``);
-    the first call's output is checked against ``refs`` when given. ``weight_cache`` (a dict
-    per problem): the variants share one copy of the kernel-layout weights (12 GB at
-    DeepSeek-V4-Flash, P = 8: one copy per variant ran out of memory at 14 variants)."""
-    moe = MegaMoE(make_world(world, world_size=P, device="cuda"), poison_combine=True, **kwargs)
-    if weight_cache is None or "w" not in weight_cache:
-        moe.load_weights(w1, w2)
-        if weight_cache is not None:
-            weight_cache["w"] = (moe.w1, moe.w2)
-    else:
-        moe.w1, moe.w2 = (copy.copy(w) for w in weight_cache["w"])
+    the first call's output is checked against ``refs`` when given; ``weight_cache`` as in
+    :func:`loopback_moe`."""
+    moe = loopback_moe(kwargs, w1, w2, P, world=world, poison_combine=True, weight_cache=weight_cache)
     ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
     if refs is not None:
         check_against(ys, refs, name)
