@@ -127,7 +127,7 @@ DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", 
 def resolve_l2_columns(schedule: str, l2_columns: Optional[bool], l2_positions: int) -> bool:
     """``MegaMoE(l2_columns=...)``: None = on wherever it applies, i.e. expert_wave with at most
     ``l2_positions`` (L2 pair tiles of the largest expert) in ``scheduler.divmod_small``'s exact
-    range (measured 0.25-0.3 % faster than the row order at P = 8, results/h200/megamoe/l2_columns/);
+    range (measured 0.1-0.3 % faster than the row order at P = 8 on three hosts, results/h200/megamoe/l2_columns/);
     True past that range is an error."""
     if l2_columns is None:
         return schedule == "expert_wave" and l2_positions < DIVMOD_SMALL_MAX

@@ -521,7 +521,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bulk Dispatch: copy row r once row r - W has a finished L1 tile (0 = unpaced), side by "
                          "side (default: api.default_dispatch_window)")
     ap.add_argument("--l2-columns", nargs="+", type=int, default=[None], choices=[0, 1],
-                    help="expert_wave: each expert's L2 tiles column by column, off / on side by side")
+                    help="expert_wave: each expert's L2 tiles column by column, off / on side by side "
+                         "(default: on where it applies, api.resolve_l2_columns)")
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
