@@ -183,7 +183,7 @@ def run_case(shape, kind, P, tokens, args, dense):
     if tokens > args.fused_max_tokens:
         print(f"{shape.name}, P={P}, T={tokens}: fused variants skipped (T > --fused-max-tokens "
               f"{args.fused_max_tokens})", file=sys.stderr)
-    if tokens <= args.fused_max_tokens:
+    else:
         for axes, sched in fused_cases:
             kw = moe_kwargs(sched, axes)
             mma = axes["mma"]
@@ -195,9 +195,7 @@ def run_case(shape, kind, P, tokens, args, dense):
             if args.paired_only:
                 poisons = []
             for i, poison in enumerate(poisons):
-                world = make_world(args.world, world_size=P, device="cuda")
-                moe = MegaMoE(world, poison_combine=poison, **kw)
-                moe.load_weights(w1, w2)
+                moe = loopback_moe(kw, w1, w2, P, world=args.world, poison_combine=poison)
                 kernel_us = []
                 last = []
 
@@ -211,11 +209,11 @@ def run_case(shape, kind, P, tokens, args, dense):
                 if i == 0:
                     samples = sorted(kernel_us[1:])
                     record(f"fused[{tag}] kernels", timing.Timing(samples_us=samples))
-                del moe, world
+                del moe
             if args.trace:
                 trace_summaries.append(trace_one_call(kw, w1, w2, xs, idx, wts, P, tag, shape, kind,
                                                       tokens, args))
-        if args.paired_trials > 0 and not args.skip_baselines and tokens <= args.fused_max_tokens:
+        if args.paired_trials > 0 and not args.skip_baselines:
             fns = {"grouped_mm x2": event_timed(gemms_only)}
             weight_cache = {}
             for axes, sched in fused_cases:
@@ -388,9 +386,7 @@ def _median(v):
 
 def trace_one_call(kwargs, w1, w2, xs, idx, wts, P, tag, shape, kind, tokens, args):
     """One traced call: per-tile timeline of rank 0 to CSV, medians of the spans to the JSON."""
-    world = make_world(args.world, world_size=P, device="cuda")
-    moe = MegaMoE(world, trace=True, **kwargs)
-    moe.load_weights(w1, w2)
+    moe = loopback_moe(kwargs, w1, w2, P, world=args.world, poison_combine=True, trace=True)
     moe.forward(xs, idx, wts)
     recs = decode_trace(moe.last_trace[0])
     t_min = min(r["t_start"] for cta in recs for r in cta)

@@ -34,6 +34,7 @@ WRITE = "dramc__write_throughput.avg.pct_of_peak_sustained_elapsed"
 CYCLES = "sm__cycles_active.avg"
 _INSTANCES = re.compile(r"^(.*?)\s*\((.*)\)\s*$", re.S)
 _BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+DRAM_PEAK_GBS = 4800.0  # H200 HBM3e: the percentages' scale when the export has no byte totals
 
 
 def _number(text: str):
@@ -113,7 +114,7 @@ def stretches(shares, min_bins: int = 3):
     return [tuple(r) for r in runs]
 
 
-def phase_bytes(kernel, trace_rows, dram_peak_gbs: float = 4800.0):
+def phase_bytes(kernel, trace_rows, dram_peak_gbs: float = DRAM_PEAK_GBS):
     """Per stretch of the trace's phases: DRAM bytes read / written and the mean SM clock
     from the PM samples of ``kernel`` (a read_pm_kernels entry). Returns a dict with the
     stretches, the totals per phase and how the percentages were scaled to bytes."""
@@ -154,7 +155,7 @@ def main():
     ap.add_argument("pm_csv", help="ncu --page raw --csv --print-metric-instances values export")
     ap.add_argument("trace", help="bench_megamoe --trace CSV (plain or .gz) of the same problem")
     ap.add_argument("--kernel", default="MegaMoE", help="regex: the first matching kernel of the export")
-    ap.add_argument("--dram-peak-gbs", type=float, default=4800.0,
+    ap.add_argument("--dram-peak-gbs", type=float, default=DRAM_PEAK_GBS,
                     help="DRAM peak for the percentages when the export has no dram__bytes_*.sum")
     ap.add_argument("--out", default=None, help="directory for pm_phases.json")
     args = ap.parse_args()
