@@ -17,7 +17,8 @@ forward, the fill, then the two forwards above, so ``--launch-skip P`` still pic
 of them. Its kernel is named after the subclass: select it with
 ``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing).
 
-``--option NAME=INT`` passes a MegaMoE keyword to the fused kernel (e.g. dispatch_window=0).
+``--option NAME=VALUE`` passes a MegaMoE keyword to the fused kernel (e.g. dispatch_window=0,
+pool_discard=normal; integers are passed as int, anything else as a string).
 For DRAM bytes over time per phase, see megamoe_pm_phases.py (``--section PmSampling``)."""
 import argparse
 import os
@@ -36,18 +37,18 @@ ap.add_argument("--P", type=int, default=8)
 ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "interleaved"])
 ap.add_argument("--no-dispatch-copy", action="store_true", help="the kernel without its Dispatch copy (see above)")
-ap.add_argument("--option", action="append", default=[], metavar="NAME=INT",
+ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                 help="a MegaMoE keyword of the fused kernel, e.g. dispatch_evict_first=0 (repeatable)")
 args = ap.parse_args()
 options = {}
 for item in args.option:
     name, sep, value = item.partition("=")
     if not sep:
-        ap.error(f"--option {item!r}: expected NAME=INT")
+        ap.error(f"--option {item!r}: expected NAME=VALUE")
     try:
         options[name] = int(value)
     except ValueError:
-        ap.error(f"--option {item!r}: {value!r} is not an integer")
+        options[name] = value
 P, T = args.P, args.tokens
 s = get_shape("deepseek-v4-flash")
 w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
