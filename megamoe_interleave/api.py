@@ -121,7 +121,7 @@ def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, ker
     return (num_sms // 2) // pairs_l1 + 1
 
 
-DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep", "pool_discard")
+DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
 
 
 def resolve_l2_columns(schedule: str, l2_columns: Optional[bool], l2_positions: int) -> bool:
@@ -151,8 +151,7 @@ def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_op
     if window is None:
         window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
     return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")),
-                pool_discard=given.get("pool_discard") or "off")
+                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -219,10 +218,7 @@ class MegaMoE:
     policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
     row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
     ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``pool_discard`` (bulk Dispatch
-    with evict-first: "off" (None), or the CTA whose L1 tile completes a row discards the row's
-    pool lines from L2, with the pool stores evict-first ("ef") or evict-normal ("normal");
-    an experiment, kernel_sm90.MegaMoESm90), ``l2_columns`` (expert_wave:
+    once their L1 tiles are done; None = off, measured slower), ``l2_columns`` (expert_wave:
     each expert's L2 tiles column by column, so the CTAs running together share its W2
     columns; scheduler.expert_wave_step; None = on for expert_wave where the order's positions
     fit ``scheduler.divmod_small``, else off).
@@ -250,8 +246,7 @@ class MegaMoE:
                  dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
                  balance_l2: bool = True, dispatch_copy: Optional[str] = None,
                  dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None,
-                 pool_discard: Optional[str] = None):
+                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None):
         P = world.world_size
         if num_experts % P:
             raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
@@ -299,8 +294,7 @@ class MegaMoE:
         self._kernel_options.update(resolve_dispatch_options(
             hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
             dispatch_copy=dispatch_copy,
-            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep,
-            pool_discard=pool_discard))
+            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
         if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 

@@ -104,7 +104,6 @@ NUM_AUX_THREADS = 96  # tma_ws: warps 1-3 of the producer warpgroup: epilogue wa
 DISPATCH_BARRIER_ID = 5  # tma_ws: the dispatch warps among themselves
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
 DISPATCH_COPIES = ("lsu", "bulk")  # how the dispatch warp copies rows (see dispatch_rows_bulk)
-POOL_DISCARDS = ("off", "ef", "normal")  # MegaMoESm90(pool_discard=...)
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
 DISPATCH_POLL_NS = 256  # windowed Dispatch: sleep between polls of a row counter (counted bound, no timer)
@@ -260,7 +259,7 @@ class MegaMoESm90:
                  mma: str = "fma", stages: int = 4, trace: bool = False, split_tail: bool | None = None,
                  dispatch_warps: int | None = None, l2_handoffs: int | None = None, silu: str = "tanh",
                  dispatch_copy: str = "lsu", dispatch_evict_first: bool = False, dispatch_window: int = 0,
-                 dispatch_keep: bool = False, pool_discard: str = "off"):
+                 dispatch_keep: bool = False):
         if mma not in MMA_KINDS:
             raise ValueError(f"mma must be one of {MMA_KINDS}, got {mma!r}")
         if stages < 2:
@@ -331,18 +330,6 @@ class MegaMoESm90:
         self.dispatch_keep = bool(dispatch_keep)
         self.bulk_load_policy = "evict_first" if self.dispatch_evict_first else None
         self.bulk_store_policy = "evict_last" if self.dispatch_keep else self.bulk_load_policy
-        # pool_discard (experiment): the epilogue warps of the CTA whose L1 tile completes a row
-        # discard the row's pool lines from L2 right away: dead scratch, so no DRAM write-back,
-        # and the lines stop competing with the weights. "ef": the pool stores stay evict-first;
-        # "normal": they get an explicit evict-normal hint (so more of them are still in L2 to
-        # discard). Not with dispatch_keep (its own discards, in the dispatch thread).
-        if pool_discard not in POOL_DISCARDS:
-            raise ValueError(f"pool_discard must be one of {POOL_DISCARDS}, got {pool_discard!r}")
-        if pool_discard != "off" and (dispatch_copy != "bulk" or self.dispatch_keep or not self.dispatch_evict_first):
-            raise ValueError("pool_discard needs dispatch_copy='bulk' with dispatch_evict_first and no dispatch_keep")
-        self.pool_discard = pool_discard != "off"
-        if pool_discard == "normal":
-            self.bulk_store_policy = "evict_normal"
         row_bytes = 2 * hidden
         self.bulk_pieces = next(k for k in range(1, row_bytes // 16 + 1)
                                 if row_bytes % k == 0 and (row_bytes // k) % 16 == 0
@@ -790,24 +777,6 @@ class MegaMoESm90:
         return dead
 
     @cute.jit
-    def discard_finished_row(self, grid, mPoolX, mCounters, row: Int32, et: Int32):
-        """``pool_discard``, by the epilogue warps right after they published an L1 tile of
-        ``row``: if the row's L1 tiles are now all done (acquire of ``l2_full[row]`` by every
-        thread, after a barrier that orders it behind this CTA's own increment), drop its pool
-        lines from L2, ``num_epi_threads`` lines at a time. Those tiles were the rows' only
-        readers (their TMA loads landed before their increments), so the lines are dead
-        scratch. Usually one CTA sees the row complete; a second one that also does just
-        discards dropped lines again. Rows of a partial m-block's TMA box past the expert (the
-        next expert's rows) may read discarded lines: they are masked rows, never stored."""
-        self.epi_sync()  # every thread's acquire below follows this CTA's increment
-        if xdev.load_acquire(mCounters.iterator + COUNTER_L2_FULL + row, "gpu") >= 2 * self.pairs_l1:
-            p0, n = self.pool_rows_of(grid, row)
-            lines_per_pool_row = (2 * self.hidden) // 128
-            line0 = Int64(mPoolX.iterator.toint()) // 128 + Int64(p0 * lines_per_pool_row)
-            for k in cutlass.range(et, n * lines_per_pool_row, self.num_epi_threads, unroll=4):
-                xdev.discard_l2((line0 + Int64(k)) * 128)
-
-    @cute.jit
     def l1_tile(self, tile, mPoolX, mPoolWeight, mH, mW1, mCounters, tidx: Int32,
                 sA, sB, sC, tiled_mma, mTrace, cta: Int32, n_tile: Int32):
         """L1 tile: block_n interleaved gate/up columns -> block_n/2 SwiGLU columns of h."""
@@ -1166,7 +1135,7 @@ class MegaMoESm90:
                                     tma_b2, mB2, mCounters, sA, sB)
             if warp > producer and warp < first_dispatch_warp:
                 self.epilogue_tiles(grid, cta, nctas, tidx - (self.num_mma_threads + 32), mPeerCombine, mPoolSrc,
-                                    mPoolWeight, mPoolX, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
+                                    mPoolWeight, mH, mCounters, max_tokens, sC, sRowW, sRowAddr)
             if const_expr(self.dispatch_warps > 0):
                 if warp >= first_dispatch_warp:
                     if const_expr(self.dispatch_copy == "bulk"):
@@ -1364,7 +1333,7 @@ class MegaMoESm90:
 
     @cute.jit
     def epilogue_tiles(self, grid, cta: Int32, nctas: Int32, et: Int32, mPeerCombine, mPoolSrc, mPoolWeight,
-                       mPoolX, mH, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr):
+                       mH, mCounters, max_tokens: Int32, sO, sRowW, sRowAddr):
         """Epilogue warps (``num_epi_threads`` of the producer warpgroup's other threads, ``et`` = index
         among them): per tile of the same schedule, (1) the rows' metadata into shared memory
         (L1: routing weight, used by the consumers' SwiGLU; L2: the Combine destination
@@ -1372,7 +1341,7 @@ class MegaMoESm90:
         bf16 rows out with 16-byte stores: L1 into h, then publish h (proxy fence, barrier,
         one release increment of the row counter); L2 straight into the source ranks'
         Combine slots (the X-Stage remote stores, issued while the consumers already run the
-        next mainloop). ``pool_discard``: after an L1 publication, :meth:`discard_finished_row`."""
+        next mainloop)."""
         g, r, G, c0, c1 = self._schedule_start(cta, nctas, grid)
         chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
         chunks = self.stage_words // 4  # L2, BN / l2_handoffs output columns
@@ -1408,8 +1377,6 @@ class MegaMoESm90:
                     if et == 0:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(mCounters.iterator + COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
-                    if const_expr(self.pool_discard):
-                        self.discard_finished_row(grid, mPoolX, mCounters, tile.row, et)
                 else:
                     for part in cutlass.range_constexpr(self.l2_handoffs):  # the consumers' handoffs
                         if const_expr(part > 0):

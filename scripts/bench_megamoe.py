@@ -232,12 +232,11 @@ paired_rows = []
 # Side-by-side axes of the fused kernel (argparse dests, each a list; None = the default) and
 # the short names that label a variant when the axis was given.
 VARIANT_AXES = ("mma", "dispatch_warps", "stages", "l2_handoffs", "silu", "balance_l2", "lead", "dispatch_copy",
-               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "l2_columns",
-               "pool_discard")
+               "dispatch_evict_first", "dispatch_window", "dispatch_keep", "experts_per_wave", "l2_columns")
 VARIANT_TAGS = (("dispatch_warps", "dw"), ("stages", "s"), ("l2_handoffs", "l2h"), ("silu", "silu="),
                 ("balance_l2", "bal"), ("lead", "D"), ("dispatch_copy", "dc="),
                 ("dispatch_evict_first", "ef"), ("dispatch_window", "W"), ("dispatch_keep", "keep"),
-                ("experts_per_wave", "epw"), ("l2_columns", "l2col"), ("pool_discard", "pd="))
+                ("experts_per_wave", "epw"), ("l2_columns", "l2col"))
 INTERLEAVED_AXES = ("balance_l2", "lead")  # switches of the interleaved schedule only
 EXPERT_WAVE_AXES = ("experts_per_wave", "l2_columns")  # of the expert_wave schedule only
 MEGAMOE_DEFAULT_SMS = inspect.signature(MegaMoE).parameters["num_sms"].default
@@ -523,9 +522,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dispatch-keep", nargs="+", type=int, default=[None], choices=[0, 1],
                     help="windowed bulk Dispatch: pool rows evict-last, discarded from L2 after their L1 tiles, "
                          "off / on side by side (default: off)")
-    ap.add_argument("--pool-discard", nargs="+", default=[None], choices=["off", "ef", "normal"],
-                    help="bulk Dispatch: the CTA completing a row's L1 tiles discards its pool lines from L2, "
-                         "pool stores evict-first (ef) or evict-normal (normal); side by side (default: off)")
     ap.add_argument("--experts-per-wave", nargs="+", type=int, default=[None], metavar="N>=1",
                     help="expert_wave: local experts per wave, side by side (default: scheduler.default_experts_per_wave)")
     ap.add_argument("--schedules", nargs="+", default=["expert_wave", "interleaved"],

@@ -399,12 +399,11 @@ def _cuobjdump():
 
 
 def _dispatch_options(spec: str) -> dict:
-    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep][/pd=<pool_discard>]"."""
+    """Kernel options of a Dispatch spec "copy[/ef][/W<window>][/keep]"."""
     copy, *flags = spec.split("/")
     window = next((int(f[1:]) for f in flags if f.startswith("W")), 0)
-    discard = next((f[3:] for f in flags if f.startswith("pd=")), "off")
     return dict(dispatch_copy=copy, dispatch_evict_first="ef" in flags, dispatch_window=window,
-                dispatch_keep="keep" in flags, pool_discard=discard)
+                dispatch_keep="keep" in flags)
 
 
 @pytest.mark.compile
@@ -415,8 +414,6 @@ def _dispatch_options(spec: str) -> dict:
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5"),  # expert_wave's default at P = 8
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6"),
                           ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W6/keep"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5/pd=ef"),
-                          ("tma_ws_mcast_b", 256, 3, False, "bulk/ef/W5/pd=normal"),
                           ("tma_ws", 256, 3, False, "lsu"), ("tma_ws", 128, 4, False, "lsu"),
                           ("tma_ws_mcast", 128, 4, False, "lsu")])
 def test_tma_ws_sass_wgmma_pipelined(tmp_path, schedule, mma, block_n, stages, trace, dispatch):
@@ -468,20 +465,19 @@ def test_l2_columns_sass_wgmma_pipelined(tmp_path):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: s.name)
-@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep", "bulk/ef/W5/pd=normal"])
+@pytest.mark.parametrize("dispatch", ["bulk", "bulk/ef", "bulk/ef/W6/keep"])
 def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     """dispatch_copy="bulk" (the P = 8 tiles: 128 x 256, 3 stages): the dispatch warp moves rows
     with non-tensor bulk copies -- a load completing on an mbarrier, a store in a bulk group,
     the buffer reused after wait_group.read, rows published after wait_group 0 -- and its
     16-byte vector copy is gone (only the prologue's, by all threads, remains). The L2
     evict-first policy is on the loads exactly when ``dispatch_evict_first``, and on the stores
-    unless ``dispatch_keep`` makes them evict-last (``pool_discard="normal"``: evict-normal);
-    only ``dispatch_keep`` and ``pool_discard`` discard lines, and only a window polls the L1
-    tiles' row counters (with a nanosleep between polls)."""
+    unless ``dispatch_keep`` makes them evict-last; only ``dispatch_keep`` discards lines, and
+    only a window polls the L1 tiles' row counters (with a nanosleep between polls)."""
     from megamoe_interleave.kernel_sm90 import DISPATCH_UNROLL
 
     opts = _dispatch_options(dispatch)
-    evict_first, keep, discard = opts["dispatch_evict_first"], opts["dispatch_keep"], opts["pool_discard"]
+    evict_first, keep = opts["dispatch_evict_first"], opts["dispatch_keep"]
     ptx = _compile_ptx(tmp_path, 4096, 2048, schedule, block_m=128, block_n=256, mma="tma_ws_mcast_b", stages=3,
                        **opts)
     policy = r"\{ \.reg \.b64 xs_pol; createpolicy\.fractional\.L2::(evict_\w+)\.b64 xs_pol, 1\.0; "
@@ -492,9 +488,8 @@ def test_bulk_dispatch_ptx(tmp_path, schedule, dispatch):
     load_policies = {m.group(1) for m in re.finditer(policy + load + hint, ptx)}
     store_policies = {m.group(1) for m in re.finditer(policy + store + hint, ptx)}
     assert load_policies == ({"evict_first"} if evict_first else set())
-    assert store_policies == ({"evict_last"} if keep else {"evict_normal"} if discard == "normal"
-                              else {"evict_first"} if evict_first else set())
-    assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == (keep or discard != "off")
+    assert store_policies == ({"evict_last"} if keep else {"evict_first"} if evict_first else set())
+    assert bool(re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)) == keep
     assert bool(re.search(r"nanosleep\.u32", ptx)) == (opts["dispatch_window"] > 0)
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)

@@ -284,20 +284,16 @@ def test_l2_columns_bitwise_equal(mma):
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 def test_bulk_dispatch_bitwise_equal(mma, hidden):
     """dispatch_copy="bulk" (with and without the L2 evict-first policy; windowed, W = 1 with
-    the pool rows kept in L2 and discarded after their L1 tiles, W = 3 without; pool_discard's
-    epilogue discards, W = 3 evict-first and unwindowed evict-normal) changes no bit
+    the pool rows kept in L2 and discarded after their L1 tiles, W = 3 without) changes no bit
     of y against the LSU copy, in both schedules, with masked picks and partial blocks; 8 SMs,
     so the prologue covers few rows and the dispatch warp's bulk copies move nearly all of
     them; repeated calls check that the bounce buffers' mbarrier phases and bulk groups start
     afresh each call, and that the discarded pool lines are rewritten before they are read."""
     P, k, inter = 2, 6, 128
     problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
-    variants = [dict(dispatch_copy=copy, dispatch_evict_first=ef, dispatch_window=window, dispatch_keep=keep,
-                     pool_discard=discard)
-                for copy, ef, window, keep, discard in (
-                    ("lsu", False, 0, False, "off"), ("bulk", False, 0, False, "off"), ("bulk", True, 0, False, "off"),
-                    ("bulk", True, 1, True, "off"), ("bulk", True, 3, False, "off"), ("bulk", True, 3, False, "ef"),
-                    ("bulk", True, 0, False, "normal"))]
+    variants = [dict(dispatch_copy=copy, dispatch_evict_first=ef, dispatch_window=window, dispatch_keep=keep)
+                for copy, ef, window, keep in (("lsu", False, 0, False), ("bulk", False, 0, False),
+                                               ("bulk", True, 0, False), ("bulk", True, 1, True), ("bulk", True, 3, False))]
     for schedule in ("expert_wave", "interleaved"):
         _variants_bitwise_equal(P, k, schedule, mma, problem, variants, 4, hidden=hidden, inter=inter)
 

@@ -176,12 +176,11 @@ def store_v4_to_peer(
 
 # L2 cache policies of the bulk copies (``.L2::cache_hint``): None, "evict_first" (data used
 # once: it does not push reused lines out of L2) or "evict_last" (data to be read again soon;
-# whoever pins lines this way must bound how many stay pinned, e.g. with :func:`discard_l2`)
-# or "evict_normal" (the default priority as an explicit hint).
+# whoever pins lines this way must bound how many stay pinned, e.g. with :func:`discard_l2`).
 # The policy is created inside the copy's own asm block (a scoped register), so no 64-bit
 # policy stays live across the caller's loop -- in the fused MoE kernel a live policy register
 # made ptxas serialize the consumers' WGMMAs.
-BULK_CACHE_POLICIES = (None, "evict_first", "evict_last", "evict_normal")
+BULK_CACHE_POLICIES = (None, "evict_first", "evict_last")
 
 
 def _bulk_copy(op: str, operands: str, args, policy, loc, ip) -> None:
