@@ -145,6 +145,20 @@ def test_trace_timeline_buckets_mainloop_cycles():
         assert tl.timeline(tl.read_trace(path), 250) == {1: out[1], 2: out[2]}
 
 
+def test_trace_window_waits():
+    """megamoe_trace_timeline.window_waits: row 2 (W = 2) opens when row 0's first L1 tile ends
+    (t = 50 us); one of its tiles waits 8 us and its row is ready 12 us after the opening; row
+    3's tiles do not wait; L2 tiles are not counted."""
+    def tile(cta, row, t0, wait, end, phase=1):
+        return dict(phase=phase, row=row, cta=cta, t_start_ns=t0, t_ready_ns=t0 + wait, t_epilogue_ns=end)
+    rows = [tile(0, 0, 0, 100, 50_000), tile(1, 0, 1_000, 100, 60_000), tile(0, 1, 52_000, 100, 90_000),
+            tile(1, 2, 54_000, 8_000, 100_000), tile(2, 2, 58_000, 4_000, 104_000), tile(2, 3, 70_000, 100, 110_000),
+            tile(3, 3, 0, 50_000, 60_000, phase=2)]
+    out = timeline_script.window_waits(rows, 2)
+    assert out == dict(rows=2, rows_waited=1, ready_after_open_us_median=12.0, start_after_open_us_median=4.0,
+                       l1_wait_us_per_cta=round((100 + 100 + 100 + 8_000 + 4_000 + 100) / 1e3 / 3, 1))
+
+
 def _pm_export(path, read_pct, write_pct, cycles, totals_gb=None):
     """A hand-made ``ncu --page raw --csv --print-metric-instances values`` export of one kernel."""
     def series(values):
