@@ -178,8 +178,8 @@ def test_megamoe_args_and_shapes():
 
 def test_correctness_cases_and_summary():
     for P in (1, 2, 4, 8):
-        for name, tokens, k, kind, mask in correctness.moe_cases(P):
-            assert len(tokens) == P and k <= correctness.MOE_E
+        for name, tokens, k, kind, mask, cfg in correctness.moe_cases(P):
+            assert len(tokens) == P and k <= correctness.MOE_E and max(tokens) <= cfg["max_tokens"]
         for case in correctness.fa_cases(P):
             assert case[2] > 0
     assert len(correctness.fa_cases(8, quick=True)) == 2
@@ -193,6 +193,28 @@ def test_correctness_cases_and_summary():
     assert s["megamoe"]["failed"] == [] and s["all_ok"] is False
     assert correctness.summarize(res[2:])["all_ok"] is True
     assert correctness.summarize([])["all_ok"] is False  # nothing checked is not a pass
+
+
+def test_correctness_api_defaults_case_takes_the_default_path():
+    """The api-defaults megamoe case (P = 2, the smallest multi-GPU world) resolves, as MegaMoE
+    does, to the path loopback P = 8 runs: 128 x 256 tiles, 3 stages, bulk Dispatch with
+    evict-first, a window for expert_wave only (the run records the resolved options, the L2
+    column order included)."""
+    from megamoe_interleave.api import default_tiles, resolve_dispatch_options
+    from megamoe_interleave.scheduler import Schedule
+
+    P = 2
+    (case,) = [c for c in correctness.moe_cases(P) if c[5].get("api_defaults")]
+    _, tokens, k, _, _, cfg = case
+    H, I = cfg["H"], cfg["I"]
+    tiles = default_tiles("tma_ws_mcast_b", H, I, rows_per_expert=P * cfg["max_tokens"] * k / correctness.MOE_E)
+    assert tiles == (128, 256, 3)
+    options = dict(block_m=128, block_n=256, stages=3, mma="tma_ws_mcast_b", timeout_ns=2_000_000_000, trace=False,
+                   split_tail=None, dispatch_warps=None, l2_handoffs=None, silu="tanh")
+    for name, window in (("expert_wave", True), ("interleaved", False)):
+        got = resolve_dispatch_options(H, I, Schedule(name), options, 132)
+        assert got["dispatch_copy"] == "bulk" and got["dispatch_evict_first"] and (got["dispatch_window"] > 0) == window
+    assert len(correctness.moe_cases(P, quick=True)) == 2  # the quick run keeps the two small cases
 
 
 def test_correctness_mma_kinds():

@@ -14,7 +14,10 @@ both O stagings, bitwise equal across variants; LSE checked), causal, the full
 (Serial with the symmetric-memory copy kernel, NCCL baseline) when that module exists.
 megamoe cases: the fused kernel with both schedules (bitwise equal) for every ``mma`` kind the
 kernel has (``kernel_sm90.MMA_KINDS``; ``--mma`` to choose) on irregular token counts,
-zero-token ranks, masked picks, skew.
+zero-token ranks, masked picks, skew (64 x 64 tiles); and one case with every option at the
+API's default (``api-defaults``: 128 x 256 tiles, 3 stages, the bulk Dispatch from the peers'
+``x`` with its L2 policy and, for expert_wave, its window and the L2 column order) at a size
+where those defaults apply (H = 1024, I = 512, 768 rows per local expert at P = 2).
 
   torchrun --nproc-per-node=8 scripts/multigpu/correctness.py --world torch-symm --out results/h200x8/correctness
   python scripts/multigpu/correctness.py --world loopback --P 4 --out results/h200x1-loopback/correctness
@@ -33,6 +36,9 @@ import mgcommon as mg  # noqa: E402
 KERNELS = ("fa4", "megamoe")
 FA_TOL = {"bf16": 2e-2, "fp16": 4e-3}
 MOE_E, MOE_H, MOE_I = 16, 256, 128
+# api-defaults case: (H, I, tokens per rank before the per-rank trim, top-k); P * T * k / E rows
+# per local expert >= api.DEEP_RING_MAX_ROWS (512) selects the 3-stage tiles and the bulk Dispatch
+MOE_DEFAULTS = (1024, 512, 1024, 6)
 IRREGULAR = (40, 1, 0, 77, 64, 5, 9, 120)
 
 
@@ -75,13 +81,17 @@ def moe_cases(P: int, quick: bool = False):
     """(name, tokens per rank [P], top-k, routing, mask ratio); MOE_E experts must split over P."""
     if MOE_E % P:
         raise mg.WorldArgsError(f"megamoe correctness uses E={MOE_E} experts: P={P} must divide it")
+    small = dict(H=MOE_H, I=MOE_I, max_tokens=256)
     cases = [
-        ("irregular-skewed-k8", [IRREGULAR[r % 8] for r in range(P)], 8, "skewed", 0.1),
-        ("uniform-balanced-k6", [32] * P, 6, "balanced", 0.0),
-        ("mixed-balanced-k2-masked", [(65, 3, 130, 17)[r % 4] for r in range(P)], 2, "balanced", 0.2),
-        ("one-source-skewed-k1", [100] + [0] * (P - 1), 1, "skewed", 0.0),
+        ("irregular-skewed-k8", [IRREGULAR[r % 8] for r in range(P)], 8, "skewed", 0.1, small),
+        ("uniform-balanced-k6", [32] * P, 6, "balanced", 0.0, small),
+        ("mixed-balanced-k2-masked", [(65, 3, 130, 17)[r % 4] for r in range(P)], 2, "balanced", 0.2, small),
+        ("one-source-skewed-k1", [100] + [0] * (P - 1), 1, "skewed", 0.0, small),
     ]
-    return cases[:2] if quick else cases
+    H, I, T, k = MOE_DEFAULTS
+    defaults = ("api-defaults-balanced-k6", [T - 37 * (r % 3) for r in range(P)], k, "balanced", 0.0,
+                dict(H=H, I=I, max_tokens=T, api_defaults=True))
+    return cases[:2] if quick else cases + [defaults]
 
 
 def check_close(out, ref, tol_abs: float, tol_rel: float = 0.0) -> dict:
@@ -187,26 +197,34 @@ def _moe(ctx, quick, mmas):
 
     P, dev = ctx.P, ctx.device
     results = []
-    for name, tokens, k, kind, mask in moe_cases(P, quick):
+    for name, tokens, k, kind, mask, cfg in moe_cases(P, quick):
+        H, I = cfg["H"], cfg["I"]
         seed = P * 7 + k
         g = torch.Generator().manual_seed(seed)
-        w1 = (torch.randn(MOE_E, 2 * MOE_I, MOE_H, generator=g) / MOE_H ** 0.5).bfloat16().to(dev)
-        w2 = (torch.randn(MOE_E, MOE_H, MOE_I, generator=g) / MOE_I ** 0.5).bfloat16().to(dev)
-        xs = [torch.randn(t, MOE_H, generator=g).bfloat16().to(dev) for t in tokens]
+        w1 = (torch.randn(MOE_E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().to(dev)
+        w2 = (torch.randn(MOE_E, H, I, generator=g) / I ** 0.5).bfloat16().to(dev)
+        xs = [torch.randn(t, H, generator=g).bfloat16().to(dev) for t in tokens]
         routes = [make_routing(kind, t, MOE_E, k, seed=seed * 31 + r, mask_ratio=mask, strength=2.0)
                   for r, t in enumerate(tokens)]
         idx = [r_[0].to(dev) for r_ in routes]
         wts = [r_[1].to(dev) for r_ in routes]
         refs = reference_moe_fp32(xs, idx, wts, w1, w2)
-        for mma in mmas:
+        # the api-defaults case runs the API's default mma once, with no option given
+        for mma in ("defaults",) if cfg.get("api_defaults") else mmas:
             outs = {}
             for sched in ("expert_wave", "interleaved"):
                 rec = {"kernel": "megamoe", "case": name, "variant": f"{sched},{mma}", "P": P, "tokens": tokens,
                        "topk": k, "routing": kind, "mask": mask}
                 try:
-                    moe = MegaMoE(ctx.world, num_experts=MOE_E, hidden=MOE_H, intermediate=MOE_I, topk=k,
-                                  max_tokens_per_rank=256, schedule=sched, lead=2, block_m=64, block_n=64,
-                                  backend="fused", experts_per_wave=2, mma=mma)
+                    options = {} if cfg.get("api_defaults") else dict(lead=2, block_m=64, block_n=64,
+                                                                      experts_per_wave=2, mma=mma)
+                    moe = MegaMoE(ctx.world, num_experts=MOE_E, hidden=H, intermediate=I, topk=k,
+                                  max_tokens_per_rank=cfg["max_tokens"], schedule=sched, backend="fused", **options)
+                    if cfg.get("api_defaults"):
+                        rec["kernel_options"] = {key: moe._kernel_options[key] for key in (
+                            "block_m", "block_n", "stages", "mma", "dispatch_copy", "dispatch_evict_first",
+                            "dispatch_window")}
+                        rec["kernel_options"]["l2_columns"] = moe.schedule.l2_columns
                     moe.load_weights(w1, w2)
                     if ctx.backend == "loopback":
                         ys = moe.forward(xs, idx, wts)
