@@ -161,6 +161,13 @@ def test_megamoe_summary_speedups_geomean_regressions():
     assert [c["routing"] for c in s["regressions"]] == ["skewed"]
     assert s["max_speedup"] == pytest.approx(1.2) and s["min_speedup"] == pytest.approx(0.9)
     assert megamoe_ep.summarize([]) == {"configs": []}
+    # --grouped-gemms rows: each schedule's kernel time over the GEMMs' alone; not a schedule
+    s = megamoe_ep.summarize(rows + [_moe_row("a", "balanced", 1024, megamoe_ep.GROUPED, 125.0, 0.0)])
+    bal = next(c for c in s["configs"] if c["routing"] == "balanced")
+    assert bal["expert_wave_vs_grouped"] == pytest.approx(0.96) and bal["interleaved_vs_grouped"] == pytest.approx(0.8)
+    assert "grouped_us" not in next(c for c in s["configs"] if c["routing"] == "skewed")
+    assert s["geomean_speedup"] == pytest.approx(math.sqrt(1.2 * 0.9))
+    assert megamoe_ep.parse_args(["--world", "loopback", "--P", "2", "--grouped-gemms"]).grouped_gemms
 
 
 def test_megamoe_args_and_shapes():

@@ -12,6 +12,12 @@ barriers, top-k reduction).  Trials aligned across ranks; max across ranks per t
 of trials.  Speedup = T(expert_wave) / T(interleaved) per configuration; geometric mean over
 configurations; configurations with speedup < 1 are listed as regressions.
 
+``--grouped-gemms`` also times the two ``torch._grouped_mm`` GEMMs alone on each rank's rows
+(every process regenerates every rank's routing, so it knows how many rows each of its local
+experts receives; random bf16 A and weights of those shapes), with the same trials, alignment and
+reduction, and reports each schedule's kernel time over theirs. Medians of separate trial
+series, not paired or clock-matched (bench_megamoe.py's paired comparison is loopback only).
+
 In the loopback world one call runs every simulated rank's kernel back to back on one GPU,
 so ``last_kernel_us`` is the whole world's time (reported as rank 0's sample).
 
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mgcommon as mg  # noqa: E402
 
 SCHEDULES = ("expert_wave", "interleaved")
+GROUPED = "grouped_mm x2"  # the rows of --grouped-gemms (their "schedule" key)
 DEFAULT_SHAPES = ("deepseek-v4-flash", "mimo-v2-flash")  # same (H, I): one compile per schedule
 DEFAULT_TOKENS = (2048, 8192)
 QUICK_TOKENS = (1024,)
@@ -49,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--block-n", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
     p.add_argument("--stages", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
     p.add_argument("--lead", type=int, default=None, help="interleave lead D (default: eq. 16)")
+    p.add_argument("--grouped-gemms", action="store_true",
+                   help="also time the two torch._grouped_mm GEMMs alone on each rank's rows (see above)")
     p.add_argument("--stem", default="ep", help="output file stem")
     args = p.parse_args(argv)
     if args.tokens is None:
@@ -87,8 +96,12 @@ def summarize(rows) -> dict:
         ew, il = d["expert_wave"]["kernel_median_us"], d["interleaved"]["kernel_median_us"]
         sp = ew / il
         api = d["expert_wave"]["api_median_us"] / d["interleaved"]["api_median_us"]
-        configs.append({"shape": key[0], "routing": key[1], "tokens_per_rank": key[2], "expert_wave_us": ew,
-                        "interleaved_us": il, "speedup": sp, "speedup_api": api})
+        cfg = {"shape": key[0], "routing": key[1], "tokens_per_rank": key[2], "expert_wave_us": ew,
+               "interleaved_us": il, "speedup": sp, "speedup_api": api}
+        if GROUPED in d:  # fused kernel time over the GEMMs' alone (< 1: fused faster)
+            gg = d[GROUPED]["kernel_median_us"]
+            cfg.update(grouped_us=gg, expert_wave_vs_grouped=ew / gg, interleaved_vs_grouped=il / gg)
+        configs.append(cfg)
         speedups.append(sp)
     out = {"configs": configs}
     if speedups:
@@ -164,10 +177,59 @@ def run(ctx, args):
                         rows.append(row)
                         print(f"{shape.name} {kind} T={T} {sched}: kernel {row['kernel_median_us']:.1f} us "
                               f"(api {row['api_median_us']:.1f} us)", flush=True)
+                if args.grouped_gemms:
+                    row = time_grouped_gemms(ctx, args, shape, kind, T)
+                    if row is not None:
+                        rows.append(row)
+                        print(f"{shape.name} {kind} T={T} {GROUPED}: {row['kernel_median_us']:.1f} us", flush=True)
                 del xs, idx, wts
         del moes
         torch.cuda.empty_cache()
     return rows
+
+
+def time_grouped_gemms(ctx, args, shape, kind: str, T: int):
+    """--grouped-gemms: the two grouped GEMMs of every local rank (its received rows per local
+    expert, from every rank's routing regenerated with the seeds of ``run``), timed with CUDA
+    events per aligned trial; the reduced row on the root, None elsewhere."""
+    import torch
+
+    from megamoe_interleave.reference import grouped_mm, permute_for_rank
+    from megamoe_interleave.routing import make_routing
+
+    E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
+    el, dev = E // ctx.P, ctx.device
+    routes = [make_routing(kind, T, E, k, seed=r, strength=args.strength) for r in range(ctx.P)]
+    counts = {d: permute_for_rank([i for i, _ in routes], [w for _, w in routes], d, el).counts
+              for d in ctx.local_ranks}
+    g = torch.Generator(device=dev).manual_seed(1)
+    w1_t = torch.randn(el, H, 2 * I, generator=g, device=dev, dtype=torch.bfloat16) * H ** -0.5
+    w2_t = torch.randn(el, I, H, generator=g, device=dev, dtype=torch.bfloat16) * I ** -0.5
+    a1 = {d: torch.randn(int(c.sum()), H, generator=g, device=dev, dtype=torch.bfloat16) for d, c in counts.items()}
+    a2 = {d: torch.randn(int(c.sum()), I, generator=g, device=dev, dtype=torch.bfloat16) for d, c in counts.items()}
+
+    def gemms():
+        for d in ctx.local_ranks:
+            grouped_mm(a1[d], w1_t, counts[d])
+            grouped_mm(a2[d], w2_t, counts[d])
+
+    gemms()  # warm-up
+    samples = {r: [] for r in ctx.local_ranks[:1]}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(args.trials):
+        ctx.align()
+        start.record()
+        gemms()
+        end.record()
+        end.synchronize()
+        samples[ctx.local_ranks[0]].append(start.elapsed_time(end) * 1e3)
+    red = mg.reduce_gathered(ctx, {"kernel": samples})
+    if not ctx.is_root:
+        return None
+    return {"shape": shape.name, "routing": kind, "tokens_per_rank": T, "schedule": GROUPED, "P": ctx.P,
+            "world": ctx.backend, "kernel_median_us": red["kernel"]["median_us"],
+            "kernel_p10_us": red["kernel"]["p10_us"], "kernel_p90_us": red["kernel"]["p90_us"],
+            "kernel_rank_spread": red["kernel"]["rank_spread"], "kernel_timing": red["kernel"]}
 
 
 def _main(ctx, args) -> None:
