@@ -219,7 +219,8 @@ def run_case(shape, kind, P, tokens, args, dense):
             for axes, sched in fused_cases:
                 name = f"fused[{sched},{axes['mma']}{variant_tag(axes)}]"
                 fns[name] = fused_kernel_timed(moe_kwargs(sched, axes), w1, w2, xs, idx, wts, P, args.world,
-                                               refs=reference(), name=name, weight_cache=weight_cache)
+                                               refs=reference(), name=name, weight_cache=weight_cache,
+                                               rerun=args.fused_call == "rerun")
             refs.clear()
             samples, clocks = paired_trials(fns, args.paired_trials, args.cooldown_s)
             case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
@@ -306,10 +307,14 @@ def check_against(ys, refs, name):
             raise RuntimeError(f"{name}: rank {rank} max |fused - unfused| = {err:.4g} (output range {scale:.4g})")
 
 
-def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="fused", weight_cache=None):
+def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="fused", weight_cache=None,
+                       rerun=False):
     """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``);
     the first call's output is checked against ``refs`` when given; ``weight_cache`` as in
-    :func:`loopback_moe`."""
+    :func:`loopback_moe`. ``rerun``: each call is ``MegaMoE.rerun()`` (the kernels and the
+    reduction on the staged inputs), so the GPU idles no longer before the kernels than before
+    the GEMMs (``forward``'s input staging and host planning leave it idle for milliseconds,
+    which matters without a cooldown: the idle lets the clock rise at the power cap)."""
     moe = loopback_moe(kwargs, w1, w2, P, world=world, poison_combine=True, weight_cache=weight_cache)
     ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
     if refs is not None:
@@ -317,7 +322,10 @@ def fused_kernel_timed(kwargs, w1, w2, xs, idx, wts, P, world, refs=None, name="
     moe.poison_combine = False
 
     def timed():
-        moe.forward(xs, idx, wts)
+        if rerun:
+            moe.rerun()
+        else:
+            moe.forward(xs, idx, wts)
         return moe.last_kernel_us
     return timed
 
@@ -545,6 +553,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "every variant in rotated order, SM clock after each (0 = off)")
     ap.add_argument("--cooldown-s", type=float, default=0.0,
                     help="paired comparison: host sleep before each timed call (clock-stabilised, as bench_fa_a2a)")
+    ap.add_argument("--fused-call", default="forward", choices=["forward", "rerun"],
+                    help="paired comparison: each fused trial is a whole MegaMoE.forward (its host staging and "
+                         "planning idle the GPU before the kernels) or MegaMoE.rerun() (kernels and reduction "
+                         "only, the GPU as busy before them as before the GEMMs: for --cooldown-s 0)")
     ap.add_argument("--clock-tol-mhz", type=float, default=30.0,
                     help="paired comparison: trials count when both variants ran this close to the reference clock")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
