@@ -6,6 +6,10 @@
 source "$(dirname "$0")/../_env.sh"
 "$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --mma tma_ws_mcast_b tma_ws_mcast --trace \
   --cooldown-s 0.25 --out "$XSTAGE_RESULTS/megamoe"
+# The same paired comparison under sustained load: trials back to back (no cooldown), each
+# fused trial a MegaMoE.rerun() so the GPU idles before it no longer than before the GEMMs.
+"$PY" scripts/bench_megamoe.py --P 1 8 --tokens 8192 --paired-only --paired-trials 15 --cooldown-s 0 \
+  --fused-call rerun --tag _sustained --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --split-tail off --skip-baselines --api-poison off \
   --tag _split_tail_off --out "$XSTAGE_RESULTS/megamoe"
 "$PY" scripts/bench_megamoe.py --P 1 --tokens 8192 --mma tma_ws --skip-baselines --api-poison off \
