@@ -357,6 +357,12 @@ class MegaMoE:
 
     __call__ = forward
 
+    @property
+    def kernel_options(self) -> dict:
+        """The fused kernel's compile-time options as resolved from the arguments and the
+        defaults (the keywords of kernel_sm90.MegaMoESm90; a copy)."""
+        return dict(self._kernel_options)
+
     def rerun(self) -> List[torch.Tensor]:
         """The fused kernels and the top-k reduction again, on the inputs the last ``forward``
         staged, with its plan (no input copies, no host planning, no Combine poison): the

@@ -102,7 +102,7 @@ def main():
         fns[f"fused[{sched},no-dispatch-copy]"] = timed
     samples, clocks = bench.paired_trials(fns, args.trials, args.cooldown_s)
     row = dict(shape=shape.name, P=P, tokens_per_rank=T, bitwise_equal=bitwise,
-               shipped_options={sched: real[sched][0]._kernel_options for sched in real},
+               shipped_options={sched: real[sched][0].kernel_options for sched in real},
                **bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0))
     bench.print_paired(row)
     os.makedirs(args.out, exist_ok=True)

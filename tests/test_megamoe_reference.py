@@ -121,6 +121,16 @@ def test_permutation_is_expert_major_and_complete():
         (0, 1, 0, 0), (0, 0, 1, 1), (1, 0, 0, 1)]
 
 
+def test_kernel_options_are_the_resolved_options_as_a_copy():
+    world = make_world("loopback", world_size=2, device="cpu")
+    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
+                  schedule="expert_wave", block_n=32, dispatch_window=3)
+    opts = moe.kernel_options
+    assert opts["block_n"] == 32 and opts["dispatch_window"] == 3 and opts["mma"] == moe.mma
+    opts["block_n"] = 64
+    assert moe.kernel_options["block_n"] == 32
+
+
 def test_l2_columns_default_on_for_expert_wave_within_divmod_range():
     world = make_world("loopback", world_size=2, device="cpu")
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,

@@ -78,7 +78,9 @@ def fa_cases(P: int, quick: bool = False):
 
 
 def moe_cases(P: int, quick: bool = False):
-    """(name, tokens per rank [P], top-k, routing, mask ratio); MOE_E experts must split over P."""
+    """(name, tokens per rank [P], top-k, routing, mask ratio, config); config: H, I,
+    max_tokens (per rank) and api_defaults (no MegaMoE option given, one run at the default
+    mma). MOE_E experts must split over P."""
     if MOE_E % P:
         raise mg.WorldArgsError(f"megamoe correctness uses E={MOE_E} experts: P={P} must divide it")
     small = dict(H=MOE_H, I=MOE_I, max_tokens=256)
@@ -221,7 +223,7 @@ def _moe(ctx, quick, mmas):
                     moe = MegaMoE(ctx.world, num_experts=MOE_E, hidden=H, intermediate=I, topk=k,
                                   max_tokens_per_rank=cfg["max_tokens"], schedule=sched, backend="fused", **options)
                     if cfg.get("api_defaults"):
-                        rec["kernel_options"] = {key: moe._kernel_options[key] for key in (
+                        rec["kernel_options"] = {key: moe.kernel_options[key] for key in (
                             "block_m", "block_n", "stages", "mma", "dispatch_copy", "dispatch_evict_first",
                             "dispatch_window")}
                         rec["kernel_options"]["l2_columns"] = moe.schedule.l2_columns
