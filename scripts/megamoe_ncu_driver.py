@@ -18,7 +18,7 @@ of them. Its kernel is named after the subclass: select it with
 ``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing).
 
 ``--option NAME=VALUE`` passes a MegaMoE keyword to the fused kernel (e.g. dispatch_window=0,
-pool_discard=normal; integers are passed as int, anything else as a string).
+dispatch_copy=lsu; integers are passed as int, anything else as a string).
 For DRAM bytes over time per phase, see megamoe_pm_phases.py (``--section PmSampling``)."""
 import argparse
 import os

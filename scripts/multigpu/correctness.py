@@ -223,7 +223,8 @@ def _moe(ctx, quick, mmas):
                     moe = MegaMoE(ctx.world, num_experts=MOE_E, hidden=H, intermediate=I, topk=k,
                                   max_tokens_per_rank=cfg["max_tokens"], schedule=sched, backend="fused", **options)
                     if cfg.get("api_defaults"):
-                        rec["kernel_options"] = {key: moe.kernel_options[key] for key in (
+                        opts = moe.kernel_options
+                        rec["kernel_options"] = {key: opts[key] for key in (
                             "block_m", "block_n", "stages", "mma", "dispatch_copy", "dispatch_evict_first",
                             "dispatch_window")}
                         rec["kernel_options"]["l2_columns"] = moe.schedule.l2_columns

@@ -14,8 +14,9 @@ configurations; configurations with speedup < 1 are listed as regressions.
 
 ``--grouped-gemms`` also times the two ``torch._grouped_mm`` GEMMs alone on each rank's rows
 (every process regenerates every rank's routing, so it knows how many rows each of its local
-experts receives; random bf16 A and weights of those shapes), with the same trials, alignment and
-reduction, and reports each schedule's kernel time over theirs. Medians of separate trial
+experts receives; random bf16 A of those shapes), with the same trials, alignment and
+reduction (``bench_megamoe.grouped_gemms`` on the global weights), and reports each schedule's
+kernel time over theirs. Medians of separate trial
 series, not paired or clock-matched (bench_megamoe.py's paired comparison is loopback only).
 
 In the loopback world one call runs every simulated rank's kernel back to back on one GPU,
@@ -57,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, default=None, help="default: megamoe_interleave.api.default_tiles")
     p.add_argument("--lead", type=int, default=None, help="interleave lead D (default: eq. 16)")
     p.add_argument("--grouped-gemms", action="store_true",
-                   help="also time the two torch._grouped_mm GEMMs alone on each rank's rows (see above)")
+                   help="also time the two torch._grouped_mm GEMMs alone on each rank's rows (see above; "
+                        "keeps the global weights on every GPU)")
     p.add_argument("--stem", default="ep", help="output file stem")
     args = p.parse_args(argv)
     if args.tokens is None:
@@ -136,6 +138,7 @@ def run(ctx, args):
                                   stages=args.stages,
                                   num_sms=torch.cuda.get_device_properties(dev).multi_processor_count)
             moes[sched].load_weights(w1, w2)
+        gemm_weights = (w1, w2) if args.grouped_gemms else None  # the GEMM baseline's B operands
         del w1, w2
         torch.cuda.empty_cache()
         for kind in args.routing:
@@ -178,7 +181,7 @@ def run(ctx, args):
                         print(f"{shape.name} {kind} T={T} {sched}: kernel {row['kernel_median_us']:.1f} us "
                               f"(api {row['api_median_us']:.1f} us)", flush=True)
                 if args.grouped_gemms:
-                    row = time_grouped_gemms(ctx, args, shape, kind, T)
+                    row = time_grouped_gemms(ctx, args, shape, kind, T, *gemm_weights)
                     if row is not None:
                         rows.append(row)
                         print(f"{shape.name} {kind} T={T} {GROUPED}: {row['kernel_median_us']:.1f} us", flush=True)
@@ -188,31 +191,21 @@ def run(ctx, args):
     return rows
 
 
-def time_grouped_gemms(ctx, args, shape, kind: str, T: int):
+def time_grouped_gemms(ctx, args, shape, kind: str, T: int, w1, w2):
     """--grouped-gemms: the two grouped GEMMs of every local rank (its received rows per local
-    expert, from every rank's routing regenerated with the seeds of ``run``), timed with CUDA
-    events per aligned trial; the reduced row on the root, None elsewhere."""
+    expert, from every rank's routing regenerated with the seeds of ``run``; the global weights
+    ``w1``, ``w2``), timed with CUDA events per aligned trial; the reduced row on the root, None
+    elsewhere."""
     import torch
 
-    from megamoe_interleave.reference import grouped_mm, permute_for_rank
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench_megamoe import grouped_gemms
     from megamoe_interleave.routing import make_routing
 
-    E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
-    el, dev = E // ctx.P, ctx.device
-    routes = [make_routing(kind, T, E, k, seed=r, strength=args.strength) for r in range(ctx.P)]
-    counts = {d: permute_for_rank([i for i, _ in routes], [w for _, w in routes], d, el).counts
-              for d in ctx.local_ranks}
-    g = torch.Generator(device=dev).manual_seed(1)
-    w1_t = torch.randn(el, H, 2 * I, generator=g, device=dev, dtype=torch.bfloat16) * H ** -0.5
-    w2_t = torch.randn(el, I, H, generator=g, device=dev, dtype=torch.bfloat16) * I ** -0.5
-    a1 = {d: torch.randn(int(c.sum()), H, generator=g, device=dev, dtype=torch.bfloat16) for d, c in counts.items()}
-    a2 = {d: torch.randn(int(c.sum()), I, generator=g, device=dev, dtype=torch.bfloat16) for d, c in counts.items()}
-
-    def gemms():
-        for d in ctx.local_ranks:
-            grouped_mm(a1[d], w1_t, counts[d])
-            grouped_mm(a2[d], w2_t, counts[d])
-
+    routes = [make_routing(kind, T, shape.num_experts, shape.topk, seed=r, strength=args.strength)
+              for r in range(ctx.P)]
+    _, gemms = grouped_gemms(shape, ctx.P, w1, w2, [i for i, _ in routes], [w for _, w in routes],
+                             ranks=ctx.local_ranks)
     gemms()  # warm-up
     samples = {r: [] for r in ctx.local_ranks[:1]}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
