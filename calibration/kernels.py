@@ -136,7 +136,6 @@ class BurstKernel:
     recovery (the host chooses it from the fitted drain rate).
     """
 
-    _compiled_cache: dict = {}
 
     def __init__(self, config: BurstConfig = BurstConfig()):
         self.cfg = config
@@ -285,10 +284,7 @@ class BurstKernel:
 
         Returns an ``xstage.cute_compile.Compiled`` (``.ptx`` set when ``keep_ptx``).
         """
-        key = (self.cfg, keep_ptx)
-        if key in BurstKernel._compiled_cache:
-            return BurstKernel._compiled_cache[key]
-        from xstage.cute_compile import compile_hopper
+        from xstage.cute_compile import cached, compile_hopper
 
         sym = cute.sym_int
         fake = cute.runtime.make_fake_compact_tensor
@@ -301,9 +297,7 @@ class BurstKernel:
             Int32(1), Int32(1), Int32(1), Int64(1), Int64(0), Int32(0), Int64(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
-        compiled = compile_hopper(self.launch, *args, keep_ptx=keep_ptx)
-        BurstKernel._compiled_cache[key] = compiled
-        return compiled
+        return cached(("BurstKernel", self.cfg, keep_ptx), lambda: compile_hopper(self.launch, *args, keep_ptx=keep_ptx))
 
     def __call__(
         self,

@@ -30,7 +30,6 @@ Host API (stable; ``scripts/multigpu`` calls it):
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -169,20 +168,11 @@ class UlyssesA2ACopy:
         return compile_hopper(self.launch, *args, keep_ptx=keep_ptx)
 
 
-_cache: dict = {}
-_lock = threading.Lock()
-
-
 def compile_a2a_copy(cfg: A2ACopyConfig = A2ACopyConfig()):
     """Compile (once per ``cfg``) for sm_90a; works on a CPU-only host. Returns the callable."""
-    key = (UlyssesA2ACopy.__qualname__, cfg)
-    fn = _cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _cache.get(key)
-            if fn is None:
-                fn = _cache[key] = UlyssesA2ACopy(cfg)._compile()
-    return fn
+    from xstage.cute_compile import cached
+
+    return cached((UlyssesA2ACopy.__qualname__, cfg), lambda: UlyssesA2ACopy(cfg)._compile())
 
 
 def compile_a2a_copy_ptx(cfg: A2ACopyConfig = A2ACopyConfig()) -> str:

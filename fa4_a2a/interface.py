@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from dataclasses import dataclass, asdict
 from typing import Optional, Sequence
 
@@ -50,10 +49,6 @@ class KernelConfig:
 
     def key(self) -> tuple:
         return (FlashAttentionUlyssesSm90.__qualname__, LAYOUT) + tuple(sorted(asdict(self).items(), key=lambda kv: kv[0]))
-
-
-_compile_cache: dict = {}
-_compile_lock = threading.Lock()
 
 
 def default_num_sms(device: Optional[torch.device] = None) -> int:
@@ -132,14 +127,9 @@ def _compile(cfg: KernelConfig, options: str = ""):
 
 def compile_kernel(cfg: KernelConfig):
     """Compile (once per ``cfg``) and return the TVM-FFI callable. Works on a CPU-only host."""
-    key = cfg.key()
-    fn = _compile_cache.get(key)
-    if fn is None:
-        with _compile_lock:
-            fn = _compile_cache.get(key)
-            if fn is None:
-                fn = _compile_cache[key] = _compile(cfg)
-    return fn
+    from xstage.cute_compile import cached
+
+    return cached(cfg.key(), lambda: _compile(cfg))
 
 
 def compile_ptx(cfg: KernelConfig) -> str:

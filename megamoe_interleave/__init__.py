@@ -1,16 +1,25 @@
-"""megamoe_interleave: Hopper fused MoE mega-kernel with expert-wave and interleaved schedulers.
+"""megamoe_interleave: Hopper fused MoE mega-kernel with expert-wave and interleaved schedules.
+
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
 
 Modules
 -------
-scheduler       tile schedulers (pure functions; Python reference and CuTe DSL trace-time
+api             ``MegaMoE`` (the layer), ``MegaMoEBuffer``, ``transform_weights``
+config          ``MegaMoEConfig`` and its tuned defaults (``resolve``), tile and trace constants
+kernel_sm90     ``MegaMoESm90``: the persistent fused kernel; its roles in ``sm90_mainloop``
+                (TMA producer, WGMMA consumers), ``sm90_epilogue`` (h publish, Combine remote
+                stores) and ``sm90_dispatch`` (row pull)
+scheduler       tile schedulers (pure functions: the Python reference and the kernel's trace-time
                 arithmetic share one definition), deadlock-freedom proof, eq. 16 lead
 schedule_trace  tiny device kernel that evaluates the schedulers (device order == reference)
-kernel_sm90     ``MegaMoESm90``: the persistent fused kernel (status in its docstring)
-api             ``MegaMoE`` / ``MegaMoEBuffer`` / ``transform_weights`` (deep_gemm.mega-like API)
+torch_backend   the kernel's data flow with torch ops (``backend="torch"``)
 reference       float32 reference and the unfused torch pipeline baseline
 routing         balanced / skewed (Zipf) routing generators, masking
 shapes          MoE shapes of the paper's models (with sources; unknown ones marked)
 
-Importing the package does not import the CuTe DSL; ``kernel_sm90`` and
-``schedule_trace`` do.
+Importing the package does not import the CuTe DSL; ``kernel_sm90`` and ``schedule_trace`` do.
 """
+from .api import MegaMoE, MegaMoEBuffer, make_world, transform_weights
+from .config import MegaMoEConfig
+
+__all__ = ["MegaMoE", "MegaMoEBuffer", "MegaMoEConfig", "make_world", "transform_weights"]

@@ -2,11 +2,11 @@
 
 ::
 
-    world = make_world("loopback", world_size=P)
-    moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k,
-                  max_tokens_per_rank=T, schedule="interleaved", lead=None)
+    world = make_world("loopback", world_size=P, device="cuda")
+    moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=T,
+                  config=MegaMoEConfig(schedule="interleaved"))   # None fields: tuned defaults
     moe.load_weights(w1, w2)          # global [E, 2I, H] (gate | up) and [E, H, I]
-    ys = moe.forward(xs, topk_idx, topk_weights)   # per local rank lists
+    ys = moe(xs, topk_idx, topk_weights)   # one tensor per local rank
 
 Data flow per call (the fused kernel's contract; the ``torch`` backend executes the
 same flow with torch ops so the buffer layout and the Combine slot protocol are tested
@@ -32,15 +32,14 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import reference
-from .kernel_config import TRACE_FIELDS, WS_KINDS, pair_tiles_per_row, resolve_split_tail
-from .scheduler import (DIVMOD_SMALL_MAX, SCHEDULES, Schedule, balanced_l2_start, check_experts_per_wave, default_lead,
-                        pool_rows_per_row, schedule_table)
+from . import reference, torch_backend
+from .config import BLOCK_M, INTERLEAVE, TRACE_FIELDS, MegaMoEConfig
+from .scheduler import balanced_l2_start, make_row_grid, schedule_table
+from .shapes import MoEShape
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
 
-INTERLEAVE_GRANULARITY = 8
+INTERLEAVE_GRANULARITY = INTERLEAVE
 BACKENDS = ("torch", "fused")
-_COMPILED = {}  # compiled fused kernels by configuration (see MegaMoE._kernel)
 
 
 def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY):
@@ -61,97 +60,6 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
     g = w1[:, :inter].reshape(E, inter // granularity, granularity, H)
     u = w1[:, inter:].reshape(E, inter // granularity, granularity, H)
     return torch.stack([g, u], dim=2).reshape(E, two_i, H).contiguous(), w2.contiguous()
-
-
-DEEP_RING_MAX_ROWS = 512  # default_tiles: 4 ring stages below this many rows per local expert, else 3
-
-
-def default_tiles(mma: str, hidden: int, intermediate: int, block_m=None, block_n=None, stages=None,
-                  rows_per_expert=None):
-    """Tile defaults (each ``None`` is filled in): the warp-specialized kinds use 128-row tiles
-    and the widest N tile the CTA pairs allow (256 when H and 2I are multiples of 512); the
-    other kinds keep 64 x 128, 4 stages. Ring depth of the 128 x 256 tiles, by the expected
-    rows per local expert (``rows_per_expert``, None = few): 4 stages (226 KB with the
-    half-width output staging tile) below DEEP_RING_MAX_ROWS, else 3. Measured on the H200
-    (DeepSeek-V4-Flash, 8192 tokens/rank, results/h200/megamoe/stages): at 192 rows per
-    expert (P = 1) 4 stages are 9.5 % faster; at 1536 (loopback P = 8) 3 stages are 1-5 %
-    faster. Only those two points were measured; the threshold lies between them."""
-    ws = mma in WS_KINDS
-    if block_m is None:
-        block_m = 128 if ws else 64
-    if block_n is None:
-        block_n = 128
-        if ws:
-            block_n = next((n for n in (256, 128, 64) if hidden % (2 * n) == 0 and intermediate % n == 0), 64)
-    if stages is None:
-        wide = ws and block_m == 128 and block_n == 256
-        stages = 3 if wide and rows_per_expert is not None and rows_per_expert >= DEEP_RING_MAX_ROWS else 4
-    return block_m, block_n, stages
-
-
-def default_dispatch_copy(hidden: int, intermediate: int, schedule, kernel_options: dict) -> str:
-    """``dispatch_copy=None``: "bulk" wherever the kernel takes it (tma_ws* with one dispatch
-    warp and room for the two bounce buffers next to the ring: the 3-stage 128 x 256 tiles of
-    loopback P = 8, not P = 1's 4 stages), else "lsu". Measured on the H200 (DeepSeek-V4-Flash,
-    P = 8, 8192 tokens/rank, results/h200/megamoe/bulk): the bulk copies take the Dispatch off
-    the SM's load/store pipe, which the WGMMAs share; paired against the grouped GEMMs
-    interleaved 1.044-1.061x -> 1.017-1.031x, 1.014x with the evict-first policy."""
-    from .kernel_sm90 import MegaMoESm90
-
-    if kernel_options["mma"] not in WS_KINDS or kernel_options.get("dispatch_warps") not in (None, 1):
-        return "lsu"
-    try:
-        MegaMoESm90(hidden, intermediate, schedule, **dict(kernel_options, dispatch_copy="bulk"))
-    except ValueError:  # no room for the bounce buffers
-        return "lsu"
-    return "bulk"
-
-
-def default_dispatch_window(dispatch_copy: str, schedule, intermediate: int, kernel_options: dict,
-                            num_sms: int) -> int:
-    """``dispatch_window=None``: for expert_wave with bulk copies, one row more than the L1 rows
-    in flight, (num_sms / 2 CTA pairs) // (L1 pair tiles per row) + 1 = 5 at DeepSeek-V4-Flash
-    with 128 x 256 tiles on 132 SMs; else 0 (unpaced). Measured on the H200 (P = 8 loopback,
-    8192 tokens/rank, paired vs the grouped GEMMs, results/h200/megamoe/window): expert_wave
-    W = 0 / 4 / 5 / 6 / 7 / 8 / 14: 1.048 / 1.088 / 1.009 / 1.017 / 1.033 / 1.044 / 1.050x (W = 4
-    <= the rows in flight stalls the L1 stream); interleaved no W in 5..14 beat W = 0 (1.029x)."""
-    if dispatch_copy != "bulk" or schedule.name != "expert_wave":
-        return 0
-    pairs_l1 = pair_tiles_per_row(kernel_options["mma"], 2 * intermediate, kernel_options["block_n"])
-    return (num_sms // 2) // pairs_l1 + 1
-
-
-DISPATCH_OPTIONS = ("dispatch_copy", "dispatch_evict_first", "dispatch_window", "dispatch_keep")
-
-
-def resolve_l2_columns(schedule: str, l2_columns: Optional[bool], l2_positions: int) -> bool:
-    """``MegaMoE(l2_columns=...)``: None = on wherever it applies, i.e. expert_wave with at most
-    ``l2_positions`` (L2 pair tiles of the largest expert) in ``scheduler.divmod_small``'s exact
-    range (measured 0.1-0.3 % faster than the row order at P = 8 on three hosts, results/h200/megamoe/l2_columns/);
-    True past that range is an error."""
-    if l2_columns is None:
-        return schedule == "expert_wave" and l2_positions < DIVMOD_SMALL_MAX
-    if l2_columns and l2_positions >= DIVMOD_SMALL_MAX:
-        raise ValueError(f"l2_columns: up to {l2_positions} L2 pair tiles per expert, the order handles "
-                         f"< {DIVMOD_SMALL_MAX}; lower max_tokens_per_rank or leave l2_columns off")
-    return bool(l2_columns)
-
-
-def resolve_dispatch_options(hidden: int, intermediate: int, schedule, kernel_options: dict, num_sms: int,
-                             fused: bool = True, **given) -> dict:
-    """The fused kernel's :data:`DISPATCH_OPTIONS` with the API's defaults for those not given
-    (None): :func:`default_dispatch_copy` ("lsu" off the fused backend), evict-first with
-    bulk copies, :func:`default_dispatch_window`, no keep (measured slower: with W = 6 expert_wave
-    1.017 -> 1.037x, interleaved 1.047 -> 1.044x; W = 10 1.047 -> 1.035x, 1.026 -> 1.035x)."""
-    copy = given.get("dispatch_copy")
-    if copy is None:
-        copy = default_dispatch_copy(hidden, intermediate, schedule, kernel_options) if fused else "lsu"
-    evict_first = given.get("dispatch_evict_first")
-    window = given.get("dispatch_window")
-    if window is None:
-        window = default_dispatch_window(copy, schedule, intermediate, kernel_options, num_sms)
-    return dict(dispatch_copy=copy, dispatch_evict_first=copy == "bulk" if evict_first is None else evict_first,
-                dispatch_window=window, dispatch_keep=bool(given.get("dispatch_keep")))
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
@@ -192,125 +100,66 @@ class MegaMoEBuffer:
 
 
 class MegaMoE:
-    """Expert-parallel MoE layer over ``world`` (``E / P`` experts per rank).
+    """Expert-parallel MoE layer over ``world`` (``num_experts / P`` experts per rank).
 
-    ``schedule``: "expert_wave" (``experts_per_wave``, default E_local/4) or "interleaved"
-    (Algorithm 1, ``lead`` D; default ceil(eq. 16) = ceil(block_n * num_sms / (2 I))).
-    ``backend``: "fused" (the CuTe DSL kernel, CUDA only) or "torch" (same data flow with
-    torch ops, any device, loopback/host worlds). Fused-kernel options: ``mma`` ("wgmma"
-    GPU-validated, "wgmma_cpasync" multistage, "tma_ws" TMA + mbarrier ring + producer warp and
-    "tma_ws_mcast" (the same, CTA pairs as clusters multicasting A; both GPU-validated, the
-    fast paths), "tma_ws_mcast_b" (CTA pairs split M and multicast B, the expert's weights;
-    the default, fastest on the H200), "fma"), ``block_m`` (64 or 128 = one or two
-    consumer warpgroups), ``block_n``, ``stages`` (``None``: :func:`default_tiles`),
-    ``timeout_ns`` of every bounded spin,
-    ``trace`` (per-tile timelines in ``last_trace``; decode with :func:`decode_trace`),
-    ``split_tail`` (tma_ws* with block_m=128: m-blocks of <= 64 rows as 64-row tiles; None = on),
-    ``dispatch_warps`` (tma_ws*: warps that copy Dispatch rows while the tiles run; 0 = Dispatch
-    before a grid barrier; None = 1), ``l2_handoffs`` (tma_ws*: the L2 output tile goes to the
-    epilogue warps in 1 or 2 parts; None = 1 when the full-width staging tile fits), ``silu``
-    ("tanh": sigmoid through one tanh.approx, the default; "exp2": quack's ex2 + rcp),
-    ``balance_l2`` (interleaved: pair the CTA pairs' L1 and L2 tile shares so the pairs' work
-    evens out, scheduler.balanced_l2_start; default on), ``dispatch_copy`` (tma_ws* with one
-    dispatch warp: "lsu", its lanes' 16-byte loads / stores; "bulk", one lane's bulk copies
-    through two shared-memory bounce buffers; None = :func:`default_dispatch_copy`),
-    ``dispatch_evict_first`` (bulk Dispatch: its loads and stores carry an L2 evict-first
-    policy; None = on with "bulk"), ``dispatch_window`` (bulk Dispatch: copy row r only once
-    row r - W has a finished L1 tile; 0 = as fast as it can; None = :func:`default_dispatch_window`),
-    ``dispatch_keep`` (windowed bulk Dispatch: pool rows stored evict-last and discarded from L2
-    once their L1 tiles are done; None = off, measured slower), ``l2_columns`` (expert_wave:
-    each expert's L2 tiles column by column, so the CTAs running together share its W2
-    columns; scheduler.expert_wave_step; None = on for expert_wave where the order's positions
-    fit ``scheduler.divmod_small``, else off).
+    ``config``: a :class:`~megamoe_interleave.config.MegaMoEConfig` (schedule "interleaved",
+    paper Algorithm 1, or "expert_wave"; tiles, ring depth, Dispatch, trace, wait bound); its
+    ``None`` fields are resolved once for this layer's shape (:meth:`MegaMoEConfig.resolve`) and
+    :attr:`config` holds the result. ``backend``: "fused" (the CuTe DSL kernel; CUDA) or "torch"
+    (the same data flow with torch ops, any device, single-process worlds); None = "fused" on a
+    CUDA world. ``num_sms``: CTAs of the persistent launch at most (None = the device's SMs).
 
-    ``poison_combine`` (default True): fill the ``combine`` slots that the top-k reduction
-    reads (``[:, :T]`` of every rank) with NaN before each call, so a slot the kernel
-    failed to write shows up as NaN in ``y``. Correctness tests keep it on; benchmarks
-    may turn it off (saves a k*T*H*2-byte fill per rank per call: 400 MB at
-    DeepSeek-V4-Flash, T=8192). With it off, masked picks (-1) are still excluded from
-    the reduction (where(), not poison-dependent).
+    ``poison_combine`` (default True): NaN into the Combine slots the top-k reduction reads before
+    each call, so a slot the kernel failed to write shows up as NaN in ``y`` (correctness tests keep
+    it on; benchmarks may turn it off: one k x T x H bf16 fill per rank per call). Masked picks (-1)
+    are excluded from the reduction either way.
 
-    Host work per fused call (single-process worlds): two device->host reads before the
-    launch (expert-id bounds of the inputs, per-expert counts of every local rank from one
-    sort), one upload of the small scheduler tables per rank, and one read of the error
-    words after the launch; the top-k reduction is queued behind the kernels before that
-    read. ``pool_x``/``h`` scratch is cached per rank and grows on demand.
+    Host work per fused call (single-process worlds): two device->host reads before the launch
+    (expert-id bounds, per-expert counts of every local rank from one sort), one upload of the
+    scheduler tables per rank, one read of the error words after the launch.
     """
 
-    def __init__(self, world, *, num_experts: int, hidden: int, intermediate: int, topk: int,
-                 max_tokens_per_rank: int, schedule: str = "interleaved", lead: Optional[int] = None,
-                 experts_per_wave: Optional[int] = None, block_m: Optional[int] = None,
-                 block_n: Optional[int] = None, num_sms: int = 132, backend: str = "torch",
-                 timeout_ns: int = 2_000_000_000, mma: str = "tma_ws_mcast_b", stages: Optional[int] = None,
-                 trace: bool = False, poison_combine: bool = True, split_tail: Optional[bool] = None,
-                 dispatch_warps: Optional[int] = None, l2_handoffs: Optional[int] = None, silu: str = "tanh",
-                 balance_l2: bool = True, dispatch_copy: Optional[str] = None,
-                 dispatch_evict_first: Optional[bool] = None, dispatch_window: Optional[int] = None,
-                 dispatch_keep: Optional[bool] = None, l2_columns: Optional[bool] = None):
+    def __init__(self, world, num_experts: int, hidden: int, intermediate: int, topk: int,
+                 max_tokens_per_rank: int, config: Optional[MegaMoEConfig] = None, *, backend: Optional[str] = None,
+                 num_sms: Optional[int] = None, poison_combine: bool = True):
         P = world.world_size
-        if num_experts % P:
-            raise ValueError(f"num_experts {num_experts} not divisible by world size {P}")
-        # balanced routing: P sources x T tokens x k picks over E experts
-        rows_per_expert = P * max_tokens_per_rank * topk / num_experts
-        block_m, block_n, stages = default_tiles(mma, hidden, intermediate, block_m, block_n, stages,
-                                                 rows_per_expert=rows_per_expert)
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        check_experts_per_wave(experts_per_wave)
+        if min(num_experts, hidden, intermediate, topk, max_tokens_per_rank) <= 0:
+            raise ValueError("num_experts, hidden, intermediate, topk and max_tokens_per_rank must be positive")
+        if topk > num_experts:
+            raise ValueError(f"topk {topk} > num_experts {num_experts}")
+        if backend is None:
+            backend = "fused" if world.device.type == "cuda" else "torch"
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if (2 * intermediate) % (2 * block_n) or hidden % (2 * block_n):
-            raise ValueError(f"2I={2*intermediate} and H={hidden} must be multiples of 2*block_n={2*block_n} (CTA pairs)")
-        if topk > num_experts:
-            raise ValueError("topk > num_experts")
-        self.world = world
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(world.device).multi_processor_count \
+                if world.device.type == "cuda" else 132
+        shape = MoEShape("MegaMoE", hidden, intermediate, num_experts, topk, "caller")
+        self.config = (config or MegaMoEConfig()).resolve(shape, P, max_tokens_per_rank, num_sms)
+        self.schedule = self.config.schedule_spec()
+        self.world, self.backend, self.num_sms = world, backend, num_sms
         self.num_experts, self.hidden, self.intermediate, self.topk = num_experts, hidden, intermediate, topk
         self.experts_per_rank = num_experts // P
-        self.block_m, self.block_n, self.num_sms = block_m, block_n, num_sms
-        self.lead = lead if lead is not None else default_lead(block_n, num_sms, intermediate)
-        # l2_columns: the order's position within an expert's L2 tiles must suit divmod_small
-        l2_positions = ((max_tokens_per_rank * P // pool_rows_per_row(block_m, mma == "tma_ws_mcast_b") + 1)
-                        * pair_tiles_per_row(mma, hidden, block_n))
-        self.schedule = Schedule(schedule, lead=self.lead, balance_l2=balance_l2 and schedule == "interleaved",
-                                 l2_columns=resolve_l2_columns(schedule, l2_columns, l2_positions))
-        self.experts_per_wave = experts_per_wave
-        self.backend = backend
-        self.timeout_ns = timeout_ns
-        # fused kernel tile math (kernel_sm90.MMA_KINDS); default the fastest measured on the H200
-        self.mma = mma
-        self.stages = stages  # smem pipeline depth of mma="wgmma_cpasync" / "tma_ws*"
-        self.trace = trace  # record per-tile timelines (fused backend) into last_trace
-        self.split_tail = split_tail  # tma_ws* with block_m=128: None = on (kernel_sm90.MegaMoESm90)
-        # resolved as the kernel does: the L2 balancing's cost model needs it
-        self._split_tail = resolve_split_tail(mma, block_m, split_tail)
-        self.dispatch_warps = dispatch_warps  # tma_ws*: overlapped Dispatch; None = 1 (kernel_sm90.MegaMoESm90)
-        self.l2_handoffs = l2_handoffs  # tma_ws*: L2 output staged in 1 or 2 parts; None = as smem allows
-        self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)]
-        self.last_kernel_us = None  # device time of the last fused call (all local ranks)
-        # compile-time options of the fused kernel (kernel_sm90.MegaMoESm90), also its cache key
-        self._kernel_options = dict(block_m=block_m, block_n=block_n, timeout_ns=timeout_ns, mma=mma, stages=stages,
-                                    trace=trace, split_tail=split_tail, dispatch_warps=dispatch_warps,
-                                    l2_handoffs=l2_handoffs, silu=silu)
-        self._kernel_options.update(resolve_dispatch_options(
-            hidden, intermediate, self.schedule, self._kernel_options, num_sms, backend == "fused",
-            dispatch_copy=dispatch_copy,
-            dispatch_evict_first=dispatch_evict_first, dispatch_window=dispatch_window, dispatch_keep=dispatch_keep))
-        if backend == "fused":  # validate the kernel configuration now (no compile, no launch)
+        self.block_n = self.config.block_n
+        if backend == "fused":  # the kernel's own checks now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
-            MegaMoESm90(hidden, intermediate, self.schedule, **self._kernel_options)
-        # Largest pool of one rank (every pick of every source) + the block_m padding rows.
-        self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + block_m
+            MegaMoESm90(hidden, intermediate, self.config)
+        # Largest pool of one rank (every pick of every source) + the BLOCK_M padding rows.
+        self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + BLOCK_M
         if backend == "fused" and self._max_pool_rows * (hidden // 8) >= 2 ** 31:
             raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank}: the fused kernel indexes the dispatched "
                              f"rows in 16-byte chunks with int32 ({self._max_pool_rows} rows x {hidden // 8} chunks "
                              f">= 2^31); lower max_tokens_per_rank")
-        # Worst-case scheduler rows of one rank: every pick of every source lands here, plus
-        # one partial M block per local expert.
-        max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // block_m) + self.experts_per_rank
+        # Worst-case scheduler rows of one rank: every pick of every source lands here, plus one
+        # partial row per local expert.
+        max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // (2 * BLOCK_M)) \
+            + self.experts_per_rank
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
                                     num_counters=2 + 2 * max_rows)
         self.poison_combine = poison_combine
+        self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
+        self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         self._scratch = {}  # rank -> {name: flat device tensor}, reused across calls (see _scratch_rows)
         self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
         self._plans = (-1, {})  # (generation, {rank: (Permutation, RowGrid)})
@@ -351,17 +200,11 @@ class MegaMoE:
         if self.backend == "fused":
             return self._run_fused()
         self._flush_poison()
-        self._run_torch_dataflow()
+        torch_backend.run_dataflow(self)
         self.world.barrier()
         return [self.reduce_rank(r) for r in ranks]
 
     __call__ = forward
-
-    @property
-    def kernel_options(self) -> dict:
-        """The fused kernel's compile-time options as resolved from the arguments and the
-        defaults (the keywords of kernel_sm90.MegaMoESm90; a copy)."""
-        return dict(self._kernel_options)
 
     def rerun(self) -> List[torch.Tensor]:
         """The fused kernels and the top-k reduction again, on the inputs the last ``forward``
@@ -434,37 +277,14 @@ class MegaMoE:
             self.buffer.combine.local(r)[:, : self.buffer.num_tokens[r]].fill_(float("nan"))
         self._poison_pending = False
 
-    def _run_torch_dataflow(self) -> None:
-        """Dispatch + L1 + SwiGLU + L2 + Combine of every local rank with torch ops on the
-        symmetric buffers (loopback: all ranks in this process)."""
-        if self.world.backend == "torch-symm":
-            # A rank can only reach peers through the peer table: that is the kernel path.
-            raise NotImplementedError("backend='torch' emulates the dataflow in one process (loopback/host worlds)")
-        buf, P = self.buffer, self.world.world_size
-        T = buf.num_tokens
-        idxs = [buf.topk_idx.local(s)[: T[s]] for s in range(P)]
-        ws = [buf.topk_weights.local(s)[: T[s]] for s in range(P)]
-        xs = [buf.x.local(s)[: T[s]] for s in range(P)]
-        perms = reference.permute_ranks(idxs, ws, range(P), self.experts_per_rank)
-        for d in range(P):
-            perm = perms[d]
-            dev = self.world.device
-            rows = reference.gather_rows(xs, perm, dev)
-            w1_t = _w1_t_gate_up(self.w1[d])
-            out = reference.unfused_expert_compute(rows, perm.weights.to(dev), perm.counts, w1_t, self.w2[d].transpose(1, 2))
-            for s in range(P):
-                sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]
-                buf.combine.local(s)[perm.src_pick[sel].to(dev), perm.src_token[sel].to(dev)] = out[sel.to(dev)]
-
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
     def _kernel(self):
-        key = (self.hidden, self.intermediate, self.schedule, tuple(sorted(self._kernel_options.items())))
-        if key not in _COMPILED:
-            from .kernel_sm90 import compile_megamoe_sm90
+        from xstage.cute_compile import cached
 
-            _COMPILED[key] = compile_megamoe_sm90(self.hidden, self.intermediate, self.schedule,
-                                                  **self._kernel_options)
-        return _COMPILED[key]
+        from .kernel_sm90 import compile_megamoe_sm90
+
+        key = ("MegaMoESm90", self.hidden, self.intermediate, self.config.kernel_key())
+        return cached(key, lambda: compile_megamoe_sm90(self.hidden, self.intermediate, key[-1]))
 
     def plan_rank(self, d: int):
         """Host part of Dispatch for destination rank ``d``: the expert-major pool and the
@@ -481,20 +301,17 @@ class MegaMoE:
         return plans[d]
 
     def _plan_local_ranks(self):
-        from .scheduler import make_row_grid
-
         idxs, ws = self._all_routing()
         perms = reference.permute_ranks(idxs, ws, self.world.local_ranks, self.experts_per_rank)
         out = {}
         for d, perm in perms.items():
-            grid = make_row_grid(perm.counts_host, block_m=self.block_m,
-                                 n_blocks_l1=2 * self.intermediate // self.block_n,
-                                 n_blocks_l2=self.hidden // self.block_n, experts_per_wave=self.experts_per_wave,
-                                 pair_splits_m=self.mma == "tma_ws_mcast_b")
+            grid = make_row_grid(perm.counts_host, block_m=BLOCK_M, n_blocks_l1=2 * self.intermediate // self.block_n,
+                                 n_blocks_l2=self.hidden // self.block_n,
+                                 experts_per_wave=self.config.experts_per_wave, pair_splits_m=True)
             if self.schedule.balance_l2:
                 grid = dataclasses.replace(grid, l2_start=balanced_l2_start(
-                    grid, self.num_ctas(grid) // 2, block_m=self.block_m, hidden=self.hidden,
-                    intermediate=self.intermediate, split_tail=self._split_tail))
+                    grid, self.num_ctas(grid) // 2, block_m=BLOCK_M, hidden=self.hidden,
+                    intermediate=self.intermediate))
             out[d] = (perm, grid)
         return out
 
@@ -567,10 +384,10 @@ class MegaMoE:
         else:
             pool_src = torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).to(torch.int32)
             pool_w = perm.weights.to(device=dev, dtype=torch.float32).contiguous()
-        # block_m rows of padding: the multistage mainloop reads whole M tiles (rows past an
-        # expert's tokens feed accumulator rows that are never stored).
-        pool_x = self._scratch_rows(d, "pool_x", n_pool + self.block_m, self.hidden, buf.dtype)
-        h = self._scratch_rows(d, "h", n_pool + self.block_m, self.intermediate, buf.dtype)
+        # BLOCK_M rows of padding: TMA reads whole M tiles (rows past an expert's tokens feed
+        # accumulator rows that are never stored).
+        pool_x = self._scratch_rows(d, "pool_x", n_pool + BLOCK_M, self.hidden, buf.dtype)
+        h = self._scratch_rows(d, "h", n_pool + BLOCK_M, self.intermediate, buf.dtype)
         num_ctas = self.num_ctas(grid)
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
         # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
@@ -582,7 +399,7 @@ class MegaMoE:
             host = host.pin_memory()  # caching host allocator: safe to reuse once the copy is done
         records, sched_table = host.to(dev, non_blocking=True).split(lens)
         records = records.view(-1, 4)
-        if self.trace:
+        if self.config.trace:
             # Tiles per CTA <= ceil(all pair tiles / pairs) (+1 for safety).
             per_cta = -(-grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) // (num_ctas // 2)) + 1
             trace = torch.full((num_ctas, per_cta, len(TRACE_FIELDS)), -1, dtype=torch.int64, device=dev)
@@ -659,11 +476,6 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` are the same view of the same memory (a copy would be a no-op)."""
     return (a.device == b.device and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
             and a.data_ptr() == b.data_ptr())
-
-
-def _w1_t_gate_up(w1_il: torch.Tensor) -> torch.Tensor:
-    """Interleaved w1 [E, 2I, H] -> [E, H, 2I] with gate columns then up columns (grouped_mm B)."""
-    return untransform_w1(w1_il).transpose(1, 2)
 
 
 def trace_mainloop_cycles(cycles: int, t_start: int, t_ready: int, t_mainloop: int):

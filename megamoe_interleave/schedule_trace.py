@@ -88,7 +88,9 @@ class ScheduleTrace:
 
 def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
     """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
-    from quack.compile_utils import make_fake_stream, make_fake_tensor
+    from quack.compile_utils import make_fake_tensor
+
+    from xstage.cute_compile import compile_hopper, fake_stream
 
     n_rows, n_table = cute.sym_int(), cute.sym_int()
     n_ctas, max_tiles = cute.sym_int(), cute.sym_int()
@@ -98,7 +100,6 @@ def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row
         Int32(0),
         make_fake_tensor(Int32, (n_ctas, max_tiles, 7)),
         make_fake_tensor(Int32, (n_ctas,)),
-        make_fake_stream(),
+        fake_stream(),
     )
-    op = ScheduleTrace(schedule, pairs_l1, pairs_l2, row_block)
-    return cute.compile(op, *args, options="--enable-tvm-ffi")
+    return compile_hopper(ScheduleTrace(schedule, pairs_l1, pairs_l2, row_block), *args).fn

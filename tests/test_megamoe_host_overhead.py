@@ -6,6 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megamoe_interleave.api import MegaMoE, make_world
+from megamoe_interleave.config import BLOCK_M, MegaMoEConfig
 from megamoe_interleave.reference import (
     Permutation, permute_for_rank, permute_ranks, reference_moe_fp32, routing_bounds, weighted_combine,
 )
@@ -99,7 +100,7 @@ def test_torch_backend_poison_flag_and_zero_copy_staging(poison):
     w1, w2, xs, idx, w = _problem(P, [T, 9], mask=0.2, seed=3)
     world = make_world("loopback", world_size=P, device="cpu")
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=32,
-                  block_n=32, poison_combine=poison)
+                  poison_combine=poison)
     moe.load_weights(w1, w2)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     _close(moe.forward(xs, idx, w), refs)
@@ -153,7 +154,7 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
     w1, w2, xs, idx, w = _problem(P, [33, 0, 70, 5], E=E, H=H, I=I, k=k, mask=0.1, seed=7)
     world = make_world("loopback", world_size=P, device="cpu")
     moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=128,
-                  block_n=64, backend="fused")
+                  config=MegaMoEConfig(block_n=64), backend="fused")
     moe.load_weights(w1, w2)
     tolist_calls = []
     orig_tolist, orig_item = torch.Tensor.tolist, torch.Tensor.item
@@ -178,7 +179,7 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
         perm, grid = moe.plan_rank(d)
         assert moe.plan_rank(d)[0] is perm  # cached for the staged inputs
         n_pool = scalars[1]
-        assert tensors[4].shape == (n_pool + moe.block_m, H) and tensors[5].shape == (n_pool + moe.block_m, I)
+        assert tensors[4].shape == (n_pool + BLOCK_M, H) and tensors[5].shape == (n_pool + BLOCK_M, I)
         tok_off = [0] + torch.cumsum(perm.counts, 0).tolist()
         want = [(e, r - grid.expert_row_offset[e], tok_off[e], tok_off[e + 1] - tok_off[e])
                 for r, e in enumerate(grid.row_expert)]
@@ -186,7 +187,7 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
         assert tensors[8].data_ptr() % 16 == 0
         assert moe.schedule.balance_l2  # the API default: the table is the pairs' L2 starts
         assert tensors[9].tolist() == grid.l2_start == balanced_l2_start(
-            grid, num_ctas // 2, block_m=moe.block_m, hidden=H, intermediate=I, split_tail=moe._split_tail)
+            grid, num_ctas // 2, block_m=BLOCK_M, hidden=H, intermediate=I)
         assert sorted(tensors[9].tolist()) == list(range(num_ctas // 2))
         assert tensors[2].tolist() == torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).tolist()
     # Same inputs again: same scratch memory; a new staging re-plans.
@@ -194,12 +195,12 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
     again = [moe.launch_arguments(d) for d in range(P)]
     for a, b in zip(first, again):
         assert a[1][4].data_ptr() == b[1][4].data_ptr() and a[1][5].data_ptr() == b[1][5].data_ptr()
-    # More tokens: the scratch grows (still n_pool + block_m rows, contiguous).
+    # More tokens: the scratch grows (still n_pool + BLOCK_M rows, contiguous).
     w1b, w2b, xs2, idx2, ws2 = _problem(P, [128, 128, 100, 128], E=E, H=H, I=I, k=k, seed=8)
     moe.stage_inputs(xs2, idx2, ws2)
     for d in range(P):
         _, tensors, scalars = moe.launch_arguments(d)
-        assert tensors[4].shape[0] == scalars[1] + moe.block_m and tensors[4].is_contiguous()
+        assert tensors[4].shape[0] == scalars[1] + BLOCK_M and tensors[4].is_contiguous()
         last = tensors[8][-1]  # the last expert with tokens ends the pool
         assert int(last[2] + last[3]) == scalars[1] == permute_for_rank(idx2, ws2, d, E // P).src_rank.numel()
 
@@ -207,7 +208,7 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
 def test_bad_expert_id_rejected_with_one_readback():
     w1, w2, xs, idx, w = _problem(2, [4, 4], seed=1)
     world = make_world("loopback", world_size=2, device="cpu")
-    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, block_n=32)
+    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8)
     moe.load_weights(w1, w2)
     for bad_val in (16, -2):
         bad = [i.clone() for i in idx]
@@ -234,7 +235,7 @@ def test_fused_poison_off_matches_poison_on_bitwise():
     for poison in (True, False):
         world = make_world("loopback", world_size=P, device="cuda")
         moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=128,
-                      block_n=64, backend="fused", poison_combine=poison)
+                      config=MegaMoEConfig(block_n=64), backend="fused", poison_combine=poison)
         moe.load_weights(w1, w2)
         outs[poison] = [moe.forward(xs, idx, w) for _ in range(2)]
         assert moe.last_kernel_us and moe.last_kernel_us > 0

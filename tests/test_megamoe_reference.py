@@ -2,13 +2,16 @@
 import pytest
 import torch
 
-from megamoe_interleave.api import MegaMoE, make_world, resolve_l2_columns, transform_weights, untransform_w1
+from megamoe_interleave.api import MegaMoE, make_world, transform_weights, untransform_w1
+from megamoe_interleave.config import BLOCK_M, MegaMoEConfig
 from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline, permute_for_rank
 from megamoe_interleave.routing import (
     balanced_routing, expert_load, imbalance, make_routing, mask_picks, skewed_routing,
 )
 from megamoe_interleave.shapes import SHAPES, get_shape
 from megamoe_interleave.scheduler import DIVMOD_SMALL_MAX
+
+DSV4 = get_shape("deepseek-v4-flash")
 
 
 def test_routing_seedable_valid_and_distinct():
@@ -100,7 +103,7 @@ def test_api_torch_backend_matches_fp32_reference(P, tokens, k, kind, mask, sche
     w1, w2, xs, idx, w = _problem(P, E, H, I, k, tokens, kind, mask)
     world = make_world("loopback", world_size=P, device="cpu")
     moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=128,
-                  schedule=schedule, block_n=32)
+                  config=MegaMoEConfig(schedule))
     moe.load_weights(w1, w2)
     refs = reference_moe_fp32(xs, idx, w, w1, w2)
     for _ in range(2):  # repeated calls reuse the buffer
@@ -121,28 +124,39 @@ def test_permutation_is_expert_major_and_complete():
         (0, 1, 0, 0), (0, 0, 1, 1), (1, 0, 0, 1)]
 
 
-def test_kernel_options_are_the_resolved_options_as_a_copy():
+def test_config_is_resolved_once_and_frozen():
+    """MegaMoE.config is the resolved MegaMoEConfig (given fields kept, the rest filled in) and
+    cannot be changed behind the layer's back."""
+    import dataclasses
+
     world = make_world("loopback", world_size=2, device="cpu")
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
-                  schedule="expert_wave", block_n=32, dispatch_window=3)
-    opts = moe.kernel_options
-    assert opts["block_n"] == 32 and opts["dispatch_window"] == 3 and opts["mma"] == moe.mma
-    opts["block_n"] = 64
-    assert moe.kernel_options["block_n"] == 32
+                  config=MegaMoEConfig("expert_wave", dispatch_copy="bulk", dispatch_window=3))
+    assert moe.config.resolved and moe.config.block_n == 64 and moe.config.dispatch_window == 3
+    assert moe.schedule == moe.config.schedule_spec()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moe.config.block_n = 128
 
 
 def test_l2_columns_default_on_for_expert_wave_within_divmod_range():
+    """On for expert_wave wherever an expert's L2 positions stay in divmod_small's exact range,
+    off past it (the row order), an error when asked for there; never for interleaved."""
     world = make_world("loopback", world_size=2, device="cpu")
-    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
-                  schedule="expert_wave", block_n=32)
-    assert moe.schedule.l2_columns
-    assert not MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
-                       schedule="expert_wave", block_n=32, l2_columns=False).schedule.l2_columns
-    assert resolve_l2_columns("expert_wave", None, DIVMOD_SMALL_MAX - 1)
-    assert not resolve_l2_columns("expert_wave", None, DIVMOD_SMALL_MAX)  # past the range: the row order
-    assert not resolve_l2_columns("interleaved", None, 10)
+
+    def moe(tokens, **config):
+        return MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=tokens,
+                       config=MegaMoEConfig("expert_wave", **config))
+    assert moe(8).schedule.l2_columns
+    assert not moe(8, l2_columns=False).schedule.l2_columns
+    # 2 ranks x T tokens // 256 + 1 rows, x 2 L2 pair tiles (H = 128, block_n = 64)
+    shape = type(DSV4)("t", 128, 64, 16, 2, "")
+    edge = (DIVMOD_SMALL_MAX // 2 - 1) * 128
+    assert MegaMoEConfig("expert_wave").resolve(shape, 2, edge - 128, 132).l2_columns
+    assert not MegaMoEConfig("expert_wave").resolve(shape, 2, edge + 128, 132).l2_columns
     with pytest.raises(ValueError, match="l2_columns: up to"):
-        resolve_l2_columns("expert_wave", True, DIVMOD_SMALL_MAX)
+        MegaMoEConfig("expert_wave", l2_columns=True).resolve(shape, 2, edge + 128, 132)
+    assert not MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2,
+                       max_tokens_per_rank=8).schedule.l2_columns
 
 
 def test_api_rejects_bad_input_before_launch():
@@ -151,12 +165,14 @@ def test_api_rejects_bad_input_before_launch():
         MegaMoE(world, num_experts=15, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8)
     with pytest.raises(ValueError):
         MegaMoE(world, num_experts=16, hidden=100, intermediate=64, topk=2, max_tokens_per_rank=8)
-    with pytest.raises(ValueError, match="expert_wave"):
-        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, l2_columns=True)
-    with pytest.raises(ValueError, match="l2_columns: up to"):  # positions past divmod_small's exact range
-        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=1 << 26,
-                schedule="expert_wave", block_n=32, l2_columns=True)
-    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, block_n=32)
+    with pytest.raises(ValueError, match="does not apply"):
+        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
+                config=MegaMoEConfig(l2_columns=True))
+    with pytest.raises(ValueError, match="topk"):
+        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=17, max_tokens_per_rank=8)
+    with pytest.raises(ValueError, match="backend"):
+        MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, backend="cuda")
+    moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8)
     assert not moe.schedule.l2_columns  # interleaved
     w1, w2, xs, idx, w = _problem(2, 16, 128, 64, 2, [4, 4])
     with pytest.raises(RuntimeError):
@@ -175,10 +191,9 @@ def test_api_rejects_bad_input_before_launch():
         moe.forward(big, [balanced_routing(9, 16, 2)[0]] * 2, [balanced_routing(9, 16, 2)[1]] * 2)
 
 
-@pytest.mark.parametrize("mma,trace", [("wgmma", False), ("wgmma_cpasync", True), ("fma", False), ("tma_ws", True),
-                                       ("tma_ws_mcast", False)])
+@pytest.mark.parametrize("schedule,trace", [("expert_wave", False), ("interleaved", True)])
 @pytest.mark.parametrize("tokens", [[33, 0, 70, 5], [0, 0, 0, 0]])
-def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
+def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
     """The host planning of the fused backend produces arguments that match the kernel's
     compiled signature (dtypes, shapes, shared dynamic dims, contiguity) -- on the CPU."""
     from megamoe_interleave.kernel_sm90 import check_launch_arguments, tensor_argument_spec
@@ -187,7 +202,7 @@ def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
     w1, w2, xs, idx, w = _problem(P, E, H, I, k, tokens, "skewed", 0.1)
     world = make_world("loopback", world_size=P, device="cpu")
     moe = MegaMoE(world, num_experts=E, hidden=H, intermediate=I, topk=k, max_tokens_per_rank=128,
-                  block_n=64, backend="fused", mma=mma, trace=trace)
+                  config=MegaMoEConfig(schedule, block_n=64, trace=trace), backend="fused")
     moe.load_weights(w1, w2)
     moe.stage_inputs(xs, idx, w)
     for d in range(P):
@@ -197,7 +212,7 @@ def test_fused_launch_arguments_match_kernel_signature(mma, trace, tokens):
         names = [n for n, _, _ in tensor_argument_spec(H, I)]
         t = dict(zip(names, tensors))
         num_rows, n_pool = scalars[0], scalars[1]
-        assert t["mPoolX"].shape[0] >= n_pool + 64  # padded M tiles
+        assert t["mPoolX"].shape[0] >= n_pool + BLOCK_M  # padded M tiles
         assert t["mCounters"].numel() >= 2 + num_rows
         last = t["mRowRecord"][-1]  # (expert, block, first pool row, tokens): the last expert with tokens
         assert n_pool == 0 or int(last[2] + last[3]) == n_pool
@@ -218,20 +233,19 @@ def test_default_ring_depth_follows_rows_per_expert():
     """128 x 256 tiles: 4 ring stages for few rows per local expert (DeepSeek-V4-Flash at P = 1:
     8192 * 6 / 256 = 192), 3 for many (loopback P = 8: 1536) -- the two measured points; other
     tiles keep 4; an explicit ``stages`` wins."""
-    from megamoe_interleave.api import DEEP_RING_MAX_ROWS, default_tiles
+    from megamoe_interleave.config import DEEP_RING_MAX_ROWS
 
-    assert default_tiles("tma_ws_mcast_b", 4096, 2048) == (128, 256, 4)
-    assert default_tiles("tma_ws_mcast_b", 4096, 2048, rows_per_expert=192) == (128, 256, 4)
-    assert default_tiles("tma_ws_mcast_b", 4096, 2048, rows_per_expert=1536) == (128, 256, 3)
-    assert default_tiles("tma_ws_mcast_b", 4096, 2048, rows_per_expert=DEEP_RING_MAX_ROWS)[2] == 3
-    assert default_tiles("tma_ws_mcast_b", 512, 128, rows_per_expert=1536) == (128, 128, 4)
-    assert default_tiles("tma_ws_mcast_b", 4096, 2048, stages=4, rows_per_expert=1536)[2] == 4
-    assert default_tiles("wgmma", 4096, 2048, rows_per_expert=1536) == (64, 128, 4)
-    for P, stages in ((1, 4), (8, 3)):
+    def stages(P, tokens, shape=DSV4, **config):
+        return MegaMoEConfig(**config).resolve(shape, P, tokens, 132).stages
+    assert stages(1, 8192) == 4 and stages(8, 8192) == 3
+    assert stages(1, DEEP_RING_MAX_ROWS * 256 // 6 + 1) == 3
+    assert stages(8, 8192, type(DSV4)("t", 512, 128, 16, 2, "")) == 4  # 128 x 128 tiles
+    assert stages(8, 8192, stages=4, dispatch_copy="lsu") == 4
+    for P, want in ((1, 4), (8, 3)):
         world = make_world("loopback", world_size=P, device="cpu")
         # 1024 tokens x 6 picks over 32 experts: 192 (P = 1) / 1536 (P = 8) rows per expert
         moe = MegaMoE(world, num_experts=32, hidden=4096, intermediate=2048, topk=6, max_tokens_per_rank=1024)
-        assert moe.stages == stages
+        assert moe.config.stages == want
 
 
 def test_fused_rejects_pools_beyond_int32_chunk_indices():
@@ -245,7 +259,7 @@ def test_fused_rejects_pools_beyond_int32_chunk_indices():
 
 def test_rerun_needs_the_fused_backend_and_a_forward():
     world = make_world("loopback", world_size=1, device="cpu")
-    moe = MegaMoE(world, num_experts=4, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=16, block_n=32)
+    moe = MegaMoE(world, num_experts=4, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=16)
     with pytest.raises(ValueError, match="fused"):
         moe.rerun()
     moe.backend = "fused"  # the guard on the plan comes next (no kernel is launched)
@@ -263,7 +277,7 @@ def test_dispatched_rows_is_the_kernels_pool():
     P, E, H, I, k = 2, 16, 256, 128, 6
     w1, w2, xs, idx, w = _problem(P, E, H, I, k, [120, 77], "balanced", 0.1, seed=5)
     moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), num_experts=E, hidden=H, intermediate=I,
-                  topk=k, max_tokens_per_rank=128, block_n=128, backend="fused", mma="tma_ws_mcast_b", stages=2)
+                  topk=k, max_tokens_per_rank=128, config=MegaMoEConfig(block_n=128, stages=2), backend="fused")
     moe.load_weights(w1, w2)
     moe.stage_inputs(xs, idx, w)
     with pytest.raises(RuntimeError, match="forward"):

@@ -41,8 +41,7 @@ cta_counts = st.sampled_from([2, 4, 6, 10])
 def _balanced(grid, G):
     """``grid`` with the balance_l2 table for G pairs (the correctness properties hold for any
     permutation; this is the one the API uses)."""
-    return dataclasses.replace(grid, l2_start=balanced_l2_start(grid, G, block_m=64, hidden=256, intermediate=128,
-                                                                split_tail=False))
+    return dataclasses.replace(grid, l2_start=balanced_l2_start(grid, G, block_m=64, hidden=256, intermediate=128))
 
 
 def _enumerate_all(schedule, grid, num_ctas):
@@ -179,16 +178,15 @@ def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
     (sorted pairing minimises the largest sum, and the identity is one of the pairings)."""
     grid = make_row_grid(counts, block_m=128, n_blocks_l1=16, n_blocks_l2=16, pair_splits_m=pair_splits_m)
     H, I = 1024, 512
-    start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I, split_tail=True)
+    start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I)
     assert sorted(start) == list(range(G))
 
     def pair_work(schedule, grid):
         work = []
         for g in range(G):
             w = 0
-            for a, b in zip(enumerate_order(schedule, grid, g, G, 0), enumerate_order(schedule, grid, g, G, 1)):
-                rows = [max(0, min(t.count - t.m_block * 128, 128)) for t in (a, b)]
-                w += (H if a.phase == PHASE_L1 else I) * (64 if max(rows) <= 64 else 128)
+            for a in enumerate_order(schedule, grid, g, G, 0):
+                w += (H if a.phase == PHASE_L1 else I) * 128
             work.append(w)
         return work
 

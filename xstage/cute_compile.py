@@ -4,16 +4,20 @@
 convention (torch tensors and the current stream at call time) and, on
 request, returns the PTX so tests on a CPU-only machine can check which
 instructions a kernel uses. ``CUTE_DSL_ARCH`` defaults to ``sm_90a`` so that
-a CPU machine (CI) targets Hopper; a GPU host may set it too.
+a CPU machine (CI) targets Hopper; a GPU host may set it too. :func:`cached`
+keeps one compiled kernel per configuration key for the whole process
+(calibration, fa4_a2a and megamoe_interleave compile through it).
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["HOPPER_ARCH", "ensure_hopper_target", "Compiled", "compile_hopper", "fake_tensor", "fake_stream"]
+__all__ = ["HOPPER_ARCH", "ensure_hopper_target", "Compiled", "compile_hopper", "cached", "fake_tensor",
+           "fake_stream"]
 
 HOPPER_ARCH = "sm_90a"
 
@@ -56,6 +60,22 @@ def compile_hopper(jit_fn: Callable, *args: Any, keep_ptx: bool = False, options
             files = [f for f in os.listdir(dump) if f.endswith(".ptx")]
             ptx = "\n".join(open(os.path.join(dump, f)).read() for f in sorted(files)) or None
     return Compiled(fn, ptx)
+
+
+_CACHE: dict = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def cached(key, build: Callable[[], Any]) -> Any:
+    """The compiled kernel of ``key`` (hashable: class, shapes, compile-time options), built by
+    ``build()`` on first use. Thread-safe: concurrent first calls compile once."""
+    fn = _CACHE.get(key)
+    if fn is None:
+        with _CACHE_LOCK:
+            fn = _CACHE.get(key)
+            if fn is None:
+                fn = _CACHE[key] = build()
+    return fn
 
 
 def fake_tensor(dtype, shape, stride=None, assumed_align: int = 16):

@@ -1,0 +1,207 @@
+"""What the fused kernel is compiled for: :class:`MegaMoEConfig` and the tuned defaults that
+:meth:`MegaMoEConfig.resolve` fills in, plus the facts the host side needs without the CuTe DSL
+(tile constants, trace row layout, shared-memory budget). :mod:`kernel_sm90` and :mod:`api`
+both take them from here.
+
+Every default cites the H200 measurement that chose it (DeepSeek-V4-Flash, 8192 tokens per rank,
+clock-matched paired trials; the folders are under results/h200/megamoe/, see its README).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from .scheduler import DIVMOD_SMALL_MAX, SCHEDULES, Schedule, check_experts_per_wave, default_experts_per_wave, \
+    default_lead
+
+BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
+BLOCK_K = 64  # one 128-byte swizzle row of bf16
+BLOCK_NS = (256, 128, 64)  # supported N tiles, widest first
+SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
+INTERLEAVE = 8  # gate/up interleave granularity of w1 (api.transform_weights)
+DISPATCH_COPIES = ("lsu", "bulk")
+BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
+DEEP_RING_MAX_ROWS = 512  # 4 ring stages below this many rows per local expert, else 3
+
+# Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at tile
+# start, when the tile's first ring stage had landed (L2: after the producer's dependency wait),
+# after the mainloop, after the output was staged, the SM id, and the SM cycles (%clock64) from
+# tile start to mainloop end. Timestamps are the consumers' (thread 0).
+TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
+
+
+def pair_tiles_per_row(n_cols: int, block_n: int) -> int:
+    """Pair tiles of one scheduler row over ``n_cols`` output columns: the CTA pair splits the
+    row along M, so both take the same N block."""
+    return n_cols // block_n
+
+
+def bulk_piece_bytes(hidden: int) -> int:
+    """Bytes per bounce buffer of the bulk Dispatch: a dispatched row (2 H bytes) in the fewest
+    equal pieces of at most BULK_PIECE_BYTES, each a multiple of 16 bytes."""
+    row = 2 * hidden
+    pieces = next(k for k in range(1, row // 16 + 1) if row % k == 0 and (row // k) % 16 == 0
+                  and row // k <= BULK_PIECE_BYTES)
+    return row // pieces
+
+
+@dataclass(frozen=True)
+class SmemPlan:
+    """Shared memory of one CTA: the A/B ring, the output staging tile and the rest (ring
+    mbarriers, row metadata, the bulk Dispatch's bounce buffers). The L2 output goes to the
+    epilogue warps in ``l2_handoffs`` parts: 1 when the BN-wide staging tile fits next to the
+    ring, else 2 (BN/2 wide, as L1's h columns)."""
+
+    ring_bytes: int
+    staging_bytes: int
+    other_bytes: int
+    l2_handoffs: int
+
+    @property
+    def stage_words(self) -> int:
+        return self.staging_bytes // (4 * BLOCK_M)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ring_bytes + self.staging_bytes + self.other_bytes
+
+
+def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str) -> SmemPlan:
+    """:class:`SmemPlan` of a configuration; ValueError when it does not fit SMEM_BYTES."""
+    ring = stages * BLOCK_K * (BLOCK_M + block_n) * 2
+    other = 16 * stages + 12 * BLOCK_M  # ring mbarriers, row weights + Combine addresses
+    if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers
+        other += 2 * bulk_piece_bytes(hidden) + 128 + 16
+    handoffs = 1 if ring + BLOCK_M * block_n * 2 + other <= SMEM_BYTES else 2
+    plan = SmemPlan(ring, BLOCK_M * block_n * 2 // handoffs, other, handoffs)
+    if plan.total_bytes > SMEM_BYTES:
+        raise ValueError(f"shared memory (A/B ring {ring} B, staging {plan.staging_bytes} B, other {other} B) "
+                         f"does not fit {SMEM_BYTES} B; lower stages or block_n"
+                         + (", or dispatch_copy='lsu'" if dispatch_copy == "bulk" else ""))
+    return plan
+
+
+@dataclass(frozen=True)
+class MegaMoEConfig:
+    """Compile-time configuration of the fused kernel plus the schedule's host-side choices.
+
+    Leave a field ``None`` to take the tuned default from :meth:`resolve`; :class:`~api.MegaMoE`
+    resolves its config once, and :attr:`MegaMoE.config` shows the result. Fields that do not
+    apply to the schedule (``lead`` for expert_wave; ``experts_per_wave``, ``l2_columns`` for
+    interleaved) must stay ``None``.
+    """
+
+    schedule: str = "interleaved"  # "interleaved" (paper Algorithm 1) or "expert_wave"
+    lead: Optional[int] = None  # interleaved: lead D in scheduler rows (>= 1)
+    experts_per_wave: Optional[int] = None  # expert_wave: local experts per wave
+    block_n: Optional[int] = None  # N tile: 256, 128 or 64 (M is BLOCK_M)
+    stages: Optional[int] = None  # A/B ring depth (>= 2)
+    dispatch_copy: Optional[str] = None  # how the dispatch warp copies rows: "lsu" or "bulk"
+    dispatch_window: Optional[int] = None  # bulk Dispatch: copy row r once row r - W has an L1 tile done
+    l2_columns: Optional[bool] = None  # expert_wave: each expert's L2 tiles column by column
+    trace: bool = False  # per-tile timelines into MegaMoE.last_trace (TRACE_FIELDS)
+    timeout_ns: int = 2_000_000_000  # bound of every device-side wait (then an error word, not a hang)
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        ew = self.schedule == "expert_wave"
+        for name, applies in (("lead", not ew), ("experts_per_wave", ew), ("l2_columns", ew)):
+            if getattr(self, name) is not None and not applies:
+                raise ValueError(f"{name} does not apply to schedule={self.schedule!r}")
+        if self.lead is not None and self.lead < 1:
+            raise ValueError(f"lead must be >= 1 (deadlock freedom), got {self.lead}")
+        check_experts_per_wave(self.experts_per_wave)
+        if self.block_n is not None and self.block_n not in BLOCK_NS:
+            raise ValueError(f"block_n must be one of {BLOCK_NS}, got {self.block_n}")
+        if self.stages is not None and self.stages < 2:
+            raise ValueError(f"stages must be >= 2, got {self.stages}")
+        if self.dispatch_copy is not None and self.dispatch_copy not in DISPATCH_COPIES:
+            raise ValueError(f"dispatch_copy must be one of {DISPATCH_COPIES}, got {self.dispatch_copy!r}")
+        if self.dispatch_window is not None and (self.dispatch_window < 0 or (
+                self.dispatch_window and self.dispatch_copy == "lsu")):
+            raise ValueError(f"dispatch_window must be 0, or >= 1 with the bulk Dispatch, got {self.dispatch_window}")
+        if self.timeout_ns <= 0:
+            raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
+
+    @property
+    def resolved(self) -> bool:
+        return None not in (self.block_n, self.stages, self.dispatch_copy, self.dispatch_window) and (
+            self.lead is not None if self.schedule == "interleaved" else self.l2_columns is not None)
+
+    def schedule_spec(self) -> Schedule:
+        """The scheduler (pure step functions) of a resolved config: interleaved always pairs the
+        CTA pairs' L1 and L2 shares (scheduler.balanced_l2_start; measured 0.993x at P = 1 and
+        0.9995x at P = 8 against unbalanced starts, results/h200/megamoe/archive/redesign-switches)."""
+        if self.schedule == "interleaved":
+            return Schedule("interleaved", lead=self.lead, balance_l2=True)
+        return Schedule("expert_wave", l2_columns=bool(self.l2_columns))
+
+    def kernel_key(self) -> "MegaMoEConfig":
+        """The fields that change the compiled kernel (``experts_per_wave`` is host-side only)."""
+        return dataclasses.replace(self, experts_per_wave=None)
+
+    def resolve(self, shape, world_size: int, tokens: int, num_sms: int) -> "MegaMoEConfig":
+        """Every ``None`` field filled in for ``shape`` (hidden, intermediate, num_experts, topk),
+        ``world_size`` ranks of ``tokens`` tokens each (``max_tokens_per_rank``) and a launch of up
+        to ``num_sms`` CTAs; raises ValueError when the configuration cannot run.
+
+        * block_n: the widest of 256 / 128 / 64 that tiles H and I (CTA pairs need H % 2 BN).
+        * stages: 4 below DEEP_RING_MAX_ROWS rows per local expert (balanced routing), else 3 at
+          128 x 256 tiles: 4 are 9.5 % faster at 192 rows per expert (P = 1), 3 are 1-5 % faster
+          at 1536 (loopback P = 8) (stages/); only those two points were measured.
+        * dispatch_copy: "bulk" where its bounce buffers fit next to the ring (the 3-stage tiles),
+          else "lsu": paired against the grouped GEMMs, interleaved 1.044-1.061x -> 1.017-1.031x,
+          1.014x with the copies' L2 evict-first policy (bulk/).
+        * dispatch_window: expert_wave with the bulk copy paces it one row beyond the L1 rows in
+          flight, (num_sms / 2 pairs) // (L1 pair tiles per row) + 1 (= 5 at DeepSeek-V4-Flash):
+          W = 0 / 4 / 5 / 6 / 7 gave 1.048 / 1.088 / 1.009 / 1.017 / 1.033x; interleaved no W in
+          5..14 beat W = 0 (window/).
+        * l2_columns: on for expert_wave wherever the order's positions fit scheduler.divmod_small
+          (0.1-0.3 % faster than the row order on three hosts, l2_columns/).
+        * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
+        """
+        hidden, inter, experts, topk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
+        if experts % world_size:
+            raise ValueError(f"num_experts {experts} not divisible by world size {world_size}")
+        if hidden % BLOCK_K or inter % BLOCK_K:
+            raise ValueError(f"hidden {hidden} and intermediate {inter} must be multiples of {BLOCK_K}")
+        block_n = self.block_n
+        if block_n is None:
+            block_n = next((n for n in BLOCK_NS if hidden % (2 * n) == 0 and inter % n == 0), None)
+            if block_n is None:
+                raise ValueError(f"no N tile in {BLOCK_NS} tiles hidden {hidden} and intermediate {inter}")
+        if hidden % (2 * block_n) or (2 * inter) % (2 * block_n):
+            raise ValueError(f"H={hidden} and 2I={2 * inter} must be multiples of 2*block_n={2 * block_n}")
+        stages = self.stages
+        if stages is None:
+            rows_per_expert = world_size * tokens * topk / experts
+            stages = 3 if block_n == 256 and rows_per_expert >= DEEP_RING_MAX_ROWS else 4
+        copy = self.dispatch_copy
+        if copy is None:
+            try:
+                smem_plan(hidden, block_n, stages, "bulk")
+                copy = "bulk"
+            except ValueError:  # no room for the bounce buffers
+                copy = "lsu"
+        smem_plan(hidden, block_n, stages, copy)
+        ew = self.schedule == "expert_wave"
+        window = self.dispatch_window
+        if window is None:
+            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n) + 1 if ew and copy == "bulk" else 0
+        if window and copy != "bulk":
+            raise ValueError("dispatch_window needs dispatch_copy='bulk'")
+        out = dict(block_n=block_n, stages=stages, dispatch_copy=copy, dispatch_window=window)
+        if ew:
+            # l2_columns: an expert's L2 positions must stay in divmod_small's exact range
+            positions = (tokens * world_size // (2 * BLOCK_M) + 1) * pair_tiles_per_row(hidden, block_n)
+            l2_columns = positions < DIVMOD_SMALL_MAX if self.l2_columns is None else self.l2_columns
+            if l2_columns and positions >= DIVMOD_SMALL_MAX:
+                raise ValueError(f"l2_columns: up to {positions} L2 pair tiles per expert, the order handles "
+                                 f"< {DIVMOD_SMALL_MAX}; lower max_tokens_per_rank or set l2_columns=False")
+            out.update(l2_columns=l2_columns, experts_per_wave=self.experts_per_wave
+                       or default_experts_per_wave(experts // world_size))
+        else:
+            out.update(lead=self.lead if self.lead is not None else default_lead(block_n, num_sms, inter))
+        return dataclasses.replace(self, **out)

@@ -1,0 +1,107 @@
+"""Epilogue role of :class:`~megamoe_interleave.kernel_sm90.MegaMoESm90`: the epilogue warps (two
+warps of the producer warpgroup) copy each staged output tile out of shared memory while the
+consumers already run the next mainloop.
+
+* L1 tiles: h (SwiGLU x routing weight, bf16) into the pool's h rows, then publish h to the L2
+  tiles of every CTA (proxy fence, epilogue barrier, one release increment of ``l2_full[row]``).
+* L2 tiles: the **Combine seam** -- :meth:`EpilogueMixin.combine_destination` (where an output row
+  goes: ``combine[pick, token]`` on its source rank, through the peer table) and
+  :meth:`EpilogueMixin.combine_stores` (the 16-byte remote stores of one staged part). These are
+  the X-Stage remote stores: they drain while the issuing SM computes; instrumentation and other
+  output precisions hook here.
+
+Handoff with the consumers (named barriers; both sides walk the same tile sequence, so every
+barrier phase completes): per staged part, EMPTY (the staging tile is free and the tile's row
+metadata is in smem: the epilogue warps arrive, the consumers wait) then FULL (the consumers
+arrive once the tile is staged, the epilogue warps wait).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+
+from xstage import device as xdev
+
+from .config import BLOCK_M
+from .scheduler import PHASE_L1
+
+
+class EpilogueMixin:
+    """h publication and the Combine remote stores (``num_epi_threads`` threads, ``et`` = index)."""
+
+    def epi_sync(self):
+        """Barrier of the epilogue warps only."""
+        cute.arch.barrier(barrier_id=int(self.NamedBarrier.Epilogue), number_of_threads=self.num_epi_threads)
+
+    def combine_row_offset(self, tok, pick, max_tokens):
+        """Byte offset of ``combine[pick, tok, 0]`` in a rank's symmetric combine buffer."""
+        return (Int64(pick) * Int64(max_tokens) + Int64(tok)) * (self.hidden * 2)
+
+    def combine_destination(self, gm, prow):
+        """Combine seam, metadata: the address of pool row ``prow``'s output row on its source rank."""
+        return xdev.peer_address(gm.peer_combine, gm.pool_src[prow, 0],
+                                 self.combine_row_offset(gm.pool_src[prow, 1], gm.pool_src[prow, 2], gm.max_tokens))
+
+    @cute.jit
+    def combine_stores(self, tile, rows: Int32, part: cutlass.Constexpr, sm, et: Int32):
+        """Combine seam, stores: staged part ``part`` (BN / l2_handoffs columns) of an L2 tile's
+        ``rows`` valid rows, 16 bytes per store, to the addresses in ``sm.row_addr``."""
+        chunks = self.stage_words // 4
+        col0 = tile.n_block * self.block_n + part * (self.block_n // self.l2_handoffs)
+        u = et
+        while u < rows * chunks:
+            m, c = u // chunks, u % chunks
+            k = self.stage_index(m, 4 * c)
+            xdev.store_v4(sm.row_addr[m] + Int64(col0 + c * 8) * 2, sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
+            u = u + self.num_epi_threads
+
+    @cute.jit
+    def epilogue_tiles(self, ctx, et: Int32, gm, sm):
+        """Per tile of the schedule: (1) the rows' metadata into smem (L1: routing weight, read by
+        the consumers' SwiGLU; L2: the Combine destination), arrive EMPTY; (2) wait FULL, copy the
+        staged rows out: h, then publish it; or the Combine stores, part by part."""
+        g, r, G, c0, c1 = self.schedule_start(ctx)
+        chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
+        while not self.schedule.done((c0, c1), ctx.grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
+            if tile.valid > 0:
+                tok0, count = tile.tok0, tile.count
+                row0 = tok0 + tile.m_block * BLOCK_M
+                rows = cutlass.min(count - tile.m_block * BLOCK_M, BLOCK_M)
+                m = et
+                while m < rows:
+                    if tile.phase == PHASE_L1:
+                        sm.row_w[m] = gm.pool_weight[row0 + m]
+                    else:
+                        sm.row_addr[m] = self.combine_destination(gm, row0 + m)
+                    m = m + self.num_epi_threads
+                self.epilogue_handoff()
+                if tile.phase == PHASE_L1:
+                    h_base = Int64(gm.h.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
+                    u = et
+                    while u < rows * chunks_l1:
+                        m, c = u // chunks_l1, u % chunks_l1
+                        k = self.stage_index(m, 4 * c)
+                        xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
+                                      sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
+                        u = u + self.num_epi_threads
+                    # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
+                    cute.arch.fence_proxy("async.global")
+                    self.epi_sync()
+                    if et == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        xdev.red_add_release(gm.counters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+                else:
+                    for part in cutlass.range_constexpr(self.l2_handoffs):
+                        if const_expr(part > 0):
+                            self.epilogue_handoff()  # part 0 read out: the staging tile is free for part 1
+                        self.combine_stores(tile, rows, part, sm, et)
+                    self.epi_sync()  # every thread done with row_addr before the next tile's metadata
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
+
+    def epilogue_handoff(self):
+        """The epilogue warps' side of one staged part: EMPTY (arrive), then FULL (wait)."""
+        cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.EpilogueEmpty), number_of_threads=self.handoff_threads)
+        cute.arch.barrier(barrier_id=int(self.NamedBarrier.EpilogueFull), number_of_threads=self.handoff_threads)

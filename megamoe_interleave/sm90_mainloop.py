@@ -1,0 +1,374 @@
+"""Mainloop roles of :class:`~megamoe_interleave.kernel_sm90.MegaMoESm90`: the TMA producer warp
+and the two WGMMA consumer warpgroups, meeting at a ``stages``-deep shared-memory ring of A/B
+tiles guarded by full/empty mbarriers (quack ``PipelineTmaAsync`` with bounded waits).
+
+The CTA pair of a scheduler row (a 2-CTA cluster) splits the row along M: both CTAs need the same
+B tile (the expert's weights), so each loads half of it and multicasts it into both CTAs' stage;
+A (each CTA's own rows) is a plain TMA load. Consumers release a stage on both CTAs' empty
+barriers. After the mainloop the consumers stage the tile's bf16 output (L1: SwiGLU x routing
+weight in registers) for the epilogue warps and go on with the next tile.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Boolean, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.pipeline import Agent, CooperativeGroup, PipelineUserType
+from quack import sm90_utils
+from quack.activation import tanh
+from quack.pipeline import PipelineTmaAsync, make_pipeline_state
+
+from xstage import device as xdev
+
+from .config import BLOCK_K, BLOCK_M
+from .scheduler import PHASE_L1, Tile
+
+DRAIN_SLACK_NS = 10_000_000  # producer waits for loads to land: beyond the peer's ring bound
+
+
+def swiglu_tanh(gate, up):
+    """SwiGLU with sigmoid(g) = 0.5 + 0.5 tanh(g / 2): one MUFU op (tanh.approx, abs. error ~2^-11,
+    below the bf16 rounding of h) per output instead of ex2 + rcp; the consumers' L1 handoff is
+    MUFU-bound (64 outputs per thread, 256 threads, 16 MUFU ops/clock/SM)."""
+    half = gate * 0.5
+    return (half + half * tanh(half)) * up
+
+
+def tile_fields(tile: Tile):
+    """A tile's fields as Int32 values (loop-carried state of a software-pipelined loop)."""
+    return tuple(Int32(getattr(tile, f)) for f in Tile.__dataclass_fields__)
+
+
+class BoundedPipelineTmaAsync(PipelineTmaAsync):
+    """quack ``PipelineTmaAsync`` whose waits are bounded (:func:`xstage.device.mbarrier_wait_bounded`:
+    after ``timeout_ns`` it ORs ERR_RING_TIMEOUT into the error word and returns False). ``ok``
+    carries a thread's health: once a wait failed the thread waits no more and falls through
+    (arrives, copies and WGMMAs still run, on stale data), so every role ends after at most one
+    timeout and the host raises. The base class's unbounded waits raise at trace time."""
+
+    @staticmethod
+    def create(*args, **kwargs) -> "BoundedPipelineTmaAsync":
+        obj = PipelineTmaAsync.create(*args, **kwargs)
+        object.__setattr__(obj, "__class__", BoundedPipelineTmaAsync)  # frozen dataclass (as quack)
+        return obj
+
+    def producer_acquire(self, *args, **kwargs):
+        raise NotImplementedError("unbounded wait: use producer_acquire_bounded")
+
+    def consumer_wait(self, *args, **kwargs):
+        raise NotImplementedError("unbounded wait: use consumer_wait_bounded")
+
+    def producer_tail(self, *args, **kwargs):
+        raise NotImplementedError("unbounded wait: use producer_tail_bounded")
+
+    @cute.jit
+    def wait_bounded(self, barriers, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """Bounded wait for phase ``state.phase`` of stage ``state.index``; none once ``ok`` is False."""
+        if ok:
+            ok = xdev.mbarrier_wait_bounded(barriers.get_barrier(state.index), state.phase, timeout_ns, error_word,
+                                            xdev.ERR_MBARRIER_TIMEOUT)
+        return ok
+
+    @cute.jit
+    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer,
+                                 drain_ns: Int64) -> Boolean:
+        """Wait until the stage is empty, then arm its full barrier with the stage's bytes. After a
+        failed wait the consumers no longer release stages in step, so the producer instead waits
+        (bounded by ``drain_ns``) for the stage's previous load to land -- the full barrier's
+        previous phase -- and never arms a phase twice."""
+        if ok:
+            ok = xdev.mbarrier_wait_bounded(self.sync_object_empty.get_barrier(state.index), state.phase, timeout_ns,
+                                            error_word, xdev.ERR_MBARRIER_TIMEOUT)
+        else:
+            xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
+                                       error_word, xdev.ERR_MBARRIER_TIMEOUT)
+        self.sync_object_full.arrive(state.index, self.producer_mask)
+        return ok
+
+    @cute.jit
+    def consumer_wait_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        return self.wait_bounded(self.sync_object_full, state, ok, timeout_ns, error_word)
+
+    @cute.jit
+    def producer_tail_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """Wait until every stage has been released, so no arrive is in flight when the CTA exits."""
+        for _ in cutlass.range_constexpr(self.num_stages):
+            ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
+            state.advance()
+        return ok
+
+    @cute.jit
+    def producer_drain_bounded(self, state, drain_ns: Int64, error_word: cute.Pointer):
+        """Wait until the last armed phase of every stage's full barrier completed: every TMA byte
+        bound for this CTA's smem (its own loads and the peer's multicast) has landed, also after
+        a timeout. ``state``: the producer's state after its last load (pass a clone)."""
+        for _ in cutlass.range_constexpr(self.num_stages):
+            xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
+                                       error_word, xdev.ERR_MBARRIER_TIMEOUT)
+            state.advance()
+
+
+class ProducerMixin:
+    """The TMA producer warp: this CTA's tiles in schedule order, each tile's K blocks into the ring."""
+
+    def make_ab_pipeline(self, mbar_ptr):
+        """The ring: the producer's arrive carries one stage's TMA bytes (A + B, whichever CTA of the
+        pair loaded each half of B); one release arrive per consumer warp and per CTA of the pair."""
+        return BoundedPipelineTmaAsync.create(
+            barrier_storage=mbar_ptr,
+            num_stages=self.stages,
+            producer_group=CooperativeGroup(Agent.Thread),
+            consumer_group=CooperativeGroup(Agent.Thread, 2 * (self.num_mma_threads // 32)),
+            tx_count=BLOCK_K * (BLOCK_M + self.block_n) * 2,
+            cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)),
+        )
+
+    def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
+        """TMA atoms + coordinate tensors of the four GEMM operands, each a compact row-major 2-D
+        view: L1 A = dispatched rows (n_pad, H), L1 B = every local expert's w1 rows (E_l * 2I, H),
+        L2 A = h (n_pad, I), L2 B = (E_l * H, I); B (shared by the pair) multicast."""
+        H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
+        n_pad = cute.size(mPoolX, mode=[0])
+        n_exp = cute.size(mW1, mode=[0])
+        views = (
+            (mPoolX, (n_pad, H), self.sA_layout, BLOCK_M),
+            (mW1, (n_exp * I2, H), self.sB_layout, self.block_n),
+            (mH, (n_pad, I), self.sA_layout, BLOCK_M),
+            (mW2, (n_exp * H, I), self.sB_layout, self.block_n),
+        )
+        out = []
+        for i, (t, shape, smem_layout, rows) in enumerate(views):
+            compact = cute.make_tensor(t.iterator, cute.make_layout(shape, stride=(shape[1], 1)))
+            mcast = i % 2 == 1
+            atom, coords = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
+                compact, cute.slice_(smem_layout, (None, None, 0)), (rows, BLOCK_K), num_multicast=2 if mcast else 1)
+            out += [atom, coords]
+        return tuple(out)
+
+    def drain_ns(self):
+        """Bound of the producer's waits for loads to land (error path, exit drain)."""
+        return Int64(self.ring_timeout_ns + DRAIN_SLACK_NS)
+
+    @cute.jit
+    def producer_tiles(self, ctx, gm, sm, ops, ab_pipe):
+        """Per tile (L1: after the rows are dispatched; L2: after a bounded acquire wait on the row's
+        L1 counter) the K blocks' TMA loads. After a failed wait this lane waits no more."""
+        cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
+        g, r, G, c0, c1 = self.schedule_start(ctx)
+        state = make_pipeline_state(PipelineUserType.Producer, self.stages)
+        ok = Boolean(True)
+        rows_ok = Int32(0)  # rows [0, rows_ok) known dispatched
+        while not self.schedule.done((c0, c1), ctx.grid):
+            tile, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
+            if tile.valid > 0:
+                e = tile.expert
+                a_row0 = tile.tok0 + tile.m_block * BLOCK_M
+                if tile.phase == PHASE_L1:
+                    rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
+                    state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1,
+                                               a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n,
+                                               self.hidden // BLOCK_K, sm)
+                else:
+                    # Every lane acquires (the TMA issue lane is elected inside cute.copy).
+                    if ok:
+                        ok = xdev.spin_wait_ge(gm.counters.iterator + self.COUNTER_L2_FULL + tile.row,
+                                               Int32(2 * self.pairs_l1), ctx.timeout,
+                                               gm.counters.iterator + self.COUNTER_ERROR,
+                                               self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
+                    cute.arch.sync_warp()
+                    cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
+                    state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2,
+                                               a_row0, e * self.hidden + tile.n_block * self.block_n,
+                                               self.intermediate // BLOCK_K, sm)
+            c0 = Int32(nxt[0])
+            c1 = Int32(nxt[1])
+        # Every load landed (the peer issues the same loads, also after a failed wait, but may sit
+        # in one bounded wait of its own: hence the bound), then every stage consumed.
+        ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), gm.counters.iterator + self.COUNTER_ERROR)
+        ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), gm.counters.iterator + self.COUNTER_ERROR)
+
+    @cute.jit
+    def wait_dispatched(self, row: Int32, rows_ok: Int32, ok: Boolean, ctx, gm):
+        """Before an L1 tile's loads: unless ``row`` < ``rows_ok``, one acquire load of the last
+        row's word (once it is published every row is; lane 0's value decides, so the branch is
+        warp-uniform), else a bounded acquire spin on ``x_ready[row]``; then the proxy fence."""
+        ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
+        if row >= rows_ok:
+            last = xdev.load_acquire(ready + (ctx.grid.num_rows - 1), "gpu")
+            if cute.arch.shuffle_sync(last, 0) >= ctx.nctas:
+                rows_ok = ctx.grid.num_rows
+            else:
+                if ok:
+                    ok = xdev.spin_wait_ge(ready + row, ctx.nctas, ctx.timeout, gm.counters.iterator + self.COUNTER_ERROR,
+                                           self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
+                rows_ok = row + 1
+            cute.arch.sync_warp()
+            cute.arch.fence_proxy("async.global")
+        return rows_ok, ok
+
+    @cute.jit
+    def load_tile(self, ab_pipe, state, ok: Boolean, gm, tma_a, mA, tma_b, mB, a_row0: Int32, b_row0: Int32,
+                  num_k: cutlass.Constexpr, sm):
+        """TMA loads of a tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN) (our half of B
+        multicast into both CTAs' stage). Returns (state, ok)."""
+        gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (BLOCK_M, BLOCK_K), (0, None))
+        gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, BLOCK_K), (0, None))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sm.sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, rank, cute.make_layout(2), cute.group_modes(sm.sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        for kt in cutlass.range(num_k, unroll=1):
+            ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
+                                                  gm.counters.iterator + self.COUNTER_ERROR, self.drain_ns())
+            bar = ab_pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+            ab_pipe.producer_commit(state)
+            state.advance()
+        return state, ok
+
+
+class ConsumerMixin:
+    """The consumer warpgroups: WGMMA over the ring, then the output staged for the epilogue warps."""
+
+    @cute.jit
+    def consumer_tiles(self, ctx, tidx: Int32, gm, sm, ab_pipe, tiled_mma):
+        """Per tile: the mainloop (accumulators in registers), then wait until the staging tile is
+        free (EMPTY), write the bf16 output into it, arrive on FULL and go to the next tile while
+        the epilogue warps store it. The next tile's schedule step (its row-record load) is issued
+        one tile ahead, so its latency does not sit between tiles."""
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BLOCK_M, self.block_n, BLOCK_K), sm.sA, sm.sB)
+        frags = (tiled_mma, acc, tCrA, tCrB, thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, self.block_n))))
+        g, r, G, c0, c1 = self.schedule_start(ctx)
+        state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
+        ok = Boolean(True)
+        n_tile = Int32(0)
+        first, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
+        cur = tile_fields(first)
+        n0, n1 = Int32(nxt[0]), Int32(nxt[1])
+        while not self.schedule.done((c0, c1), ctx.grid):
+            ahead, nxt = self.schedule.step((n0, n1), g, G, r, ctx.grid)  # may be past the end: idle
+            tile = Tile(*cur)
+            if tile.valid > 0:
+                t0 = self.timestamp()
+                k0 = self.cycle_stamp()
+                t1 = Int64(0)
+                t2 = Int64(0)
+                k2 = Int64(0)
+                if tile.phase == PHASE_L1:
+                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, frags, self.hidden // BLOCK_K)
+                    t2 = self.timestamp()
+                    k2 = self.cycle_stamp()
+                    self.hand_off(frags, sm, True, 0)
+                else:
+                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, frags, self.intermediate // BLOCK_K)
+                    t2 = self.timestamp()
+                    k2 = self.cycle_stamp()
+                    for part in cutlass.range_constexpr(self.l2_handoffs):
+                        self.hand_off(frags, sm, False, part)
+                if const_expr(self.trace):
+                    self.record_trace(gm.trace, ctx.cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
+                n_tile = n_tile + 1
+            c0, c1 = n0, n1
+            cur = tile_fields(ahead)
+            n0, n1 = Int32(nxt[0]), Int32(nxt[1])
+
+    @cute.jit
+    def mma_tile(self, ab_pipe, state, ok: Boolean, gm, frags, num_k: cutlass.Constexpr):
+        """acc = A_tile @ B_tile^T over num_k ring stages (as quack GemmSm90.mma: one WGMMA batch in
+        flight; stage k-1 released once batch k is issued and k-1 retired). Returns (state, time
+        the first stage had landed, ok)."""
+        tiled_mma, acc, tCrA, tCrB, _ = frags
+        timeout = Int64(self.ring_timeout_ns)
+        err = gm.counters.iterator + self.COUNTER_ERROR
+        release = state.clone()
+        ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+        t1 = self.timestamp()
+        sm90_utils.gemm_w_idx(tiled_mma, acc, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=-1)
+        state.advance()
+        for kt in cutlass.range(1, num_k, unroll=1):
+            ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+            sm90_utils.gemm_w_idx(tiled_mma, acc, tCrA, tCrB, False, A_idx=state.index, B_idx=state.index,
+                                  wg_wait=1)
+            ab_pipe.consumer_release(release)
+            release.advance()
+            state.advance()
+        warpgroup.wait_group(0)
+        ab_pipe.consumer_release(release)
+        return state, t1, ok
+
+    @cute.jit
+    def hand_off(self, frags, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
+        """Wait until the staging tile is free (EMPTY), stage the output (L1: all BN/2 h columns;
+        L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL."""
+        cute.arch.barrier(barrier_id=int(self.NamedBarrier.EpilogueEmpty), number_of_threads=self.handoff_threads)
+        _, acc, _, _, tCcC = frags
+        parts = 1 if swiglu_l1 else self.l2_handoffs
+        size = cute.size(acc)
+        self.stage_fragment(acc, tCcC, sm, swiglu_l1, part * (size // parts), (part + 1) * (size // parts),
+                            part * (self.block_n // parts))
+        cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.EpilogueFull), number_of_threads=self.handoff_threads)
+
+    @cute.jit
+    def stage_fragment(self, acc, tCcC, sm, swiglu_l1: cutlass.Constexpr, lo: cutlass.Constexpr,
+                       hi: cutlass.Constexpr, col0: cutlass.Constexpr):
+        """WGMMA accumulator fragment ((2, 2, BN/8), 1, 1): element v0 + 2 v1 + 4 j holds row
+        r + 8 v1, column 8 j + 2 q + v0 (q = lane % 4), so per 8-column group a warp holds two 8 x 8
+        tiles in the ``stmatrix`` layout once the pairs are packed to bf16x2; one ``stmatrix.x4``
+        stores two column groups (lane l points at row l % 16 of the warp's 16 rows, group l // 16).
+        L1: gate/up interleaved by 8 columns, so groups 2 jj (gate) and 2 jj + 1 (up) match:
+        h = SwiGLU(gate, up) x routing weight in fp32, h column group jj. L2: elements [lo, hi)
+        rounded to bf16, output column - col0 (each warpgroup holds all BN columns of its rows)."""
+        lane = cute.arch.lane_idx()
+        row0, _ = tCcC[0]  # this lane's first row: the warp's first row + lane // 4
+        row = row0 - lane // 4 + lane % 16  # the row whose 16-byte segment this lane stores
+        vals = cute.make_rmem_tensor((8,), BFloat16)
+        words = cute.recast_tensor(vals, Int32)
+        if const_expr(swiglu_l1):
+            for jj in cutlass.range_constexpr(0, cute.size(acc) // 8, 2):
+                for t in cutlass.range_constexpr(2):
+                    for v1 in cutlass.range_constexpr(2):
+                        i = 8 * (jj + t) + 2 * v1  # gate element (v0 = 0); up = i + 4
+                        mm, _ = tCcC[i]
+                        w = sm.row_w[mm]
+                        for v0 in cutlass.range_constexpr(2):
+                            vals[4 * t + 2 * v1 + v0] = BFloat16(swiglu_tanh(acc[i + v0], acc[i + 4 + v0]) * w)
+                _, nn = tCcC[8 * jj]  # gate column 16 jj' + 2 q -> h column group jj'
+                group = (nn - 2 * (lane % 4)) // 16 + lane // 16
+                xdev.stmatrix_x4(sm.sC.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
+                                 words[3])
+        else:
+            for i0 in cutlass.range_constexpr(lo, hi, 8):
+                for k in cutlass.range_constexpr(8):
+                    vals[k] = BFloat16(acc[i0 + k])
+                _, nn = tCcC[i0]
+                group = (nn - 2 * (lane % 4) - col0) // 8 + lane // 16
+                xdev.stmatrix_x4(sm.sC.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
+                                 words[3])
+
+    def timestamp(self):
+        """%globaltimer when tracing, else a constant (no instruction emitted)."""
+        return xdev.globaltimer_ns() if const_expr(self.trace) else Int64(0)
+
+    def cycle_stamp(self):
+        """%clock64 when tracing, else a constant: with the timestamps it gives the SM clock over a
+        tile, hence the mainloop in cycles (comparable with the tensor-pipe peak)."""
+        return xdev.clock64() if const_expr(self.trace) else Int64(0)
+
+    @cute.jit
+    def record_trace(self, mTrace, cta: Int32, n_tile: Int32, tidx: Int32, tile, t0: Int64, t1: Int64,
+                     t2: Int64, t3: Int64, cycles: Int64):
+        """Thread 0 writes one TRACE_FIELDS row (if it fits)."""
+        if tidx == 0 and n_tile < cute.size(mTrace, mode=[1]):
+            key = (Int64(tile.phase) << 40) | (Int64(tile.row) << 16) | Int64(tile.n_block)
+            mTrace[cta, n_tile, 0] = key
+            mTrace[cta, n_tile, 1] = t0
+            mTrace[cta, n_tile, 2] = t1
+            mTrace[cta, n_tile, 3] = t2
+            mTrace[cta, n_tile, 4] = t3
+            mTrace[cta, n_tile, 5] = Int64(xdev.smid())
+            mTrace[cta, n_tile, 6] = cycles
