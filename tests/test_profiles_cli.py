@@ -1,7 +1,9 @@
 """Profile loading/validation and the ``xstage`` CLI."""
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +143,48 @@ def test_cli_errors_one_line_exit_2(capsys, argv, msg):
 def test_console_entry_runs_as_module():
     r = subprocess.run([sys.executable, "-m", "xstage", "profiles"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "paper-b200-nvlink" in r.stdout
+
+
+# ---------------------------------------------------------------- CLI papercuts
+
+FA = ["plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "8192", "--heads", "8", "--head-dim", "128",
+      "--world", "8"]
+MOE = ["plan", "megamoe", "--platform", "paper-b200-nvlink", "--hidden", "4096", "--intermediate", "2048",
+       "--experts", "256", "--topk", "6", "--tokens", "8192", "--world", "8"]
+
+
+def _error_line(capsys, *argv):
+    rc, out, err = _cli(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1 and lines[0].startswith("xstage: error: "), (rc, out, err)
+    return lines[0][len("xstage: error: "):]
+
+
+def test_profile_path_errors_name_the_file(tmp_path, capsys):
+    binary = tmp_path / "tool"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)))
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"name": "x", "source": "paper"}')
+    for path, what in ((tmp_path, "is a directory"), (binary, "not a JSON profile (binary data"),
+                       (keys, "missing required key(s): num_sms")):
+        msg = _error_line(capsys, *FA[:2], "--platform", str(path), *FA[4:])
+        assert msg.startswith(f"{path}: {what}"), msg
+        with pytest.raises(profiles.ProfileError, match=re.escape(f"{path}: {what}")):
+            profiles.load(path)
+
+
+@pytest.mark.parametrize("name", profiles.available())
+def test_plan_megamoe_works_with_every_shipped_profile(capsys, name):
+    rc, out, err = _cli(capsys, *MOE[:2], "--platform", name, *MOE[4:], "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["platform"] == name and d["mma_source"].startswith("estimated from")
+    assert d["t_l1_mma_s"] > 0 and d["t_l2_mma_s"] > 0
+
+
+def test_measured_h200_profiles_carry_the_measured_dense_rate():
+    ceilings = json.loads((Path(__file__).resolve().parents[1] / "results/h200/ceilings.json").read_text())
+    measured = [n for n in profiles.available() if profiles.load(n).source == "measured"]
+    assert measured and all("H200" in profiles.load(n).gpu for n in measured)
+    for n in measured:
+        assert profiles.load(n).dense_flops == pytest.approx(ceilings["bf16_dense_tflops"] * 1e12, rel=1e-12)
