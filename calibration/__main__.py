@@ -6,7 +6,8 @@
     python -m calibration all --target host local --out DIR --profile FILE          # run + fit + report
 
 ``run --quick`` shrinks the grids (smoke test).  ``--target peer`` needs
-torchrun with >= 2 GPUs (torch symmetric memory).
+torchrun with >= 2 GPUs (torch symmetric memory).  ``run`` and ``all`` check
+for a Hopper GPU first: without one they write nothing and exit with 1.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def _config(args):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from .runner import NoGPUError
+
     try:
         if args.cmd in ("run", "all"):
             from .runner import run_targets
@@ -91,6 +94,9 @@ def main(argv=None) -> int:
             figs = make_figures(d)
             path = write_report(d, figs)
             print(f"wrote {path}" + (f" and {', '.join(figs)}" if figs else " (no matplotlib: no figures)"))
+    except NoGPUError as e:
+        print(f"calibration: error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError) as e:
         print(f"calibration: error: {e}", file=sys.stderr)
         return 2

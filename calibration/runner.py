@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 from . import analysis
 from . import fit as fitmod
 
-__all__ = ["RunConfig", "Calibrator", "POINT_FIELDS", "BURST_FIELDS", "run_targets"]
+__all__ = ["RunConfig", "Calibrator", "POINT_FIELDS", "BURST_FIELDS", "NoGPUError", "check_gpu", "run_targets"]
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -82,6 +82,26 @@ def _nvidia_smi_clocks() -> Optional[dict]:
         return {"query": q, "out": r.stdout.strip()} if r.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+class NoGPUError(RuntimeError):
+    """No GPU the calibration kernels can run on (raised before anything is written)."""
+
+
+# The burst kernels are compiled for sm_90a (xstage.cute_compile.HOPPER_ARCH): Hopper only.
+HOPPER_CAPABILITY = (9, 0)
+
+
+def check_gpu() -> None:
+    """Raise :class:`NoGPUError` unless a CUDA GPU of compute capability 9.0 is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoGPUError("calibration run needs a CUDA GPU, and none is visible")
+    cap = tuple(torch.cuda.get_device_capability())
+    if cap != HOPPER_CAPABILITY:
+        raise NoGPUError(f"calibration run needs a Hopper GPU (compute capability 9.0; the kernels are built for"
+                         f" sm_90a), found {torch.cuda.get_device_name()} ({cap[0]}.{cap[1]})")
 
 
 class Calibrator:
@@ -390,12 +410,14 @@ def run_targets(targets: Sequence[str], out_dir: Path, cfg: RunConfig, *, progre
     """Run every (alignment mode, target) in order, write outputs.
 
     Within one alignment mode the local control reuses the first target's
-    gaps for the same (K, B), so both sweeps share their x axis.
+    gaps for the same (K, B), so both sweeps share their x axis.  Without a
+    Hopper GPU it raises :class:`NoGPUError` before creating ``out_dir``.
     """
     import dataclasses
 
     import torch
 
+    check_gpu()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     from xstage import provenance

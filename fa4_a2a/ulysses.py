@@ -117,6 +117,10 @@ def ulysses_attention(
     ``barrier`` (multi-process worlds): call ``world.barrier()`` after the launch so that the
     returned output is complete; skipped automatically under CUDA-graph capture.
     """
+    if not all(hasattr(world, a) for a in ("world_size", "local_ranks", "backend", "alloc")):
+        raise Fa4A2AInputError(
+            f"world must be an xstage.world World (from xstage.world.make_world), got {type(world).__name__}"
+        )
     qs, ks, vs = (_as_rank_list(t, world, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     P = world.world_size
     for r, (qr, kr, vr) in enumerate(zip(qs, ks, vs)):

@@ -1,9 +1,10 @@
 """MoE layer shapes of the paper's models (hidden H, expert intermediate I, routed experts E, top-k).
 
 ``None`` fields are unknown: we found no public configuration we could cite.
-Sources are the DeepGEMM Mega MoE test/bench defaults as collected in the project's
-design notes (``/work/shared/design/megamoe-notes.md`` §4); refs are upstream
-``deepseek-ai/DeepGEMM`` (UP) and the ``AichenF/DeepGEMM`` fork (FK).
+Each shape's ``source`` cites the DeepGEMM Mega MoE test/bench defaults it comes from, as
+``<repo> <commit or branch> <file>:<lines>``: UP is upstream
+https://github.com/deepseek-ai/DeepGEMM and FK the fork https://github.com/AichenF/DeepGEMM;
+one shape cites an issue of https://github.com/sgl-project/DeepGEMM.
 """
 from __future__ import annotations
 

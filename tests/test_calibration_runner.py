@@ -107,3 +107,34 @@ def test_fit_profile_and_report(run_dir, tmp_path):
     figs = make_figures(d)
     rep = write_report(d, figs).read_text()
     assert "R** =" in rep and "Prediction of the `spin`-gap sweep" in rep
+
+
+def _calibration_main(*argv):
+    from calibration.__main__ import main
+
+    return main(list(argv))
+
+
+@pytest.mark.parametrize("cmd", ["run", "all"])
+def test_run_without_a_gpu_writes_nothing(tmp_path, monkeypatch, capsys, cmd):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "cal"
+    rc = _calibration_main(cmd, "--out", str(out), "--no-progress")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and not out.exists() and list(tmp_path.iterdir()) == []
+    assert err == ["calibration: error: calibration run needs a CUDA GPU, and none is visible"]
+
+
+def test_run_on_a_non_hopper_gpu_writes_nothing(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    out = tmp_path / "cal"
+    rc = _calibration_main("run", "--out", str(out), "--no-progress")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and not out.exists()
+    assert len(err) == 1 and "needs a Hopper GPU" in err[0] and "NVIDIA A100 (8.0)" in err[0]

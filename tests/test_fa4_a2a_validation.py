@@ -107,6 +107,13 @@ def test_ulysses_api_rejects_wrong_rank_count_and_single_tensor():
     _raises("pass a sequence of 2 tensors", ulysses_attention, xs[0], xs[0], xs[0], world)
 
 
+@pytest.mark.parametrize("world", [None, "loopback", 4])
+def test_ulysses_api_rejects_a_world_that_is_not_a_world(world):
+    xs = [torch.randn(1, 64, 4, 64).to(BF16) for _ in range(2)]
+    _raises(r"world must be an xstage.world World \(from xstage.world.make_world\), got "
+            + type(world).__name__, ulysses_attention, xs, xs, xs, world)
+
+
 def test_module_rejects_unsupported_features():
     world = make_world("loopback", 2, device="cpu")
     m = fa4_a2a.UlyssesAttention(world)

@@ -4,15 +4,29 @@
     xstage plan fa-a2a  --platform NAME|FILE --seq M --heads H --head-dim D --world P [...]
     xstage plan megamoe --platform NAME|FILE --hidden --intermediate --experts --topk --tokens --world [...]
 
+    xstage --version
+
 Bad arguments print one line ``xstage: error: ...`` and exit with code 2.
+Every numeric flag is checked here, before the model runs, and errors name
+the flag and the value as given (in the flag's unit).
+
+If stdout is closed early (``xstage profiles | head -1``) the command stops
+quietly with exit code 141 (128 + SIGPIPE, what a Unix tool killed by SIGPIPE
+reports), without a traceback; under ``set -o pipefail`` that status shows
+that the output was cut short.  (``--help`` and ``--version`` still exit 0:
+argparse drops their failed write itself.)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
+from pathlib import Path
 
-from . import planner, profiles
+from . import __version__, planner, profiles
 
 __all__ = ["main"]
 
@@ -26,6 +40,29 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 - argparse API
         raise _UsageError(message)
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+
+# --out-bytes: bytes per output element (fp8, bf16/fp16, fp32), and the 16-byte remote
+# stores (st.global.v4.b32) an output tile row must be a whole number of.
+OUT_BYTES, STORE_BYTES = planner.OUT_BYTES, planner.STORE_BYTES
+
+
+def _version() -> str:
+    """The installed package's version; the checkout's pyproject.toml if not installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("xstage")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    except OSError:
+        return __version__
+    m = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+    return m.group(1) if m else __version__
 
 
 def _table(rows: list[tuple[str, str]], title: str) -> str:
@@ -87,8 +124,28 @@ def _fmt_moe(p: planner.MoEPlan) -> str:
     return _table(rows, "MegaMoE design test") + "\n" + "\n".join(f"  - {r}" for r in p.reasons)
 
 
+def _add_int(p, checks, flag, **kw):
+    """A flag that must be a positive integer (checked by :func:`_check_numbers`)."""
+    a = p.add_argument(flag, type=int, metavar="N", **kw)
+    checks.append((a.dest, flag, "int"))
+
+
+def _add_pos(p, checks, flag, metavar, **kw):
+    """A flag that must be a finite number > 0, in the unit its name and help give."""
+    a = p.add_argument(flag, type=float, metavar=metavar, **kw)
+    checks.append((a.dest, flag, "pos"))
+
+
+_OUT_BYTES_HELP = ("bytes per output element s_out: 1, 2 or 4 (fp8, bf16/fp16, fp32; the shipped kernels"
+                   " store 2-byte bf16/fp16). An output tile row ({row}) must be a multiple of 16 bytes: the"
+                   " epilogue writes 16-byte vector stores")
+_PRODUCERS_HELP = "aligned producer CTAs K, at most the platform's SM count (default: num SMs)"
+_PLATFORM_HELP = "shipped profile name (see 'xstage profiles') or a profile JSON file"
+
+
 def _build_parser() -> _Parser:
     ap = _Parser(prog="xstage", description="X-Stage Burst-Gap model: profiles and design-test planner")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     pr = sub.add_parser("profiles", help="list shipped platform profiles")
@@ -98,36 +155,101 @@ def _build_parser() -> _Parser:
     psub = plan.add_subparsers(dest="kernel", required=True, parser_class=_Parser)
 
     fa = psub.add_parser("fa-a2a", help="FlashAttention + Ulysses post All-to-All (Section 4.3)")
-    fa.add_argument("--platform", required=True, help="shipped profile name or JSON file")
-    fa.add_argument("--seq", type=int, required=True, help="global sequence length M")
-    fa.add_argument("--heads", type=int, required=True, help="total attention heads H")
-    fa.add_argument("--head-dim", type=int, required=True)
-    fa.add_argument("--world", type=int, required=True, help="Ulysses degree P")
-    fa.add_argument("--batch", type=int, default=1)
-    fa.add_argument("--tile-m", type=int, default=128)
-    fa.add_argument("--tile-n", type=int, default=128, help="KV tile b_n")
-    fa.add_argument("--out-bytes", type=int, default=2)
-    fa.add_argument("--producers", type=int, default=None, help="aligned producers K (default: num SMs)")
-    fa.add_argument("--sigma-us", type=float, default=None, help="Q-loop time per KV tile (default: profile's)")
+    c: list = []
+    fa.set_defaults(checks=c)
+    fa.add_argument("--platform", required=True, help=_PLATFORM_HELP)
+    _add_int(fa, c, "--seq", required=True, help="global sequence length M (tokens)")
+    _add_int(fa, c, "--heads", required=True, help="total attention heads H")
+    _add_int(fa, c, "--head-dim", required=True, help="head dimension d")
+    _add_int(fa, c, "--world", required=True, help="Ulysses degree P")
+    _add_int(fa, c, "--batch", default=1)
+    _add_int(fa, c, "--tile-m", default=128, help="output (Q) tile rows b_m")
+    _add_int(fa, c, "--tile-n", default=128, help="KV tile b_n")
+    _add_int(fa, c, "--out-bytes", default=2, help=_OUT_BYTES_HELP.format(row="--head-dim x --out-bytes"))
+    _add_int(fa, c, "--producers", default=None, help=_PRODUCERS_HELP)
+    _add_pos(fa, c, "--sigma-us", "US", default=None,
+             help="Q-loop time per KV tile, microseconds > 0 (default: profile's)")
     fa.add_argument("--json", action="store_true")
 
     moe = psub.add_parser("megamoe", help="MegaMoE Combine bursts (Section 4.2)")
-    moe.add_argument("--platform", required=True)
-    moe.add_argument("--hidden", type=int, required=True)
-    moe.add_argument("--intermediate", type=int, required=True)
-    moe.add_argument("--experts", type=int, required=True)
-    moe.add_argument("--topk", type=int, required=True)
-    moe.add_argument("--tokens", type=int, required=True, help="tokens per rank")
-    moe.add_argument("--world", type=int, required=True, help="expert-parallel degree P")
-    moe.add_argument("--block-m", type=int, default=128)
-    moe.add_argument("--block-n", type=int, default=128)
-    moe.add_argument("--out-bytes", type=int, default=2)
-    moe.add_argument("--producers", type=int, default=None)
-    moe.add_argument("--t-l1-us", type=float, default=None, help="Linear-1 tile mainloop time")
-    moe.add_argument("--t-l2-us", type=float, default=None, help="Linear-2 tile mainloop time")
-    moe.add_argument("--dense-tflops", type=float, default=None)
+    c = []
+    moe.set_defaults(checks=c)
+    moe.add_argument("--platform", required=True, help=_PLATFORM_HELP)
+    _add_int(moe, c, "--hidden", required=True, help="hidden size h")
+    _add_int(moe, c, "--intermediate", required=True, help="expert intermediate size")
+    _add_int(moe, c, "--experts", required=True, help="routed experts (all ranks)")
+    _add_int(moe, c, "--topk", required=True, help="experts per token, at most --experts")
+    _add_int(moe, c, "--tokens", required=True, help="tokens per rank")
+    _add_int(moe, c, "--world", required=True, help="expert-parallel degree P")
+    _add_int(moe, c, "--block-m", default=128, help="tile rows b_m")
+    _add_int(moe, c, "--block-n", default=128, help="tile columns b_n (divides --hidden and 2 x --intermediate)")
+    _add_int(moe, c, "--out-bytes", default=2, help=_OUT_BYTES_HELP.format(row="--block-n x --out-bytes"))
+    _add_int(moe, c, "--producers", default=None, help=_PRODUCERS_HELP)
+    _add_pos(moe, c, "--t-l1-us", "US", default=None,
+             help="Linear-1 tile mainloop time, microseconds > 0 (default: from the dense rate)")
+    _add_pos(moe, c, "--t-l2-us", "US", default=None,
+             help="Linear-2 tile mainloop time, microseconds > 0 (default: from the dense rate)")
+    _add_pos(moe, c, "--dense-tflops", "TFLOPS", default=None,
+             help="dense bf16 rate in TFLOP/s > 0, to estimate the mainloop times (default: profile's)")
     moe.add_argument("--json", action="store_true")
     return ap
+
+
+def _fail(msg: str):
+    raise _UsageError(msg)
+
+
+def _check_numbers(args) -> None:
+    """Every numeric flag: positive integers, or finite numbers > 0 (value shown as given)."""
+    for dest, flag, kind in args.checks:
+        v = getattr(args, dest)
+        if v is None:
+            continue
+        if kind == "int":
+            if v <= 0:
+                _fail(f"{flag} must be a positive integer, got {v}")
+        elif not math.isfinite(v):
+            _fail(f"{flag} must be a finite number, got {v:g}")
+        elif v <= 0:
+            _fail(f"{flag} must be > 0, got {v:g}")
+
+
+def _check_out_bytes(out_bytes: int, width: int, width_flag: str) -> None:
+    if out_bytes not in OUT_BYTES:
+        _fail(f"--out-bytes must be 1, 2 or 4 (bytes per output element: fp8, bf16/fp16, fp32), got {out_bytes}")
+    row = width * out_bytes
+    if row % STORE_BYTES:
+        _fail(f"{width_flag} {width} x --out-bytes {out_bytes} = {row}-byte output rows:"
+              f" not a multiple of the kernels' {STORE_BYTES}-byte stores")
+
+
+def _check_plan(args):
+    """Check a plan command's flags, then load its platform (errors name the flags)."""
+    _check_numbers(args)
+    if args.kernel == "fa-a2a":
+        _check_out_bytes(args.out_bytes, args.head_dim, "--head-dim")
+        if args.heads % args.world:
+            _fail(f"--heads {args.heads} is not divisible by --world {args.world}"
+                  " (Ulysses splits the heads across ranks)")
+        if args.seq % args.world:
+            _fail(f"--seq {args.seq} is not divisible by --world {args.world}"
+                  " (Ulysses splits the sequence across ranks)")
+    else:
+        _check_out_bytes(args.out_bytes, args.block_n, "--block-n")
+        if args.experts % args.world:
+            _fail(f"--experts {args.experts} is not divisible by --world {args.world} (expert parallelism)")
+        if args.topk > args.experts:
+            _fail(f"--topk {args.topk} exceeds --experts {args.experts}")
+        if (2 * args.intermediate) % args.block_n:
+            _fail(f"2 x --intermediate {args.intermediate} is not a multiple of --block-n {args.block_n}"
+                  " (Linear-1 tiles)")
+        if args.hidden % args.block_n:
+            _fail(f"--hidden {args.hidden} is not a multiple of --block-n {args.block_n} (Linear-2 tiles)")
+    platform = profiles.load(args.platform)
+    if args.producers is not None and args.producers > platform.num_sms:
+        _fail(f"--producers {args.producers} exceeds the {platform.num_sms} SMs of platform {platform.name!r}"
+              " (one aligned producer CTA per SM)")
+    return platform
 
 
 def _run(args) -> str:
@@ -146,7 +268,7 @@ def _run(args) -> str:
         out += [f"{r['name']:24} {r['source']:9} {r['R_GBps']:9.1f} {r['t_iss0_us']:20.3f} {r['Q_MiB']:8.3f}"
                 f"  {r['num_sms']}" for r in rows]
         return "\n".join(out)
-    platform = profiles.load(args.platform)
+    platform = _check_plan(args)
     if args.kernel == "fa-a2a":
         p = planner.plan_fa_a2a(
             platform, seq_len=args.seq, heads=args.heads, head_dim=args.head_dim, world=args.world,
@@ -162,14 +284,36 @@ def _run(args) -> str:
     return json.dumps(p.as_dict(), indent=2) if args.json else _fmt_moe(p)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv) -> int:
     try:
         args = _build_parser().parse_args(argv)
         print(_run(args))
+    except SystemExit as e:  # --help / --version printed their text
+        return e.code if isinstance(e.code, int) else 0
     except (_UsageError, ValueError) as e:  # ProfileError is a ValueError
         print(f"xstage: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _stdout_to_devnull() -> None:
+    """Point fd 1 at /dev/null so that the interpreter's last flush cannot fail again."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError):  # stdout without a file descriptor (in-process capture)
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a closed pipe must show up here, not at interpreter exit
+        return rc
+    except BrokenPipeError:  # reader went away (xstage ... | head): stop quietly
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -21,13 +21,34 @@ from dataclasses import asdict, dataclass, field
 from . import model
 from .model import Platform
 
-__all__ = ["FAPlan", "MoEPlan", "plan_fa_a2a", "plan_megamoe"]
+__all__ = ["FAPlan", "MoEPlan", "OUT_BYTES", "STORE_BYTES", "plan_fa_a2a", "plan_megamoe"]
 
 
 def _positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"{name} must be a positive integer, got {v!r}")
     return v
+
+
+# Bytes per output element (out_bytes = s_out): fp8, bf16/fp16, fp32.
+OUT_BYTES = (1, 2, 4)
+# The kernels' remote stores are 16-byte vectors (st.global.v4.b32, xstage.device.store_v4):
+# an output tile row must be a whole number of them.
+STORE_BYTES = 16
+
+
+def _check_out_bytes(out_bytes: int, row_elems: int, row_name: str) -> None:
+    if out_bytes not in OUT_BYTES:
+        raise ValueError(f"out_bytes must be one of {OUT_BYTES} (bytes per output element), got {out_bytes!r}")
+    if (row_elems * out_bytes) % STORE_BYTES:
+        raise ValueError(f"{row_name}*out_bytes = {row_elems * out_bytes} bytes per output row is not a multiple"
+                         f" of the {STORE_BYTES}-byte stores")
+
+
+def _positive_time(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    return float(v)
 
 
 @dataclass
@@ -87,14 +108,13 @@ def plan_fa_a2a(
     for name, v in (("seq_len", seq_len), ("heads", heads), ("head_dim", head_dim), ("world", world),
                     ("batch", batch), ("tile_m", tile_m), ("tile_n", tile_n), ("out_bytes", out_bytes)):
         _positive_int(name, v)
+    _check_out_bytes(out_bytes, head_dim, "head_dim")
     if heads % world:
         raise ValueError(f"heads={heads} is not divisible by world={world} (Ulysses splits heads across ranks)")
     if seq_len % world:
         raise ValueError(f"seq_len={seq_len} is not divisible by world={world} (Ulysses splits the sequence)")
     k = platform.num_sms if producers is None else _positive_int("producers", producers)
-    sigma = platform.sigma if sigma is None else sigma
-    if sigma is not None and not sigma > 0:
-        raise ValueError(f"sigma must be > 0, got {sigma!r}")
+    sigma = platform.sigma if sigma is None else _positive_time("sigma", sigma)
 
     local_heads = heads // world
     tiles = batch * local_heads * math.ceil(seq_len / tile_m)
@@ -204,6 +224,10 @@ def plan_megamoe(
                     ("tokens", tokens), ("world", world), ("block_m", block_m), ("block_n", block_n),
                     ("out_bytes", out_bytes)):
         _positive_int(name, v)
+    _check_out_bytes(out_bytes, block_n, "block_n")
+    for name, t in (("t_l1_mma", t_l1_mma), ("t_l2_mma", t_l2_mma), ("dense_flops", dense_flops)):
+        if t is not None:
+            _positive_time(name, t)
     if experts % world:
         raise ValueError(f"experts={experts} is not divisible by world={world} (expert parallelism)")
     if topk > experts:

@@ -148,14 +148,28 @@ def to_dict(p: Platform) -> dict:
     return d
 
 
+def _read_profile_file(path: Path) -> str:
+    """The text of a profile file; a ProfileError naming the file if it is not one."""
+    if path.is_dir():
+        raise ProfileError(f"{path}: is a directory, not a profile JSON file")
+    if not path.exists():
+        raise ProfileError(f"profile file not found: {path}")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read the profile: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not a JSON profile (binary data, not UTF-8 text)") from None
+
+
 def load(name_or_path: str | Path) -> Platform:
     """Load a shipped profile by name, or a profile JSON file by path."""
     s = str(name_or_path)
     path = Path(s)
     if s.endswith(".json") or path.exists() or "/" in s:
-        if not path.is_file():
-            raise ProfileError(f"profile file not found: {s}")
-        text, where = path.read_text(), str(path)
+        text, where = _read_profile_file(path), str(path)
     else:
         res = _shipped_dir() / f"{s}.json"
         if not res.is_file():
