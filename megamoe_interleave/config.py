@@ -4,7 +4,7 @@
 both take them from here.
 
 Every default cites the H200 measurement that chose it (DeepSeek-V4-Flash, 8192 tokens per rank,
-clock-matched paired trials; the folders are under results/h200/megamoe/, see its README).
+clock-matched paired trials; the folders are under results/h200/megamoe/archive/ unless named otherwise).
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ class MegaMoEConfig:
     def schedule_spec(self) -> Schedule:
         """The scheduler (pure step functions) of a resolved config: interleaved always pairs the
         CTA pairs' L1 and L2 shares (scheduler.balanced_l2_start; measured 0.993x at P = 1 and
-        0.9995x at P = 8 against unbalanced starts, results/h200/megamoe/archive/redesign-switches)."""
+        0.9995x at P = 8 against unbalanced starts, redesign_switches/)."""
         if self.schedule == "interleaved":
             return Schedule("interleaved", lead=self.lead, balance_l2=True)
         return Schedule("expert_wave", l2_columns=bool(self.l2_columns))
@@ -159,7 +159,7 @@ class MegaMoEConfig:
           W = 0 / 4 / 5 / 6 / 7 gave 1.048 / 1.088 / 1.009 / 1.017 / 1.033x; interleaved no W in
           5..14 beat W = 0 (window/).
         * l2_columns: on for expert_wave wherever the order's positions fit scheduler.divmod_small
-          (0.1-0.3 % faster than the row order on three hosts, l2_columns/).
+          (0.1-0.3 % faster than the row order on three hosts, results/h200/megamoe/l2_columns/).
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
         """
         hidden, inter, experts, topk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
