@@ -410,7 +410,7 @@ class MegaMoE:
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
                    self.w1[d], self.w2[d], records, sched_table, buf.counters[d],
                    trace)
-        from .kernel_sm90 import check_launch_arguments
+        from .config import check_launch_arguments
 
         check_launch_arguments(self.hidden, self.intermediate, tensors)
         return num_ctas, tensors, (grid.num_rows, n_pool, buf.max_tokens, self.topk)

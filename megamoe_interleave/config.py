@@ -205,3 +205,54 @@ class MegaMoEConfig:
         else:
             out.update(lead=self.lead if self.lead is not None else default_lead(block_n, num_sms, inter))
         return dataclasses.replace(self, **out)
+
+
+NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
+
+
+def tensor_argument_spec(hidden: int, intermediate: int):
+    """The kernel's tensor arguments as (name, dtype name, shape); str dims are dynamic and agree
+    wherever the same name appears. One definition for the compile (kernel_sm90.fake_launch_arguments)
+    and the host-side check."""
+    return [
+        ("mPeerX", "int64", ("P",)),
+        ("mPeerCombine", "int64", ("P",)),
+        ("mPoolSrc", "int32", ("n_pool", 3)),
+        ("mPoolWeight", "float32", ("n_pool",)),
+        ("mPoolX", "bfloat16", ("n_pad", hidden)),  # n_pad = n_pool + BLOCK_M (padded M tiles)
+        ("mH", "bfloat16", ("n_pad", intermediate)),
+        ("mW1", "bfloat16", ("E_l", 2 * intermediate, hidden)),
+        ("mW2", "bfloat16", ("E_l", hidden, intermediate)),
+        ("mRowRecord", "int32", ("n_rows", 4)),
+        ("mScheduleTable", "int32", ("n_s",)),
+        ("mCounters", "int32", ("n_c",)),
+        ("mTrace", "int64", ("n_tc", "n_tt", len(TRACE_FIELDS))),
+    ]
+
+
+def check_launch_arguments(hidden: int, intermediate: int, tensors) -> None:
+    """ValueError unless the torch ``tensors`` match :func:`tensor_argument_spec` (dtype, rank,
+    static dims, consistent dynamic dims, row-major contiguity, alignment)."""
+    import torch
+
+    spec = tensor_argument_spec(hidden, intermediate)
+    if len(tensors) != len(spec):
+        raise ValueError(f"expected {len(spec)} tensor arguments, got {len(tensors)}")
+    bound = {}
+    for (name, dtype, shape), t in zip(spec, tensors):
+        if t.dtype != getattr(torch, dtype):
+            raise ValueError(f"{name}: dtype {t.dtype}, expected torch.{dtype}")
+        if t.dim() != len(shape):
+            raise ValueError(f"{name}: rank {t.dim()}, expected {len(shape)}")
+        for i, (want, got) in enumerate(zip(shape, t.shape)):
+            if isinstance(want, str):
+                if bound.setdefault(want, got) != got:
+                    raise ValueError(f"{name}: dim {i} = {got} but {want} = {bound[want]} elsewhere")
+            elif want != got:
+                raise ValueError(f"{name}: dim {i} = {got}, expected {want}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if name == "mRowRecord" and t.data_ptr() % 16:
+            raise ValueError("mRowRecord must be 16-byte aligned (one vector load per record)")
+        if name == "mPoolX" and t.is_cuda and t.data_ptr() % 128:
+            raise ValueError("mPoolX must be 128-byte aligned (TMA tiles)")

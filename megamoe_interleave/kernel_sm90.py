@@ -40,8 +40,8 @@ from quack import sm90_utils
 
 from xstage import device as xdev
 
-from .config import BLOCK_K, BLOCK_M, TRACE_FIELDS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
-    smem_plan
+from .config import BLOCK_K, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
+    smem_plan, tensor_argument_spec
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
@@ -175,7 +175,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
                  mRowRecord: cute.Tensor, mScheduleTable: cute.Tensor, mCounters: cute.Tensor, mTrace: cute.Tensor,
                  num_rows: Int32, num_pool: Int32, max_tokens: Int32, topk: Int32, barrier_base: Int32,
                  num_ctas: Int32, stream):
-        """Launch (shapes: :func:`tensor_argument_spec`)."""
+        """Launch (shapes: :func:`.config.tensor_argument_spec`)."""
         self.tiled_mma = sm90_utils.make_tiled_mma(BFloat16, "K", "K", self.block_n, atom_layout_mnk=(2, 1, 1))
         self.sA_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K),
                                                      stage=self.stages)
@@ -312,66 +312,16 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         cute.arch.sync_threads()
 
 
-NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
-
-
-def tensor_argument_spec(hidden: int, intermediate: int):
-    """The kernel's tensor arguments as (name, dtype, shape); str dims are dynamic and agree
-    wherever the same name appears. One definition for the compile and the host-side check."""
-    return [
-        ("mPeerX", Int64, ("P",)),
-        ("mPeerCombine", Int64, ("P",)),
-        ("mPoolSrc", Int32, ("n_pool", 3)),
-        ("mPoolWeight", Float32, ("n_pool",)),
-        ("mPoolX", BFloat16, ("n_pad", hidden)),  # n_pad = n_pool + BLOCK_M (padded M tiles)
-        ("mH", BFloat16, ("n_pad", intermediate)),
-        ("mW1", BFloat16, ("E_l", 2 * intermediate, hidden)),
-        ("mW2", BFloat16, ("E_l", hidden, intermediate)),
-        ("mRowRecord", Int32, ("n_rows", 4)),
-        ("mScheduleTable", Int32, ("n_s",)),
-        ("mCounters", Int32, ("n_c",)),
-        ("mTrace", Int64, ("n_tc", "n_tt", len(TRACE_FIELDS))),
-    ]
-
-
-def check_launch_arguments(hidden: int, intermediate: int, tensors) -> None:
-    """ValueError unless the torch ``tensors`` match :func:`tensor_argument_spec` (dtype, rank,
-    static dims, consistent dynamic dims, row-major contiguity, alignment)."""
-    import torch
-
-    to_torch = {Int64: torch.int64, Int32: torch.int32, Float32: torch.float32, BFloat16: torch.bfloat16}
-    spec = tensor_argument_spec(hidden, intermediate)
-    if len(tensors) != len(spec):
-        raise ValueError(f"expected {len(spec)} tensor arguments, got {len(tensors)}")
-    bound = {}
-    for (name, dtype, shape), t in zip(spec, tensors):
-        if t.dtype != to_torch[dtype]:
-            raise ValueError(f"{name}: dtype {t.dtype}, expected {to_torch[dtype]}")
-        if t.dim() != len(shape):
-            raise ValueError(f"{name}: rank {t.dim()}, expected {len(shape)}")
-        for i, (want, got) in enumerate(zip(shape, t.shape)):
-            if isinstance(want, str):
-                if bound.setdefault(want, got) != got:
-                    raise ValueError(f"{name}: dim {i} = {got} but {want} = {bound[want]} elsewhere")
-            elif want != got:
-                raise ValueError(f"{name}: dim {i} = {got}, expected {want}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-        if name == "mRowRecord" and t.data_ptr() % 16:
-            raise ValueError("mRowRecord must be 16-byte aligned (one vector load per record)")
-        if name == "mPoolX" and t.is_cuda and t.data_ptr() % 128:
-            raise ValueError("mPoolX must be 128-byte aligned (TMA tiles)")
-
-
 def fake_launch_arguments(hidden: int, intermediate: int):
-    """Fake tensors, scalars and stream for compiling without a GPU (:func:`tensor_argument_spec`)."""
+    """Fake tensors, scalars and stream for compiling without a GPU (:func:`.config.tensor_argument_spec`)."""
     from quack.compile_utils import make_fake_tensor
 
     from xstage.cute_compile import fake_stream
 
+    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16}
     syms = {}
-    tensors = [make_fake_tensor(dtype, tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
-                                             for d in shape), divisibility=8 if dtype is BFloat16 else 1)
+    tensors = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
+                                                  for d in shape), divisibility=8 if dtype == "bfloat16" else 1)
                for _, dtype, shape in tensor_argument_spec(hidden, intermediate)]
     return (*tensors, *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
 

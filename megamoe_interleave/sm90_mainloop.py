@@ -2,7 +2,7 @@
 and the two WGMMA consumer warpgroups, meeting at a ``stages``-deep shared-memory ring of A/B
 tiles guarded by full/empty mbarriers (quack ``PipelineTmaAsync`` with bounded waits).
 
-The CTA pair of a scheduler row (a 2-CTA cluster) splits the row along M: both CTAs need the same
+The ring's waits are bounded (:class:`xstage.pipeline.BoundedPipelineTmaAsync`). The CTA pair of a scheduler row (a 2-CTA cluster) splits the row along M: both CTAs need the same
 B tile (the expert's weights), so each loads half of it and multicasts it into both CTAs' stage;
 A (each CTA's own rows) is a plain TMA load. Consumers release a stage on both CTAs' empty
 barriers. After the mainloop the consumers stage the tile's bf16 output (L1: SwiGLU x routing
@@ -17,9 +17,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import Agent, CooperativeGroup, PipelineUserType
 from quack import sm90_utils
 from quack.activation import tanh
-from quack.pipeline import PipelineTmaAsync, make_pipeline_state
+from quack.pipeline import make_pipeline_state
 
 from xstage import device as xdev
+from xstage.pipeline import BoundedPipelineTmaAsync
 
 from .config import BLOCK_K, BLOCK_M
 from .scheduler import PHASE_L1, Tile
@@ -38,75 +39,6 @@ def swiglu_tanh(gate, up):
 def tile_fields(tile: Tile):
     """A tile's fields as Int32 values (loop-carried state of a software-pipelined loop)."""
     return tuple(Int32(getattr(tile, f)) for f in Tile.__dataclass_fields__)
-
-
-class BoundedPipelineTmaAsync(PipelineTmaAsync):
-    """quack ``PipelineTmaAsync`` whose waits are bounded (:func:`xstage.device.mbarrier_wait_bounded`:
-    after ``timeout_ns`` it ORs ERR_RING_TIMEOUT into the error word and returns False). ``ok``
-    carries a thread's health: once a wait failed the thread waits no more and falls through
-    (arrives, copies and WGMMAs still run, on stale data), so every role ends after at most one
-    timeout and the host raises. The base class's unbounded waits raise at trace time."""
-
-    @staticmethod
-    def create(*args, **kwargs) -> "BoundedPipelineTmaAsync":
-        obj = PipelineTmaAsync.create(*args, **kwargs)
-        object.__setattr__(obj, "__class__", BoundedPipelineTmaAsync)  # frozen dataclass (as quack)
-        return obj
-
-    def producer_acquire(self, *args, **kwargs):
-        raise NotImplementedError("unbounded wait: use producer_acquire_bounded")
-
-    def consumer_wait(self, *args, **kwargs):
-        raise NotImplementedError("unbounded wait: use consumer_wait_bounded")
-
-    def producer_tail(self, *args, **kwargs):
-        raise NotImplementedError("unbounded wait: use producer_tail_bounded")
-
-    @cute.jit
-    def wait_bounded(self, barriers, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
-        """Bounded wait for phase ``state.phase`` of stage ``state.index``; none once ``ok`` is False."""
-        if ok:
-            ok = xdev.mbarrier_wait_bounded(barriers.get_barrier(state.index), state.phase, timeout_ns, error_word,
-                                            xdev.ERR_MBARRIER_TIMEOUT)
-        return ok
-
-    @cute.jit
-    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer,
-                                 drain_ns: Int64) -> Boolean:
-        """Wait until the stage is empty, then arm its full barrier with the stage's bytes. After a
-        failed wait the consumers no longer release stages in step, so the producer instead waits
-        (bounded by ``drain_ns``) for the stage's previous load to land -- the full barrier's
-        previous phase -- and never arms a phase twice."""
-        if ok:
-            ok = xdev.mbarrier_wait_bounded(self.sync_object_empty.get_barrier(state.index), state.phase, timeout_ns,
-                                            error_word, xdev.ERR_MBARRIER_TIMEOUT)
-        else:
-            xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
-                                       error_word, xdev.ERR_MBARRIER_TIMEOUT)
-        self.sync_object_full.arrive(state.index, self.producer_mask)
-        return ok
-
-    @cute.jit
-    def consumer_wait_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
-        return self.wait_bounded(self.sync_object_full, state, ok, timeout_ns, error_word)
-
-    @cute.jit
-    def producer_tail_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
-        """Wait until every stage has been released, so no arrive is in flight when the CTA exits."""
-        for _ in cutlass.range_constexpr(self.num_stages):
-            ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
-            state.advance()
-        return ok
-
-    @cute.jit
-    def producer_drain_bounded(self, state, drain_ns: Int64, error_word: cute.Pointer):
-        """Wait until the last armed phase of every stage's full barrier completed: every TMA byte
-        bound for this CTA's smem (its own loads and the peer's multicast) has landed, also after
-        a timeout. ``state``: the producer's state after its last load (pass a clone)."""
-        for _ in cutlass.range_constexpr(self.num_stages):
-            xdev.mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
-                                       error_word, xdev.ERR_MBARRIER_TIMEOUT)
-            state.advance()
 
 
 class ProducerMixin:

@@ -214,7 +214,7 @@ def test_ring_timeout_maps_to_device_error():
 
 def test_bounded_pipeline_refuses_unbounded_waits():
     """The ring's pipeline class keeps no unbounded wait: the base class's waits raise."""
-    from megamoe_interleave.sm90_mainloop import BoundedPipelineTmaAsync
+    from xstage.pipeline import BoundedPipelineTmaAsync
 
     for name in ("producer_acquire", "consumer_wait", "producer_tail"):
         with pytest.raises(NotImplementedError, match="unbounded wait"):

@@ -196,7 +196,7 @@ def test_api_rejects_bad_input_before_launch():
 def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
     """The host planning of the fused backend produces arguments that match the kernel's
     compiled signature (dtypes, shapes, shared dynamic dims, contiguity) -- on the CPU."""
-    from megamoe_interleave.kernel_sm90 import check_launch_arguments, tensor_argument_spec
+    from megamoe_interleave.config import check_launch_arguments, tensor_argument_spec
 
     P, E, H, I, k = 4, 16, 256, 128, 6
     w1, w2, xs, idx, w = _problem(P, E, H, I, k, tokens, "skewed", 0.1)
@@ -271,7 +271,7 @@ def test_dispatched_rows_is_the_kernels_pool():
     """MegaMoE.dispatched_rows(d) is the leading [n_pool, H] of the pool tensor the kernel gets
     (mPoolX), only once a launch planned it; gather_rows fills row i with x[src rank][src token]
     (CPU)."""
-    from megamoe_interleave.kernel_sm90 import tensor_argument_spec
+    from megamoe_interleave.config import tensor_argument_spec
     from megamoe_interleave.reference import gather_rows
 
     P, E, H, I, k = 2, 16, 256, 128, 6
