@@ -110,7 +110,7 @@ def run(ctx, args):
     import torch
 
     import fa4_a2a
-    from bench_fa_a2a import load_platform, model_prediction
+    from fa4_a2a.bench import load_platform, model_prediction
     from fa4_a2a.baselines import a2a_all_to_all_single, a2a_copy
 
     P, D = ctx.P, args.head_dim

@@ -188,7 +188,7 @@ def fa_figure(d: dict, path: Path):
     if importlib.util.find_spec("matplotlib") is None:
         return None
     try:
-        from bench_fa_a2a import plot
+        from fa4_a2a.bench import plot
     except ImportError:
         return None
     if not d.get("rows"):
