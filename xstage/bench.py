@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from xstage import paired, provenance
+from xstage import paired, provenance, timing
 
 __all__ = ["event_timed", "replays_for", "paired_trials", "paired_verdicts", "print_paired", "paired_table",
            "write_csv", "write_json", "write_result", "progress", "log", "VERDICT_KEYS"]
@@ -41,20 +41,9 @@ def event_timed(fn: Callable[[], object], *, calls: int = 1, warmup: int = 1) ->
     """() -> device time in us per call of ``calls`` back-to-back calls of ``fn`` between two
     CUDA events (synchronised before it returns); ``warmup`` untimed calls first (compilation,
     first touch)."""
-    import torch
-
-    def timed() -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3 / calls
-
     for _ in range(warmup):
         fn()
-    return timed
+    return lambda: timing.events_us(fn, calls)
 
 
 def replays_for(est_us: float, target_us: float, min_replays: int, max_replays: int) -> int:
