@@ -18,7 +18,9 @@
 #   --tar FILE  at the end (also after failures) pack the results directory into FILE (.tgz),
 #               e.g. --tar "$OUT/h200x8-steps04.tgz" to bring it back through the device tool
 #
-# See docs/multigpu.md and results/README-multigpu.md.
+# Entry points: library modules run with -m (xstage.multigpu_envcheck, calibration.peer,
+# fa4_a2a.multigpu_sweep) and scripts/multigpu/{megamoe_ep,correctness,report}.py, with the
+# repository on PYTHONPATH. See docs/multigpu.md and results/README-multigpu.md.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -36,7 +38,7 @@ while [ $# -gt 0 ]; do
     --gpus) gpus="${2:?--gpus needs a value}"; shift 2 ;;
     --out) out="${2:?--out needs a value}"; shift 2 ;;
     --tar) tarfile="${2:?--tar needs a value}"; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "multigpu_suite: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -128,16 +130,16 @@ for s in "${step_list[@]}"; do
       shell_to "$out/topology/topo.txt" nvidia-smi topo -m
       shell_to "$out/topology/clocks.txt" nvidia-smi -q -d CLOCK
       shell_to "$out/topology/nvlink.txt" nvidia-smi nvlink --status
-      run step0-envcheck "${launch[@]}" scripts/multigpu/envcheck.py "${world[@]}" --out "$out/topology"
+      run step0-envcheck "${launch[@]}" -m xstage.multigpu_envcheck "${world[@]}" --out "$out/topology"
       report topology ;;
     1)
-      run step1-calibration "${launch[@]}" scripts/multigpu/peer_calibration.py "${world[@]}" "${q[@]}" \
+      run step1-calibration "${launch[@]}" -m calibration.peer "${world[@]}" "${q[@]}" \
         --no-progress --out "$out/calibration"
       report calibration ;;
     2)
       prof=(); pj="$out/calibration/profile-h200-nvlink-peer.json"
       [ -f "$pj" ] && prof=(--profile "$pj")
-      run step2-fa4_a2a "${launch[@]}" scripts/multigpu/fa_a2a_sweep.py "${world[@]}" "${q[@]}" "${prof[@]}" \
+      run step2-fa4_a2a "${launch[@]}" -m fa4_a2a.multigpu_sweep "${world[@]}" "${q[@]}" "${prof[@]}" \
         --out "$out/fa4_a2a"
       report fa4_a2a ;;
     3)

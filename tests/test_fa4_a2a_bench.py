@@ -1,8 +1,11 @@
-"""scripts/bench_fa_a2a.py on the CPU: trial sizing, the acceptance verdicts of its rows (the
-statistics themselves: tests/test_paired.py), re-analysis of a saved JSON, and the multi-process agreement."""
+"""fa4_a2a.bench (scripts/bench_fa_a2a.py) on the CPU: its arguments, the acceptance verdicts of
+its rows (the statistics themselves: tests/test_paired.py), re-analysis of a saved JSON, the
+multi-process agreement and the trial loop on host stand-ins (trial sizing: tests/test_bench.py)."""
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -10,10 +13,8 @@ import pytest
 import torch
 from test_paired import _dvfs_row  # synthetic DVFS-affected row (pytest puts tests/ on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_fa_a2a", ROOT / "scripts" / "bench_fa_a2a.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from fa4_a2a import bench
+from xstage import paired
 
 
 def test_args_defaults_plain_and_stabilized():
@@ -26,12 +27,6 @@ def test_args_defaults_plain_and_stabilized():
         bench.parse_args(["--min-replays", "5", "--max-replays", "2"])
     assert set(bench.VARIANTS) >= {"a2a_symm", "serial_symm"}
     assert set(bench.parse_args(["--world", "torch-symm"]).variants) == set(bench.VARIANTS)
-
-
-def test_replays_for():
-    assert bench.replays_for(16000.0, 2000.0, 1, 4) == 1  # long kernel: one replay, short trial
-    assert bench.replays_for(300.0, 2000.0, 1, 4) == 4
-    assert bench.replays_for(300.0, 3000.0, 3, 20) == 10
 
 
 def test_analyse_row_and_tables():
@@ -134,7 +129,7 @@ def test_time_interleaved_loop_logic(monkeypatch, cooldown):
     reading per trial (two with a cool-down), barriers around every timed burst."""
     calls, clock = [], iter(range(10**6))
     monkeypatch.setattr(bench, "_capture", _FakeGraph)
-    monkeypatch.setattr(bench, "_sm_clock_mhz", lambda: 1500 + next(clock) % 3)
+    monkeypatch.setattr(paired, "sm_clock_mhz", lambda: 1500 + next(clock) % 3)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     world = types.SimpleNamespace(local_ranks=[0], world_size=2, barrier=lambda: calls.append("barrier"))
@@ -168,3 +163,12 @@ def test_variant_fns_on_a_cpu_loopback_world():
     for j in range(P):
         assert torch.equal(dest.local(j)[:, :, Hl:2 * Hl], want[j][:, :, Hl:2 * Hl])
         assert torch.isnan(dest.local(j)[:, :, :Hl].float()).all()
+
+
+def test_script_is_a_thin_cli():
+    """scripts/bench_fa_a2a.py runs fa4_a2a.bench.main with nothing but the repository on the path."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, str(root / "scripts" / "bench_fa_a2a.py"), "--help"], capture_output=True,
+                       text=True, timeout=300, env=env, cwd=root)
+    assert r.returncode == 0 and "--stabilize" in r.stdout and "fused_pers_dq" in r.stdout, r.stderr[-2000:]

@@ -1,8 +1,13 @@
 """CPU tests of the multi-GPU suite (issue 6): argument checks, the max-across-ranks/median
 reduction, result summaries, report generation on synthetic data and the suite's dry run.
 
-The GPU parts run on a multi-GPU host (scripts/multigpu_suite.sh) or in the loopback world
-(``--loopback``); tests/test_multigpu_gpu.py covers those where a GPU is present."""
+The library modules (xstage.multigpu, xstage.multigpu_report, calibration.peer,
+fa4_a2a.multigpu_sweep, fa4_a2a.multigpu_checks) are imported; the command lines under
+scripts/multigpu only run as subprocesses. The megamoe parts still in scripts/multigpu:
+tests/test_multigpu_megamoe_scripts.py. The GPU parts run on a multi-GPU host
+(scripts/multigpu_suite.sh) or in the loopback world (``--loopback``);
+tests/test_multigpu_gpu.py covers those where a GPU is present."""
+import importlib.util
 import json
 import math
 import os
@@ -13,18 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from calibration import peer
+from fa4_a2a import multigpu_checks, multigpu_sweep
+from xstage import multigpu as mg
+from xstage import multigpu_report
+
 ROOT = Path(__file__).resolve().parents[1]
 MG = ROOT / "scripts" / "multigpu"
-sys.path.insert(0, str(MG))
-
-import correctness  # noqa: E402
-import fa_a2a_sweep  # noqa: E402
-import megamoe_ep  # noqa: E402
-import mgcommon as mg  # noqa: E402
-import peer_calibration  # noqa: E402
-import report  # noqa: E402
-
 SUITE = ROOT / "scripts" / "multigpu_suite.sh"
+# the command lines import the packages from this checkout: nothing else puts it on their path
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                   if os.environ.get("PYTHONPATH") else []))}
 TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", **mg.MULTICAST_ENV}
 
 
@@ -109,39 +113,39 @@ def test_quantile_geomean():
 
 
 def test_fa_args_and_shape_checks():
-    a = fa_a2a_sweep.parse_args(["--world", "loopback", "--P", "4", "--quick"])
-    assert a.seqs == list(fa_a2a_sweep.QUICK_SEQS) and a.trials == 7
-    a = fa_a2a_sweep.parse_args(["--world", "torch-symm", "--seqs", "4096", "--trials", "5"])
+    a = multigpu_sweep.parse_args(["--world", "loopback", "--P", "4", "--quick"])
+    assert a.seqs == list(multigpu_sweep.QUICK_SEQS) and a.trials == 7
+    a = multigpu_sweep.parse_args(["--world", "torch-symm", "--seqs", "4096", "--trials", "5"])
     assert a.seqs == [4096] and a.trials == 5 and a.P is None
-    fa_a2a_sweep.check_shapes([24, 40], [8192], 8)
+    multigpu_sweep.check_shapes([24, 40], [8192], 8)
     with pytest.raises(mg.WorldArgsError, match="H=24"):
-        fa_a2a_sweep.check_shapes([24, 40], [8192], 16)
+        multigpu_sweep.check_shapes([24, 40], [8192], 16)
     with pytest.raises(mg.WorldArgsError, match="M=1001"):
-        fa_a2a_sweep.check_shapes([24], [1001], 2)
+        multigpu_sweep.check_shapes([24], [1001], 2)
     with pytest.raises(SystemExit):
-        fa_a2a_sweep.parse_args(["--P", "2"])  # --world is required
+        multigpu_sweep.parse_args(["--P", "2"])  # --world is required
 
 
 def test_fa_variants_per_world():
-    keep, skipped = fa_a2a_sweep.active_variants(fa_a2a_sweep.VARIANTS, "loopback")
+    keep, skipped = multigpu_sweep.active_variants(multigpu_sweep.VARIANTS, "loopback")
     assert skipped == ["a2a_nccl", "serial_nccl"] and "a2a_symm" in keep and "fused" in keep
-    keep, skipped = fa_a2a_sweep.active_variants(fa_a2a_sweep.VARIANTS, "torch-symm")
-    assert keep == list(fa_a2a_sweep.VARIANTS) and skipped == []
-    keep, skipped = fa_a2a_sweep.active_variants(fa_a2a_sweep.VARIANTS, "torch-symm", have_a2a_symm=False)
+    keep, skipped = multigpu_sweep.active_variants(multigpu_sweep.VARIANTS, "torch-symm")
+    assert keep == list(multigpu_sweep.VARIANTS) and skipped == []
+    keep, skipped = multigpu_sweep.active_variants(multigpu_sweep.VARIANTS, "torch-symm", have_a2a_symm=False)
     assert skipped == ["a2a_symm", "serial_symm"] and "a2a_symm_torch" in keep
 
 
 def test_fa_derive():
     med = {"fa_only": 100.0, "fa_only_pers": 95.0, "serial_nccl": 150.0, "serial_symm": 140.0,
            "serial_symm_torch": 160.0, "fused": 110.0, "fused_pers": 105.0}
-    d = fa_a2a_sweep.derive(med)
+    d = multigpu_sweep.derive(med)
     assert d["E_res_fused_us"] == 10.0
     assert d["speedup_fused_vs_serial_nccl"] == pytest.approx(150 / 110)
     assert d["speedup_fused_pers_vs_serial_symm"] == pytest.approx(140 / 105)
     assert d["H_fused_vs_serial_nccl"] == pytest.approx(1 - 10 / 50)
     assert d["E_res_pers_vs_fa_pers_us"] == 10.0
     assert d["speedup_fused_vs_serial_symm_torch"] == pytest.approx(160 / 110)
-    assert fa_a2a_sweep.derive({"fused": 1.0}) == {}
+    assert multigpu_sweep.derive({"fused": 1.0}) == {}
 
 
 def _moe_row(shape, routing, T, sched, k_us, api_us):
@@ -149,113 +153,46 @@ def _moe_row(shape, routing, T, sched, k_us, api_us):
             "kernel_median_us": k_us, "api_median_us": api_us}
 
 
-def test_megamoe_summary_speedups_geomean_regressions():
-    rows = [_moe_row("a", "balanced", 1024, "expert_wave", 120.0, 200.0),
-            _moe_row("a", "balanced", 1024, "interleaved", 100.0, 180.0),
-            _moe_row("a", "skewed", 1024, "expert_wave", 90.0, 150.0),
-            _moe_row("a", "skewed", 1024, "interleaved", 100.0, 150.0),
-            _moe_row("b", "skewed", 8, "expert_wave", 1.0, 1.0)]  # incomplete pair: ignored
-    s = megamoe_ep.summarize(rows)
-    assert len(s["configs"]) == 2
-    assert s["geomean_speedup"] == pytest.approx(math.sqrt(1.2 * 0.9))
-    assert [c["routing"] for c in s["regressions"]] == ["skewed"]
-    assert s["max_speedup"] == pytest.approx(1.2) and s["min_speedup"] == pytest.approx(0.9)
-    assert megamoe_ep.summarize([]) == {"configs": []}
-    # --grouped-gemms rows: each schedule's kernel time over the GEMMs' alone; not a schedule
-    s = megamoe_ep.summarize(rows + [_moe_row("a", "balanced", 1024, megamoe_ep.GROUPED, 125.0, 0.0)])
-    bal = next(c for c in s["configs"] if c["routing"] == "balanced")
-    assert bal["expert_wave_vs_grouped"] == pytest.approx(0.96) and bal["interleaved_vs_grouped"] == pytest.approx(0.8)
-    assert "grouped_us" not in next(c for c in s["configs"] if c["routing"] == "skewed")
-    assert s["geomean_speedup"] == pytest.approx(math.sqrt(1.2 * 0.9))
-    assert megamoe_ep.parse_args(["--world", "loopback", "--P", "2", "--grouped-gemms"]).grouped_gemms
-
-
-def test_megamoe_args_and_shapes():
-    a = megamoe_ep.parse_args(["--world", "loopback", "--P", "2", "--quick"])
-    assert a.tokens == list(megamoe_ep.QUICK_TOKENS) and a.trials == 3
-    assert [s.name for s in megamoe_ep.resolve_shapes(["deepseek-v4-flash"], 8)] == ["deepseek-v4-flash"]
-    assert len(megamoe_ep.resolve_shapes(["all"], 8)) >= 5
-    with pytest.raises(mg.WorldArgsError, match="unknown shape"):
-        megamoe_ep.resolve_shapes(["nope"], 8)
-    with pytest.raises(mg.WorldArgsError, match="unknown dimensions"):
-        megamoe_ep.resolve_shapes(["dit-moe"], 8)
-    with pytest.raises(mg.WorldArgsError, match="not divisible by P=3"):
-        megamoe_ep.resolve_shapes(["deepseek-v4-flash"], 3)
-
-
 def test_correctness_cases_and_summary():
     for P in (1, 2, 4, 8):
-        for name, tokens, k, kind, mask, cfg in correctness.moe_cases(P):
-            assert len(tokens) == P and k <= correctness.MOE_E and max(tokens) <= cfg["max_tokens"]
-        for case in correctness.fa_cases(P):
+        for case in multigpu_checks.fa_cases(P):
             assert case[2] > 0
-    assert len(correctness.fa_cases(8, quick=True)) == 2
-    with pytest.raises(mg.WorldArgsError, match="P=3"):
-        correctness.moe_cases(3)
+    assert len(multigpu_checks.fa_cases(8, quick=True)) == 2
     res = [{"kernel": "fa4", "case": "x", "variant": "fused", "rank": 0, "ok": True},
            {"kernel": "fa4", "case": "x", "variant": "fused", "rank": 1, "ok": False, "max_abs_err": 1.0},
            {"kernel": "megamoe", "case": "y", "variant": "interleaved,wgmma", "rank": 0, "ok": True}]
-    s = correctness.summarize(res)
+    s = mg.summarize_checks(res)
     assert s["fa4"]["checks"] == 2 and s["fa4"]["passed"] == 1 and s["fa4"]["failed"][0]["rank"] == 1
     assert s["megamoe"]["failed"] == [] and s["all_ok"] is False
-    assert correctness.summarize(res[2:])["all_ok"] is True
-    assert correctness.summarize([])["all_ok"] is False  # nothing checked is not a pass
-
-
-def test_correctness_api_defaults_case_takes_the_default_path():
-    """The api-defaults megamoe case (P = 2, the smallest multi-GPU world) resolves, as MegaMoE
-    does, to the path loopback P = 8 runs: 128 x 256 tiles, 3 stages, bulk Dispatch with
-    evict-first, a window for expert_wave only (the run records the resolved options, the L2
-    column order included)."""
-    from megamoe_interleave.api import default_tiles, resolve_dispatch_options
-    from megamoe_interleave.scheduler import Schedule
-
-    P = 2
-    (case,) = [c for c in correctness.moe_cases(P) if c[5].get("api_defaults")]
-    _, tokens, k, _, _, cfg = case
-    H, I = cfg["H"], cfg["I"]
-    tiles = default_tiles("tma_ws_mcast_b", H, I, rows_per_expert=P * cfg["max_tokens"] * k / correctness.MOE_E)
-    assert tiles == (128, 256, 3)
-    options = dict(block_m=128, block_n=256, stages=3, mma="tma_ws_mcast_b", timeout_ns=2_000_000_000, trace=False,
-                   split_tail=None, dispatch_warps=None, l2_handoffs=None, silu="tanh")
-    for name, window in (("expert_wave", True), ("interleaved", False)):
-        got = resolve_dispatch_options(H, I, Schedule(name), options, 132)
-        assert got["dispatch_copy"] == "bulk" and got["dispatch_evict_first"] and (got["dispatch_window"] > 0) == window
-    assert len(correctness.moe_cases(P, quick=True)) == 2  # the quick run keeps the two small cases
-
-
-def test_correctness_mma_kinds():
-    assert correctness.moe_mma_kinds(["fma"]) == ("fma",)
-    assert correctness.moe_mma_kinds(None, quick=True) == ("wgmma",)
-    kinds = correctness.moe_mma_kinds()
-    assert {"wgmma", "wgmma_cpasync", "fma"} <= set(kinds)
+    assert mg.summarize_checks(res[2:])["all_ok"] is True
+    assert mg.summarize_checks([])["all_ok"] is False  # nothing checked is not a pass
 
 
 def test_correctness_partial_records(tmp_path):
-    p = correctness.save_partial(tmp_path, "c", 3, [{"ok": True, "case": "a"}])
-    correctness.save_partial(tmp_path, "c", 3, [{"ok": False, "case": "b"}])
+    p = mg.save_partial(tmp_path, "c", 3, [{"ok": True, "case": "a"}])
+    mg.save_partial(tmp_path, "c", 3, [{"ok": False, "case": "b"}])
     lines = [json.loads(x) for x in p.read_text().splitlines()]
     assert p.name == "c-rank3.jsonl" and [x["case"] for x in lines] == ["a", "b"]
 
 
 def test_peer_calibration_config_for_all_peers():
-    a = peer_calibration.parse_args(["--world", "torch-symm", "--quick"])
-    one = peer_calibration.make_config(a, 132, 1)
-    allp = peer_calibration.make_config(a, 132, 7)
+    a = peer.parse_args(["--world", "torch-symm", "--quick"])
+    one = peer.make_config(a, 132, 1)
+    allp = peer.make_config(a, 132, 7)
     assert one.zero_gap_K == (33, 132) and one.sweep_K == 132
     assert all(k % 7 == 0 and k <= 132 for k in allp.zero_gap_K + allp.isolated_K + (allp.sweep_K,))
     assert allp.sweep_K == 126 and allp.isolated_B == one.isolated_B
-    full = peer_calibration.make_config(peer_calibration.parse_args(["--world", "loopback", "--P", "2", "--no-mma"]),
+    full = peer.make_config(peer.parse_args(["--world", "loopback", "--P", "2", "--no-mma"]),
                                         132, 1)
     assert full.mma_B is None and full.region_bytes == 1024 * 2**20
 
 
 def test_peer_k_list():
-    assert peer_calibration.peer_k_list((16, 33, 66, 132), 7, 132) == (14, 28, 63, 126)
-    assert peer_calibration.peer_k_list((16, 33, 66, 132), 1, 132) == (16, 33, 66, 132)
-    assert peer_calibration.peer_k_list((4, 200), 3, 132) == (3, 132)
+    assert peer.peer_k_list((16, 33, 66, 132), 7, 132) == (14, 28, 63, 126)
+    assert peer.peer_k_list((16, 33, 66, 132), 1, 132) == (16, 33, 66, 132)
+    assert peer.peer_k_list((4, 200), 3, 132) == (3, 132)
     with pytest.raises(ValueError):
-        peer_calibration.peer_k_list((16,), 0, 132)
+        peer.peer_k_list((16,), 0, 132)
 
 
 # --------------------------------------------------------------------------- peer calibration pipeline (simulated)
@@ -286,22 +223,22 @@ def test_peer_fit_headline_and_named_profile(tmp_path):
     runner.write_points(mode_dir / "points.csv", points)
     runner.write_bursts(mode_dir / "bursts.csv.gz", bursts)
     (mode_dir / "meta.json").write_text(json.dumps({"provenance": {"gpu": "simulated"}, "targets": {}}))
-    h = peer_calibration.fit_mode(mode_dir, "torch-symm")
+    h = peer.fit_mode(mode_dir, "torch-symm")
     assert h["target"] == "peer" and h["K"] == 132
     assert h["R_GBps"] == pytest.approx(R_TRUE / 1e9, rel=0.05)
     assert h["R_vs_paper"] == pytest.approx(R_TRUE / 1e9 / 717.0, rel=0.05)
     assert h["Q_MiB"] == pytest.approx(Q_TRUE / 2**20, rel=0.05)
     assert h["validation"]["spin"]["T_iss_median_abs_rel"] < 0.05
     assert (mode_dir / "report.md").exists() and (mode_dir / "fit.json").exists()
-    dst = peer_calibration.write_named_profile(tmp_path, mode_dir, "torch-symm", 8)
+    dst = peer.write_named_profile(tmp_path, mode_dir, "torch-symm", 8)
     assert dst.name == "profile-h200-nvlink-peer.json"
     plat = profiles.load(dst)
     assert plat.name == "h200-nvlink-peer" and plat.R == pytest.approx(R_TRUE, rel=0.05)
-    assert peer_calibration.write_named_profile(tmp_path, tmp_path / "missing", "torch-symm", 8) is None
+    assert peer.write_named_profile(tmp_path, tmp_path / "missing", "torch-symm", 8) is None
 
 
 def test_headline_reports_fit_errors():
-    assert peer_calibration.headline({"targets": {"peer": {"error": "no zero-gap points"}}}, "torch-symm") == {
+    assert peer.headline({"targets": {"peer": {"error": "no zero-gap points"}}}, "torch-symm") == {
         "target": "peer", "error": "no zero-gap points"}
 
 
@@ -339,16 +276,17 @@ def test_reports_on_synthetic_results(tmp_path):
          "timings": {"fused": red}, "E_res_fused_us": 10.0 * i, "speedup_fused_vs_serial_nccl": 160 / 110 + 0.01 * i,
          "model": {"platform": "h200-nvlink-peer", "E_drain_us": 3.0 * i, "E_cc_us": 1.0, "M_star_ub": 900.0}}
         for i, M in ((1, 8192), (2, 16384))]})
-    _write(d, "megamoe/ep.json", {**_hdr("megamoe"), "summary": megamoe_ep.summarize([
-        _moe_row("deepseek-v4-flash", "balanced", 8192, "expert_wave", 120.0, 200.0),
-        _moe_row("deepseek-v4-flash", "balanced", 8192, "interleaved", 100.0, 180.0),
-        _moe_row("deepseek-v4-flash", "skewed", 8192, "expert_wave", 95.0, 150.0),
-        _moe_row("deepseek-v4-flash", "skewed", 8192, "interleaved", 100.0, 150.0)])})
-    _write(d, "correctness/correctness-fa4.json", {**_hdr("correctness"), "summary": correctness.summarize(
+    configs = [dict(shape="deepseek-v4-flash", routing=routing, tokens_per_rank=8192, expert_wave_us=ew,
+                    interleaved_us=il, speedup=ew / il, speedup_api=api) for routing, ew, il, api in (
+        ("balanced", 120.0, 100.0, 200.0 / 180.0), ("skewed", 95.0, 100.0, 1.0))]
+    _write(d, "megamoe/ep.json", {**_hdr("megamoe"), "summary": {  # as megamoe_ep.summarize writes it
+        "configs": configs, "geomean_speedup": math.sqrt(1.2 * 0.95), "max_speedup": 1.2, "min_speedup": 0.95,
+        "regressions": configs[1:]}})
+    _write(d, "correctness/correctness-fa4.json", {**_hdr("correctness"), "summary": mg.summarize_checks(
         [{"kernel": "fa4", "case": "c", "variant": "fused", "rank": r, "ok": True} for r in range(8)])})
-    _write(d, "correctness/correctness-megamoe.json", {**_hdr("correctness"), "summary": correctness.summarize(
+    _write(d, "correctness/correctness-megamoe.json", {**_hdr("correctness"), "summary": mg.summarize_checks(
         [{"kernel": "megamoe", "case": "c", "variant": "v", "rank": 3, "ok": False, "max_abs_err": 0.5}])})
-    written = report.write_reports(d)
+    written = multigpu_report.write_reports(d, figures={"fa4_a2a": multigpu_sweep.eres_figure})
     names = sorted(p.name for p in written)
     assert names == ["report-calibration.md", "report-correctness.md", "report-fa4_a2a.md", "report-megamoe.md",
                      "report-topology.md", "report.md"]
@@ -363,19 +301,23 @@ def test_reports_on_synthetic_results(tmp_path):
     assert "| fa4 | 8 | 8 | 0 |" in corr and "| megamoe | 1 | 0 | 1 |" in corr and "**False**" in corr
     topo = (d / "report-topology.md").read_text()
     assert "NV18" in topo and "GPUs on the host: 8" in topo and "hopper" in topo
-    import importlib.util
-
     if importlib.util.find_spec("matplotlib") is not None:
         assert (d / "fa4_a2a" / "eres_vs_m.png").stat().st_size > 0 and "eres_vs_m.png" in fa
     combined = (d / "report.md").read_text()
     assert all(s in combined for s in ("Step 0", "Step 1", "Step 2", "Step 3", "Step 4"))
+    # the command line draws the same figure (fa4_a2a's, passed by scripts/multigpu/report.py)
+    (d / "fa4_a2a" / "eres_vs_m.png").unlink(missing_ok=True)
+    r = subprocess.run([sys.executable, str(MG / "report.py"), "--dir", str(d), "--steps", "fa4_a2a"],
+                       capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert r.returncode == 0 and "report-fa4_a2a.md" in r.stdout, r.stderr[-2000:]
+    assert (d / "fa4_a2a" / "eres_vs_m.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
 
 
 def test_report_marks_missing_steps(tmp_path):
-    report.write_reports(tmp_path)
+    multigpu_report.write_reports(tmp_path)
     txt = (tmp_path / "report.md").read_text()
-    assert txt.count("not run") == len(report.STEP_FILES)
-    assert report.main(["--dir", str(tmp_path / "absent")]) == 2
+    assert txt.count("not run") == len(multigpu_report.STEP_FILES)
+    assert multigpu_report.main(["--dir", str(tmp_path / "absent")]) == 2
 
 
 # --------------------------------------------------------------------------- the suite script
@@ -400,8 +342,9 @@ def test_suite_dry_run_prints_every_step():
     for c in launched:
         assert "--standalone --nproc-per-node=4" in c and "--world torch-symm --P 4" in c
         assert "results/h200x4/" in c
-    for entry in ("envcheck.py", "peer_calibration.py", "fa_a2a_sweep.py", "megamoe_ep.py", "correctness.py"):
-        assert any(entry in c for c in launched), entry
+    for entry in ("-m xstage.multigpu_envcheck", "-m calibration.peer", "-m fa4_a2a.multigpu_sweep",
+                  "scripts/multigpu/megamoe_ep.py", "scripts/multigpu/correctness.py"):
+        assert any(f"--nproc-per-node=4 {entry} --world" in c for c in launched), entry
     assert any("nvidia-smi topo -m > results/h200x4/topology/topo.txt" in c for c in cmds)
     assert cmds[-1].endswith("scripts/multigpu/report.py --dir results/h200x4")
     assert not (ROOT / "results" / "h200x4").exists()  # a dry run writes nothing
@@ -414,7 +357,7 @@ def test_suite_dry_run_steps_and_loopback():
     assert not any("torch.distributed.run" in c for c in cmds)
     entries = [c for c in cmds if "--world" in c]
     assert len(entries) == 2 and all("--world loopback --P 2 --quick" in c for c in entries)
-    assert "fa_a2a_sweep.py" in entries[0] and "megamoe_ep.py" in entries[1]
+    assert " -m fa4_a2a.multigpu_sweep --world" in entries[0] and "scripts/multigpu/megamoe_ep.py" in entries[1]
     assert all("results/h200x1-loopback-P2/" in c for c in entries)
     r = _suite("--dry-run", "--loopback", "--full", "--steps", "4", "--out", "/tmp/xx")
     entries = [c for c in r.stdout.splitlines() if c.startswith("+ ") and "--world" in c]
@@ -434,17 +377,19 @@ def test_suite_rejects_bad_arguments(args, msg):
 
 
 def test_entry_points_refuse_torch_symm_outside_torchrun():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run([sys.executable, str(MG / "megamoe_ep.py"), "--world", "torch-symm"], capture_output=True,
-                       text=True, timeout=120, env=env, cwd=ROOT)
-    assert r.returncode == 2 and "must run under torchrun" in r.stderr
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    for cmd in ([str(MG / "megamoe_ep.py")], ["-m", "xstage.multigpu_envcheck"]):
+        r = subprocess.run([sys.executable, *cmd, "--world", "torch-symm"], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=ROOT)
+        assert r.returncode == 2 and "must run under torchrun" in r.stderr, cmd
 
 
 def test_entry_points_help():
     for entry in ("envcheck.py", "peer_calibration.py", "fa_a2a_sweep.py", "megamoe_ep.py", "correctness.py",
                   "report.py"):
-        r = subprocess.run([sys.executable, str(MG / entry), "--help"], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and "usage" in r.stdout, entry
+        r = subprocess.run([sys.executable, str(MG / entry), "--help"], capture_output=True, text=True, timeout=120,
+                           env=ENV, cwd=ROOT)
+        assert r.returncode == 0 and "usage" in r.stdout, (entry, r.stderr[-2000:])
 
 
 # --------------------------------------------------------------------------- host-side coordination across processes
@@ -460,14 +405,13 @@ class _FakeWorld:
 def _coordination_worker(rank, P, store_path, out_dir):
     import torch.distributed as dist
 
-    sys.path.insert(0, str(MG))
-    import mgcommon
+    from xstage import multigpu
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=P)
     try:
-        ctx = mgcommon.Ctx(None, _FakeWorld(rank, P), rank=rank, nprocs=P, gloo=None, dist=dist)
+        ctx = multigpu.Ctx(None, _FakeWorld(rank, P), rank=rank, nprocs=P, gloo=None, dist=dist)
         samples = {"v": {rank: [float(rank + 1) * (t + 1) for t in range(3)]}}
-        red = mgcommon.reduce_gathered(ctx, samples)
+        red = multigpu.reduce_gathered(ctx, samples)
         ctx.host_barrier()
         agreed = ctx.agree_max(10.0 * rank)
         root_says = ctx.from_root(f"root-{rank}")
@@ -538,8 +482,9 @@ class _Props:
     name = "cpu-stand-in"
 
 
-@pytest.fixture
-def cpu_loopback(monkeypatch):
+def use_cpu_loopback(monkeypatch):
+    """xstage.multigpu.setup makes a CPU loopback world (addressing only, no alignment) and the
+    device queries answer for an H200 (also used by tests/test_multigpu_megamoe_scripts.py)."""
     import torch
 
     from xstage.world import make_world
@@ -553,6 +498,11 @@ def cpu_loopback(monkeypatch):
     monkeypatch.setattr(mg, "setup", setup)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: _Props())
     monkeypatch.setattr(mg, "topology_text", lambda: "GPU0 X (stand-in)")
+
+
+@pytest.fixture
+def cpu_loopback(monkeypatch):
+    use_cpu_loopback(monkeypatch)
 
 
 def test_fa_sweep_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
@@ -569,13 +519,13 @@ def test_fa_sweep_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
 
     monkeypatch.setattr(mg, "time_variants", fake_time_variants)
     out = tmp_path / "fa"
-    rc = fa_a2a_sweep.main(["--world", "loopback", "--P", "4", "--heads", "8", "--seqs", "1024", "2048",
+    rc = multigpu_sweep.main(["--world", "loopback", "--P", "4", "--heads", "8", "--seqs", "1024", "2048",
                             "--trials", "5", "--out", str(out), "--profile", "paper-b200-nvlink"])
     assert rc == 0
     d = json.loads((out / "sweep.json").read_text())
     assert d["format"] == mg.RESULT_FORMAT and d["world"] == {"backend": "loopback", "world_size": 4, "processes": 1}
     assert d["skipped_variants"] == ["a2a_nccl", "serial_nccl"] and "provenance" in d
-    assert [c[1] for c in calls] == [5, 5] and all(c[2] == fa_a2a_sweep.NCCL_VARIANTS for c in calls)
+    assert [c[1] for c in calls] == [5, 5] and all(c[2] == multigpu_sweep.NCCL_VARIANTS for c in calls)
     row = d["rows"][0]
     assert row["H_local"] == 2 and row["timings"]["fused"]["ranks"] == 4
     assert row["median_us"]["fused"] == pytest.approx(104.0 * 1.03 * 1.002)
@@ -583,87 +533,44 @@ def test_fa_sweep_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
     assert row["model"]["platform"] == "paper-b200-nvlink" and "E_drain_us" in row["model"]
     csv_text = (out / "sweep.csv").read_text()
     assert csv_text.count("\n") == 3 and "speedup_fused_vs_serial_symm" in csv_text.splitlines()[0]
-    rep = report.report_fa(d)
+    rep = multigpu_report.report_fa(d)
     assert "| fused | 107.3 | 107.3 |" in rep and "up to 1.43x" in rep
 
 
 def test_fa_sweep_bad_shapes_fail_before_launch(cpu_loopback, tmp_path):
-    assert fa_a2a_sweep.main(["--world", "loopback", "--P", "3", "--heads", "8", "--out", str(tmp_path)]) == 2
+    assert multigpu_sweep.main(["--world", "loopback", "--P", "3", "--heads", "8", "--out", str(tmp_path)]) == 2
 
 
-def test_megamoe_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
-    from megamoe_interleave import api
-    from megamoe_interleave.shapes import MoEShape
+def test_correctness_frame_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
+    """The correctness step (xstage.multigpu.run_checks) with the fa4 checks and the kernels
+    replaced by one that raises: every fa4 case is recorded as failed and the step goes on, the
+    per-rank records are written as they come, the exit status is 1."""
+    import argparse
 
-    tiny = MoEShape("tiny", 256, 128, 16, 2, "test")
-    monkeypatch.setattr(megamoe_ep, "resolve_shapes", lambda names, P: [tiny])
-    seen = []
-
-    def fake_forward(self, x, idx, w):
-        seen.append((self.schedule.name, len(x), int(x[0].shape[0])))
-        self.last_kernel_us = 100.0 if self.schedule.name == "expert_wave" else 80.0
-        return [torch_zeros_like(t) for t in x]
-
-    import torch
-
-    torch_zeros_like = torch.zeros_like
-    monkeypatch.setattr(api.MegaMoE, "forward", fake_forward)
-    out = tmp_path / "moe"
-    rc = megamoe_ep.main(["--world", "loopback", "--P", "2", "--tokens", "64", "--routing", "balanced", "skewed",
-                          "--trials", "3", "--block-n", "64", "--out", str(out)])
-    assert rc == 0
-    d = json.loads((out / "ep.json").read_text())
-    assert len(d["rows"]) == 4 and {r["schedule"] for r in d["rows"]} == {"expert_wave", "interleaved"}
-    assert all(s == (sched, 2, 64) for s, sched in zip(seen, [s[0] for s in seen]))
-    assert len(seen) == 4 * (1 + 3)  # warm-up + trials per (routing, schedule)
-    s = d["summary"]
-    assert s["geomean_speedup"] == pytest.approx(1.25) and s["regressions"] == []
-    assert (out / "ep.csv").exists()
-    assert "1.250x" in report.report_megamoe(d)
-
-
-def test_correctness_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
-    """Driver logic of step 4: kernels replaced (fa4: raising, so every fa4 case must be recorded
-    as failed; megamoe: a float32 stand-in, so every check must pass, schedules bitwise equal)."""
     import fa4_a2a
-    import torch
-    from megamoe_interleave import api
-    from megamoe_interleave.reference import reference_moe_fp32
 
     def broken(*a, **k):
         raise RuntimeError("kernel stand-in: not on a GPU")
 
     monkeypatch.setattr(fa4_a2a, "attention_a2a", broken)
     monkeypatch.setattr(fa4_a2a, "ulysses_attention", broken)
-    load = api.MegaMoE.load_weights
-
-    def load_and_keep(self, w1, w2):
-        self._global = (w1, w2)
-        return load(self, w1, w2)
-
-    def forward(self, x, idx, w):
-        return [y.to(torch.bfloat16) for y in reference_moe_fp32(x, idx, w, *self._global)]
-
-    monkeypatch.setattr(api.MegaMoE, "load_weights", load_and_keep)
-    monkeypatch.setattr(api.MegaMoE, "forward", forward)
     out = tmp_path / "c"
-    rc = correctness.main(["--world", "loopback", "--P", "2", "--quick", "--out", str(out)])
-    assert rc == 1  # fa4 failed
-    d = json.loads((out / "correctness.json").read_text())
+    args = argparse.Namespace(world="loopback", P=2, out=str(out), stem="correctness-fa4", quick=True, trials=1)
+    checks = {"fa4": lambda ctx: multigpu_checks.run_checks(ctx, args.quick)}
+    assert mg.run_entry(args, lambda ctx: mg.run_checks(ctx, args, checks)) == 1
+    d = json.loads((out / "correctness-fa4.json").read_text())
     s = d["summary"]
-    assert s["all_ok"] is False and s["megamoe"]["failed"] == [] and s["megamoe"]["passed"] == 2 * 2 * 2
-    assert s["fa4"]["passed"] == 0 and s["fa4"]["checks"] >= 2 * 4
+    assert d["step"] == "correctness" and s["all_ok"] is False and s["fa4"]["passed"] == 0
+    assert s["fa4"]["checks"] >= 2 * 4  # 2 quick cases x (3 kernel variants + ulysses_attention)
     assert all("not on a GPU" in (f["error"] or "") for f in s["fa4"]["failed"] if f["case"] != "fa4_a2a.selfcheck")
-    moe = [r for r in d["results"] if r["kernel"] == "megamoe" and r["variant"].startswith("interleaved")]
-    assert moe and all(r["bitwise_equal_to_expert_wave"] for r in moe)
-    lines = (out / "ranks" / "correctness-rank0.jsonl").read_text().splitlines()
-    assert len(lines) == len(d["results"])
-    assert "| megamoe | 8 | 8 | 0 |" in report.report_correctness(d)
+    lines = (out / "ranks" / "correctness-fa4-rank0.jsonl").read_text().splitlines()
+    assert len(lines) == len(d["results"]) and (out / "correctness-fa4.csv").exists()
+    assert f"| fa4 | {s['fa4']['checks']} | 0 |" in multigpu_report.report_correctness(d)
 
 
 def test_topology_block_strips_ansi_escapes():
     """nvidia-smi topo -m underlines its header with ANSI escapes (seen on the 2 x H200 host);
     the report's code block carries the table without them."""
     raw = "\x1b[4mGPU0\tGPU1\tCPU Affinity\x1b[0m\nGPU0\t X \tNV18\n"
-    block = "\n".join(report._topology_block({"topology": raw}))
+    block = "\n".join(multigpu_report._topology_block({"topology": raw}))
     assert "\x1b" not in block and "GPU0\tGPU1\tCPU Affinity" in block and "NV18" in block

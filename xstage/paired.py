@@ -5,7 +5,7 @@ read the SM clock after every trial (:func:`sm_clock_mhz`). A comparison then us
 differences of two variants (robust to drift that moves both medians), restricted to trials in
 which both ran at the reference clock (DVFS on a power-limited GPU otherwise decides the
 comparison, paper Section 5.3), with a one-sided sign test (:func:`acceptance`).
-Used by scripts/bench_fa_a2a.py and scripts/bench_megamoe.py.
+Used through xstage.bench (paired trials and verdicts) by the benches.
 """
 from __future__ import annotations
 

@@ -5,9 +5,11 @@
 * :func:`bench_graph` — capture ``fn`` once into a CUDA graph and time
   ``replays`` replays per trial: removes host launch overhead (the CuTe DSL
   Python launch path is comparable to short kernels, Section 5.3).
+* :func:`events_us` — one such sample (CUDA events around a few back-to-back
+  calls), for loops that interleave variants (xstage.bench).
 
-Both warm up first and report the median and spread; compare variants from
-the same run with :func:`ratio`.
+bench and bench_graph warm up first and report the median and spread; compare
+variants from the same run with :func:`ratio`.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Timing", "bench", "bench_graph", "capture_graph", "ratio"]
+__all__ = ["Timing", "bench", "bench_graph", "capture_graph", "events_us", "ratio"]
 
 
 @dataclass(frozen=True)
@@ -54,20 +56,23 @@ def _check(**kw: int) -> None:
             raise ValueError(f"{k} must be a positive integer, got {v!r}")
 
 
-def _event_trials(step: Callable[[], object], per_trial: int, trials: int) -> Timing:
-    """CUDA events around ``per_trial`` back-to-back calls of ``step``; one per-call sample per trial."""
+def events_us(step: Callable[[], object], calls: int = 1) -> float:
+    """Device time in us per call of ``calls`` back-to-back calls of ``step`` between two CUDA
+    events (synchronised before it returns)."""
     import torch
 
-    samples = []
-    for _ in range(trials):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(per_trial):
-            step()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / per_trial)
-    return Timing(samples)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / calls
+
+
+def _event_trials(step: Callable[[], object], per_trial: int, trials: int) -> Timing:
+    """CUDA events around ``per_trial`` back-to-back calls of ``step``; one per-call sample per trial."""
+    return Timing([events_us(step, per_trial) for _ in range(trials)])
 
 
 def bench(fn: Callable[[], object], *, warmup: int = 5, iters: int = 20, trials: int = 21) -> Timing:

@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import mgcommon as mg  # noqa: E402
+from xstage import bench
+from xstage import multigpu as mg
 
 SCHEDULES = ("expert_wave", "interleaved")
 GROUPED = "grouped_mm x2"  # the rows of --grouped-gemms (their "schedule" key)
@@ -61,12 +61,7 @@ def parse_args(argv=None):
                    help="also time the two torch._grouped_mm GEMMs alone on each rank's rows (see above; "
                         "keeps the global weights on every GPU)")
     p.add_argument("--stem", default="ep", help="output file stem")
-    args = p.parse_args(argv)
-    if args.tokens is None:
-        args.tokens = list(QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
-    if args.quick and args.trials == 7:
-        args.trials = 3
-    return args
+    return mg.parse_with_quick_grid(p, argv, "tokens", DEFAULT_TOKENS, QUICK_TOKENS, quick_trials=3)
 
 
 def resolve_shapes(names, P: int):
@@ -231,7 +226,7 @@ def _main(ctx, args) -> None:
         summ = summarize(rows)
         payload = {**mg.header(ctx, "megamoe", args), "rows": rows, "summary": summ}
         flat = [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]
-        path = mg.write_result(args.out, args.stem, payload, flat)
+        path = bench.write_result(args.out, args.stem, payload, flat)
         print(f"wrote {path}; geomean speedup {summ.get('geomean_speedup', float('nan')):.3f}x "
               f"(paper {mg.PAPER['megamoe_geomean']}x)")
 

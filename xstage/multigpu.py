@@ -1,6 +1,8 @@
-"""Shared helpers of the multi-GPU entry points (issue 6).
+"""Shared machinery of the multi-GPU suite (issue 6; scripts/multigpu_suite.sh, docs/multigpu.md).
 
-Every entry point under ``scripts/multigpu/`` runs in one of two worlds:
+Every entry point of the suite (``xstage.multigpu_envcheck``, ``calibration.peer``,
+``fa4_a2a.multigpu_sweep``, ``scripts/multigpu/megamoe_ep.py``, ``scripts/multigpu/correctness.py``)
+runs in one of two worlds:
 
 ``torch-symm``
     one process per GPU under ``torchrun``; ``torch.distributed`` (NCCL for
@@ -10,6 +12,12 @@ Every entry point under ``scripts/multigpu/`` runs in one of two worlds:
 ``loopback``
     ``P`` simulated ranks in one process on one GPU (the single-GPU dry run of
     the same code paths: every per-rank callable runs once per simulated rank).
+
+Here: the world request and its checks (:func:`add_world_args`, :func:`check_world_request`,
+:func:`setup`, :class:`Ctx`, :func:`run_entry`), the timing protocol (:func:`time_variants`,
+:func:`reduce_trials`, :func:`reduce_gathered`), symmetric-memory peer views, the common
+result header (environment and topology, :func:`header`) and the correctness step's frame
+(:func:`check_close`, :func:`run_checks`). Result files: :func:`xstage.bench.write_result`.
 
 Timing protocol (both worlds): per trial and variant, every local rank is
 aligned (torch-symm: host barrier, then a one-element NCCL all-reduce on the
@@ -25,19 +33,18 @@ CPU-tested in ``tests/test_multigpu_suite.py``.
 from __future__ import annotations
 
 import argparse
-import csv
+import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, Mapping, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from xstage import bench, paired
 
 WORLDS = ("torch-symm", "loopback")
 # NVLink multicast (NVLS) stays off in every multi-GPU run (issue 6; see docs/multigpu.md).
@@ -71,6 +78,19 @@ def add_world_args(p: argparse.ArgumentParser, *, default_out: str, trials: int 
     return p
 
 
+def parse_with_quick_grid(p: argparse.ArgumentParser, argv, grid: str, full: Sequence, quick: Sequence,
+                          quick_trials: int) -> argparse.Namespace:
+    """Parse ``argv`` with ``p`` (built on :func:`add_world_args`); the grid argument ``grid``
+    (default None) becomes ``quick`` with ``--quick``, else ``full``, and ``--quick`` lowers the
+    trials to ``quick_trials`` unless ``--trials`` was given."""
+    args = p.parse_args(argv)
+    if getattr(args, grid) is None:
+        setattr(args, grid, list(quick if args.quick else full))
+    if args.quick and args.trials == p.get_default("trials"):
+        args.trials = quick_trials
+    return args
+
+
 def check_world_request(world: str, P: Optional[int], env: Mapping[str, str], device_count: int,
                         *, require_multicast_off: bool = True) -> int:
     """Validate a world request before anything is initialized; return the world size.
@@ -91,7 +111,7 @@ def check_world_request(world: str, P: Optional[int], env: Mapping[str, str], de
     if missing:
         raise WorldArgsError(
             f"--world torch-symm must run under torchrun (one process per GPU); missing {missing}. "
-            "Use: torchrun --nproc-per-node=<GPUs> scripts/multigpu/<entry>.py --world torch-symm ...")
+            "Use: torchrun --nproc-per-node=<GPUs> <entry> --world torch-symm ... (docs/multigpu.md)")
     try:
         ws, rank, local = (int(env[k]) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
     except ValueError:
@@ -330,7 +350,7 @@ def time_variants(ctx: Ctx, fns: Mapping[str, Mapping[int, Callable[[], object]]
     """
     import torch
 
-    from xstage.timing import capture_graph as _capture_graph
+    from xstage.timing import capture_graph
 
     names = list(fns)
     runners: Dict[str, Dict[int, Callable[[], object]]] = {}
@@ -343,37 +363,24 @@ def time_variants(ctx: Ctx, fns: Mapping[str, Mapping[int, Callable[[], object]]
                     fn()
                 runners[name][r] = fn
             else:
-                runners[name][r] = _capture_graph(fn, warmup=warmup).replay
+                runners[name][r] = capture_graph(fn, warmup=warmup).replay
     torch.cuda.synchronize(ctx.device)
     replays = {}
     for name in names:
         est = 0.0
         for r in ctx.local_ranks:
             ctx.align()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(3):
-                runners[name][r]()
-            b.record()
-            b.synchronize()
-            est = max(est, a.elapsed_time(b) * 1e3 / 3)
-        est = ctx.agree_max(est)
-        replays[name] = int(max(3, min(max_replays, math.ceil(target_trial_us / max(est, 1.0)))))
+            est = max(est, bench.event_timed(runners[name][r], calls=3, warmup=0)())
+        replays[name] = bench.replays_for(ctx.agree_max(est), target_trial_us, 3, max_replays)
+    timed = {name: {r: bench.event_timed(runners[name][r], calls=replays[name], warmup=0) for r in ctx.local_ranks}
+             for name in names}
     samples: Dict[str, Dict[int, list]] = {n: {r: [] for r in ctx.local_ranks} for n in names}
     for t in range(trials):
-        order = names[t % len(names):] + names[: t % len(names)]
-        for name in order:
-            n = replays[name]
+        for name in paired.rotated(names, t):
             for r in ctx.local_ranks:
                 ctx.align()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(n):
-                    runners[name][r]()
-                b.record()
-                b.synchronize()
-                samples[name][r].append(a.elapsed_time(b) * 1e3 / n)
-    del runners
+                samples[name][r].append(timed[name][r]())
+    del runners, timed
     return samples, replays
 
 
@@ -419,7 +426,7 @@ def symm_peer_views(ctx: Ctx, shape, dtype):
     raise RuntimeError("symmetric memory: get_buffer(rank) does not alias the local tensor; cannot build peer views")
 
 
-# --------------------------------------------------------------------------- results
+# --------------------------------------------------------------------------- environment, topology, result header
 
 
 def gpu_count() -> int:
@@ -470,35 +477,77 @@ def header(ctx: Optional[Ctx], step: str, args=None) -> dict:
     return h
 
 
-def write_csv(path, rows: Sequence[Mapping]) -> Optional[Path]:
-    """Rows (flat dicts) -> CSV with the union of keys, first-seen order. None when no rows."""
-    rows = list(rows)
-    if not rows:
-        return None
-    keys: List[str] = []
-    for r in rows:
-        for k in r:
-            if k not in keys:
-                keys.append(k)
-    path = Path(path)
+# --------------------------------------------------------------------------- the correctness step
+
+
+def check_close(out, ref, tol_abs: float, tol_rel: float = 0.0) -> dict:
+    """Every element finite (poison gone) and within tol_abs + tol_rel*max|ref|. Returns a record."""
+    import torch
+
+    o = out.float()
+    finite = bool(torch.isfinite(o).all().item()) if o.numel() else True
+    err = float((o - ref.float()).abs().max().item()) if o.numel() else 0.0
+    lim = tol_abs + tol_rel * (float(ref.abs().max().item()) if ref.numel() else 0.0)
+    return {"finite": finite, "max_abs_err": err, "tol": lim, "ok": finite and err <= lim}
+
+
+def save_partial(out_dir, stem: str, rank: int, records) -> Path:
+    """Append this rank's records to ``out_dir/ranks/<stem>-rank<r>.jsonl`` (one JSON per line)."""
+    path = Path(out_dir) / "ranks" / f"{stem}-rank{rank}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in keys})
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
     return path
 
 
-def write_result(out_dir, stem: str, payload: dict, rows: Sequence[Mapping] = ()) -> Path:
-    """``out_dir/stem.json`` (with provenance) and, when rows are given, ``out_dir/stem.csv``."""
-    from xstage import provenance
+def summarize_checks(results) -> dict:
+    """Counts of passed/failed checks per kernel. Pure."""
+    out = {}
+    for r in results:
+        d = out.setdefault(r["kernel"], {"checks": 0, "passed": 0, "failed": []})
+        d["checks"] += 1
+        if r.get("ok"):
+            d["passed"] += 1
+        else:
+            d["failed"].append({k: r.get(k) for k in ("case", "variant", "rank", "max_abs_err", "error")})
+    out["all_ok"] = all(not d["failed"] for k, d in out.items() if isinstance(d, dict)) and bool(results)
+    return out
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = provenance.write_json(out_dir / f"{stem}.json", payload)
-    write_csv(out_dir / f"{stem}.csv", rows)
-    return Path(path)
+
+def run_checks(ctx: Ctx, args, checks: Mapping[str, Callable[[Ctx], list]]) -> int:
+    """The correctness step: every check of ``checks`` (kernel name -> ``check(ctx)`` -> records,
+    one dict per rank and case with an ``ok`` key) on every process, each kernel's records
+    appended per rank as they come (:func:`save_partial`: they survive a later hang or kill);
+    rank 0 gathers them, writes ``args.out/args.stem.json`` (+ .csv) and prints a summary.
+    Exit status 0 when every check of every rank passed."""
+    t0 = time.time()
+    results = []
+    for check in checks.values():
+        part = check(ctx)
+        results += part
+        save_partial(args.out, args.stem, ctx.rank, part)
+    gathered = ctx.gather(results)
+    ok = False
+    if ctx.is_root:
+        allres = [r for part in gathered for r in part]
+        summ = summarize_checks(allres)
+        payload = {**header(ctx, "correctness", args), "summary": summ, "results": allres,
+                   "seconds": time.time() - t0}
+        flat = [{k: v for k, v in r.items() if k != "traceback" and not isinstance(v, (list, dict))}
+                for r in allres]
+        path = bench.write_result(args.out, args.stem, payload, flat)
+        for kname in checks:
+            d = summ.get(kname, {"checks": 0, "passed": 0, "failed": []})
+            print(f"{kname}: {d['passed']}/{d['checks']} checks passed")
+            for f in d["failed"][:20]:
+                print(f"  FAILED {f}")
+        print(f"wrote {path}")
+        ok = summ["all_ok"]
+    return 0 if ctx.from_root(ok) else 1
+
+
+# --------------------------------------------------------------------------- entry frame
 
 
 def fail(msg: str, code: int = 2) -> int:
@@ -520,8 +569,6 @@ def run_entry(args, body: Callable[["Ctx"], Optional[int]]) -> int:
     except WorldArgsError as e:
         return fail(str(e))
     except ValueError as e:  # shape, dtype, divisibility checks of the kernels' APIs
-        import traceback
-
         traceback.print_exc()
         return fail(f"{type(e).__name__}: {e}")
     finally:
