@@ -5,14 +5,14 @@
     python scripts/diag/sanitize.py --case megamoe_interleaved   # one case, no sanitizer (what it runs)
 
 Cases: calibration (burst kernel, device and pinned-host destinations), fa4_a2a (fused Ulysses
-attention, loopback P = 2, non-causal and causal), megamoe_expert_wave / megamoe_interleaved (P = 2,
+attention, loopback P = 2, non-causal and causal), fa4_a2a_copy (the A2A-only baseline's copy
+kernel, against torch copies), megamoe_expert_wave / megamoe_interleaved (P = 2,
 E = 16, H = 1024, I = 512, top-4, 100 / 37 tokens, the default configuration). Each case checks its
 output against the fp32 reference, so a run under the sanitizer is also a correctness run.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -20,10 +20,10 @@ import subprocess
 import sys
 import time
 
-CASES = ("calibration", "fa4_a2a", "megamoe_expert_wave", "megamoe_interleaved")
+CASES = ("calibration", "fa4_a2a", "fa4_a2a_copy", "megamoe_expert_wave", "megamoe_interleaved")
 TOOLS = ("memcheck", "racecheck")
-KERNEL_FILTER = {"calibration": "BurstKernel", "fa4_a2a": "FlashAttentionUlyssesSm90", "megamoe_expert_wave":
-                 "MegaMoESm90", "megamoe_interleaved": "MegaMoESm90"}
+KERNEL_FILTER = {"calibration": "BurstKernel", "fa4_a2a": "FlashAttentionUlyssesSm90", "fa4_a2a_copy": "UlyssesA2ACopy",
+                 "megamoe_expert_wave": "MegaMoESm90", "megamoe_interleaved": "MegaMoESm90"}
 
 
 def run_calibration():
@@ -65,6 +65,23 @@ def run_fa4_a2a():
         assert err < 2e-2, f"fa4_a2a causal={causal}: max error {err}"
 
 
+def run_fa4_a2a_copy():
+    import torch
+
+    from fa4_a2a.baselines import a2a_copy, a2a_symm
+    from xstage.world import make_world
+
+    P, B, S, Hl, D = 2, 1, 256, 2, 128
+    world = make_world("loopback", world_size=P, device="cuda")
+    outs, want = world.alloc((B, S // P, Hl * P, D), torch.bfloat16), world.alloc((B, S // P, Hl * P, D), torch.bfloat16)
+    for r in range(P):
+        o = torch.randn(B, S, Hl, D, device="cuda").bfloat16()
+        a2a_symm(o, outs.local(r), outs.peer_table(r) + r * Hl * D * 2, num_ranks=P)
+        a2a_copy(o, [want.local(j) for j in range(P)], r)
+    torch.cuda.synchronize()
+    assert all(torch.equal(outs.local(j), want.local(j)) for j in range(P)), "a2a_symm differs from torch copies"
+
+
 def run_megamoe(schedule):
     import torch
 
@@ -92,6 +109,8 @@ def run_case(case):
         run_calibration()
     elif case == "fa4_a2a":
         run_fa4_a2a()
+    elif case == "fa4_a2a_copy":
+        run_fa4_a2a_copy()
     else:
         run_megamoe(case.removeprefix("megamoe_"))
 
