@@ -420,3 +420,66 @@ def test_no_dispatch_copy_moe_compiles_its_own_kernel(monkeypatch):
     (kernel, nargs), = built
     assert type(kernel) is diag.NoDispatchCopy and kernel.config == nocopy.config.kernel_key() and nargs == 12 + 6 + 1
     assert nocopy._kernel() == "compiled NoDispatchCopy" and len(built) == 1  # cached
+
+
+def _cpu_build(monkeypatch):
+    """bench.build_moe on a CPU loopback world (the fused MegaMoE is built and its weights
+    loaded; nothing can launch)."""
+    from megamoe_interleave import api
+
+    monkeypatch.setattr(bench, "make_world", lambda backend, world_size, device: api.make_world(
+        backend, world_size=world_size, device="cpu"))
+
+
+def _tiny_problem(P=2, T=40, seed=0):
+    import torch
+
+    from megamoe_interleave.routing import make_routing
+    from megamoe_interleave.shapes import MoEShape
+
+    shape = MoEShape("tiny", 256, 128, 16, 4, "test")
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(16, 256, 256, generator=g).bfloat16()
+    w2 = torch.randn(16, 256, 128, generator=g).bfloat16()
+    xs = [torch.randn(T, 256, generator=g).bfloat16() for _ in range(P)]
+    routes = [make_routing("balanced", T, 16, 4, seed=r) for r in range(P)]
+    return shape, w1, w2, xs, [r[0] for r in routes], [r[1] for r in routes]
+
+
+def test_build_moe_resolves_the_config_and_shares_the_weights(monkeypatch):
+    """build_moe: a fused MegaMoE of the shape with P ranks of ``tokens`` (its config resolved by
+    MegaMoE as the bench resolved the variant), weights loaded once per weight cache (the later
+    objects share the kernel-layout tensors), poison as asked."""
+    _cpu_build(monkeypatch)
+    shape, w1, w2, *_ = _tiny_problem()
+    config = MegaMoEConfig("interleaved", block_n=64)
+    cache = {}
+    a = bench.build_moe(shape, 2, 64, config, w1, w2, poison_combine=True, weight_cache=cache)
+    b = bench.build_moe(shape, 2, 64, MegaMoEConfig("expert_wave"), w1, w2, weight_cache=cache)
+    assert a.backend == b.backend == "fused" and a.poison_combine and not b.poison_combine
+    assert a.config == config.resolve(shape, 2, 64, 132) and a.config.block_n == 64 and b.config.block_n == 128
+    assert a.buffer.max_tokens == 64 and a.world.world_size == 2 and a.num_experts == 16 and a.topk == 4
+    assert all(b.w1[r] is a.w1[r] and b.w2[r] is a.w2[r] for r in range(2)) and b.w1 is not a.w1
+    c = bench.build_moe(shape, 2, 64, None, w1, w2)
+    assert c.config == MegaMoEConfig().resolve(shape, 2, 64, 132) and c.w1[1] is not a.w1[1]
+
+
+def test_fill_pool_gathers_the_dispatched_rows(monkeypatch):
+    """diag.fill_pool: each rank's pool row i becomes x[src rank][src token] of its plan (what
+    the Dispatch copy writes, so the no-copy kernel computes the shipped kernel's y)."""
+    import torch
+
+    from megamoe_interleave import diag
+
+    _cpu_build(monkeypatch)
+    shape, w1, w2, xs, idx, wts = _tiny_problem()
+    moe = bench.build_moe(shape, 2, 64, MegaMoEConfig("expert_wave", block_n=64), w1, w2,
+                          moe_class=diag.NoDispatchCopyMoE)
+    moe.stage_inputs(xs, idx, wts)
+    for d in range(2):
+        moe.launch_arguments(d)  # sizes the pool scratch, as the first forward does
+        moe.dispatched_rows(d).zero_()
+        diag.fill_pool(moe, d)
+        perm = moe.plan_rank(d)[0]
+        want = torch.stack([xs[s][t] for s, t in zip(perm.src_rank.tolist(), perm.src_token.tolist())])
+        assert perm.src_rank.numel() > 0 and torch.equal(moe.dispatched_rows(d), want)

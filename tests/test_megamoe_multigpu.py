@@ -144,6 +144,43 @@ def test_megamoe_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
     assert "1.250x" in multigpu_report.report_megamoe(d)
 
 
+def test_megamoe_grouped_gemms_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
+    """--grouped-gemms: the two grouped GEMMs of every rank's received rows (megamoe_interleave.bench.
+    grouped_gemms on the global weights, run for real on the CPU), one timed call per aligned
+    trial (xstage.bench.event_timed, faked: 125 us), a row per case; the summary's kernel times
+    over theirs."""
+    import torch
+
+    from megamoe_interleave import api
+    from megamoe_interleave.shapes import MoEShape
+    from xstage import bench as xbench
+
+    tiny = MoEShape("tiny", 256, 128, 16, 2, "test")
+    monkeypatch.setattr(megamoe_ep, "resolve_shapes", lambda names, P: [tiny])
+
+    def fake_forward(self, x, idx, w):
+        self.last_kernel_us = 100.0 if self.config.schedule == "expert_wave" else 80.0
+        return [torch.zeros_like(t) for t in x]
+
+    gemm_calls = []
+
+    def event_timed(fn):
+        fn()  # the warm-up runs the real GEMMs
+        return lambda: (fn(), gemm_calls.append(1), 125.0)[-1]
+
+    monkeypatch.setattr(api.MegaMoE, "forward", fake_forward)
+    monkeypatch.setattr(xbench, "event_timed", event_timed)
+    out = tmp_path / "moe"
+    rc = megamoe_ep.main(["--world", "loopback", "--P", "2", "--tokens", "64", "--routing", "balanced",
+                          "--trials", "3", "--grouped-gemms", "--out", str(out)])
+    assert rc == 0 and len(gemm_calls) == 3
+    d = json.loads((out / "ep.json").read_text())
+    (gg,) = [r for r in d["rows"] if r["schedule"] == megamoe_ep.GROUPED]
+    assert gg["kernel_median_us"] == 125.0 and gg["kernel_timing"]["trials"] == 3
+    (cfg,) = d["summary"]["configs"]
+    assert cfg["expert_wave_vs_grouped"] == pytest.approx(0.8) and cfg["interleaved_vs_grouped"] == pytest.approx(0.64)
+
+
 def _reference_forward(monkeypatch, wrong=None):
     """MegaMoE.load_weights keeps the global weights and forward returns the float32 reference
     in bf16; ``wrong(config)`` -> True: that object's rank-0 output is off by one somewhere."""
