@@ -16,8 +16,14 @@ torch_backend   the kernel's data flow with torch ops (``backend="torch"``)
 reference       float32 reference and the unfused torch pipeline baseline
 routing         balanced / skewed (Zipf) routing generators, masking
 shapes          MoE shapes of the paper's models (with sources; unknown ones marked)
+bench           the one-GPU benchmark (fused variants vs grouped GEMMs vs the unfused pipeline;
+                scripts/bench_megamoe.py) and the problems / objects the diagnostics build
+trace           per-tile trace files and their analyses (timeline, Dispatch-window waits, ncu PM phases)
+diag            diagnostic kernel variants (the kernel without its Dispatch copy; scripts/diag)
+multigpu_ep     multi-GPU step 3: expert_wave vs interleaved per rank (torchrun or loopback)
+multigpu_checks multi-GPU step 4, megamoe half: correctness across processes
 
-Importing the package does not import the CuTe DSL; ``kernel_sm90`` and ``schedule_trace`` do.
+Importing the package does not import the CuTe DSL; ``kernel_sm90``, ``schedule_trace`` and ``diag`` do.
 """
 from .api import MegaMoE, MegaMoEBuffer, make_world, transform_weights
 from .config import MegaMoEConfig

@@ -209,7 +209,7 @@ class MegaMoE:
     def rerun(self) -> List[torch.Tensor]:
         """The fused kernels and the top-k reduction again, on the inputs the last ``forward``
         staged, with its plan (no input copies, no host planning, no Combine poison): the
-        device work of one call, for benchmarks that measure it (scripts/megamoe_energy.py).
+        device work of one call, for benchmarks that measure it (scripts/diag/megamoe_energy.py).
         Returns y per local rank, equal to that ``forward``'s."""
         if self.backend != "fused":
             raise ValueError("rerun() repeats the fused kernels: backend='fused' only")

@@ -19,8 +19,8 @@
 #               e.g. --tar "$OUT/h200x8-steps04.tgz" to bring it back through the device tool
 #
 # Entry points: library modules run with -m (xstage.multigpu_envcheck, calibration.peer,
-# fa4_a2a.multigpu_sweep) and scripts/multigpu/{megamoe_ep,correctness,report}.py, with the
-# repository on PYTHONPATH. See docs/multigpu.md and results/README-multigpu.md.
+# fa4_a2a.multigpu_sweep, megamoe_interleave.multigpu_ep) and scripts/multigpu/{correctness,report}.py,
+# with the repository on PYTHONPATH. See docs/multigpu.md and results/README-multigpu.md.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -143,7 +143,7 @@ for s in "${step_list[@]}"; do
         --out "$out/fa4_a2a"
       report fa4_a2a ;;
     3)
-      run step3-megamoe "${launch[@]}" scripts/multigpu/megamoe_ep.py "${world[@]}" "${q[@]}" --out "$out/megamoe"
+      run step3-megamoe "${launch[@]}" -m megamoe_interleave.multigpu_ep "${world[@]}" "${q[@]}" --out "$out/megamoe"
       report megamoe ;;
     4)
       run step4-correctness-fa4 "${launch[@]}" scripts/multigpu/correctness.py "${world[@]}" "${q[@]}" \

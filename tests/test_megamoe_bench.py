@@ -1,93 +1,20 @@
-"""scripts/bench_megamoe.py on the CPU: the paired fused-vs-grouped-GEMM comparison (trial
-rotation and the verdicts) with fake timed calls; the bench itself needs a GPU. Also
-scripts/megamoe_trace_timeline.py on a hand-made trace."""
+"""megamoe_interleave.bench on the CPU: the paired fused-vs-grouped-GEMM comparison (trial
+rotation and the verdicts, through xstage.bench) with fake timed calls, the side-by-side
+MegaMoEConfig variants (names, configs, the skip of a variant that does not resolve), the
+command line, and the trace analyses of megamoe_interleave.trace on hand-made traces; the bench
+itself needs a GPU."""
 import csv
-import importlib.util
-import random
-from pathlib import Path
+import dataclasses
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_megamoe", ROOT / "scripts" / "bench_megamoe.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
-_spec = importlib.util.spec_from_file_location("megamoe_trace_timeline", ROOT / "scripts" / "megamoe_trace_timeline.py")
-timeline_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timeline_script)
-_spec = importlib.util.spec_from_file_location("megamoe_pm_phases", ROOT / "scripts" / "megamoe_pm_phases.py")
-pm_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pm_script)
+from megamoe_interleave import bench
+from megamoe_interleave import trace as trace_mod
+from megamoe_interleave.config import MegaMoEConfig
+from megamoe_interleave.shapes import get_shape
+from xstage import bench as xbench
 
-
-def _bimodal_baseline(n=21, seed=1):
-    """Grouped GEMMs alternate between a fast (4.6 ms) and a slow (5.3 ms) mode, the fused kernel
-    sits at 5.2 ms: separately taken medians can land either side, the paired view cannot."""
-    rnd = random.Random(seed)
-    base = [(4600.0 if i % 3 else 5300.0) + rnd.gauss(0, 10) for i in range(n)]
-    fused = [5200.0 + rnd.gauss(0, 5) for _ in range(n)]
-    clocks = {"grouped_mm x2": [1980] * n, "fused": [1980] * n}
-    return {"grouped_mm x2": base, "fused": fused}, clocks
-
-
-def test_paired_verdicts_fused_slower_than_the_fast_mode():
-    samples, clocks = _bimodal_baseline()
-    v = bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0)["variants"]["fused"]
-    assert v["n_matched"] == 21
-    assert v["median_ratio"] == pytest.approx(5200 / 4600, rel=0.01)
-    assert v["frac_not_slower"] == pytest.approx(7 / 21)
-    assert v["slower"]["verdict"] == "fail"  # 14 of 21 slower: p ~ 0.09, not significant
-    assert v["faster"]["verdict"] == "fail"
-    assert v["no_slower"] is False
-
-
-def test_paired_verdicts_clock_matching_and_no_slower():
-    n = 21
-    samples = {"grouped_mm x2": [5000.0 + i for i in range(n)], "fused": [4900.0 + i for i in range(n)]}
-    clocks = {"grouped_mm x2": [1980] * n, "fused": [1980] * (n - 4) + [1755] * 4}  # 4 throttled fused trials
-    row = bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0)
-    v = row["variants"]["fused"]
-    assert row["reference_clock_mhz"] == 1980 and v["n_matched"] == n - 4
-    assert v["no_slower"] and v["frac_not_slower"] == 1.0 and v["faster"]["verdict"] == "pass"
-    assert v["slower"]["verdict"] == "fail"
-
-
-def test_paired_trials_rotates_and_reads_clocks(monkeypatch):
-    calls = []
-    monkeypatch.setattr(bench.paired, "sm_clock_mhz", lambda: 1980)
-    fns = {k: (lambda k=k: calls.append(k) or 1.0) for k in ("g", "a", "b")}
-    samples, clocks = bench.paired_trials(fns, 3)
-    assert calls == ["g", "a", "b", "a", "b", "g", "b", "g", "a"]
-    assert all(len(v) == 3 for v in samples.values()) and clocks["a"] == [1980] * 3
-
-
-def test_paired_table_and_csv_without_rows(tmp_path):
-    """--paired-only has no per-variant rows: no CSV of them (an empty run once crashed the
-    bench before the JSON was written); the paired rows flatten to one CSV row per variant."""
-    samples, clocks = _bimodal_baseline()
-    row = dict(shape="s", routing="balanced", world="loopback", P=1, tokens_per_rank=8,
-               **bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0))
-    bench.write_csv(tmp_path / "none.csv", [])
-    assert not (tmp_path / "none.csv").exists()
-    table = bench.paired_table([row])
-    assert len(table) == 1 and table[0]["variant"] == "fused" and table[0]["no_slower"] is False
-    assert table[0]["slower"] == "fail" and table[0]["n_matched"] == 21
-    bench.write_csv(tmp_path / "paired.csv", table)
-    assert (tmp_path / "paired.csv").read_text().splitlines()[0].startswith("shape,routing,world,P")
-
-
-def test_kernel_config_ok_skips_what_does_not_fit():
-    kw = dict(schedule="expert_wave", block_m=128, block_n=256, mma="tma_ws_mcast_b", split_tail=None,
-              dispatch_warps=None, l2_handoffs=None)
-    assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=4))
-    assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, l2_handoffs=1))
-    assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=4, l2_handoffs=1))
-    # the Dispatch options resolve as in the API: no dispatch_copy given = bulk where the bounce
-    # buffers fit (3 stages), so a window is accepted there and not at 4 stages (LSU copy)
-    assert bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, dispatch_copy=None, dispatch_window=6,
-                                                    dispatch_keep=1))
-    assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=4, dispatch_copy=None, dispatch_window=6))
-    assert not bench.kernel_config_ok(4096, 2048, dict(kw, stages=3, dispatch_window=0, dispatch_keep=1))
+FLASH = get_shape("deepseek-v4-flash")
 
 
 def test_cta_budget_splits_each_ctas_time():
@@ -120,13 +47,13 @@ def test_mainloop_cycles_converts_through_each_tiles_clock():
 
 
 def test_trace_timeline_buckets_mainloop_cycles():
-    """scripts/megamoe_trace_timeline.py: per phase and time bucket, the median mainloop in
+    """megamoe_interleave.trace.timeline: per phase and time bucket, the median mainloop in
     cycles (clock from cycles / ns over tile start -> mainloop end) and the median clock."""
     import gzip
     import os
     import tempfile
 
-    tl = timeline_script
+    tl = trace_mod
 
     def row(phase, t0, wait, main, clock_ghz):
         return dict(phase=phase, t_start_ns=t0, t_ready_ns=t0 + wait, t_mainloop_ns=t0 + wait + main,
@@ -146,7 +73,7 @@ def test_trace_timeline_buckets_mainloop_cycles():
 
 
 def test_trace_window_waits():
-    """megamoe_trace_timeline.window_waits: row 2 (W = 2) opens when row 0's first L1 tile ends
+    """megamoe_interleave.trace.window_waits: row 2 (W = 2) opens when row 0's first L1 tile ends
     (t = 50 us); one of its tiles waits 8 us and its row is ready 12 us after the opening; row
     3's tiles do not wait; L2 tiles are not counted."""
     def tile(cta, row, t0, wait, end, phase=1):
@@ -154,7 +81,7 @@ def test_trace_window_waits():
     rows = [tile(0, 0, 0, 100, 50_000), tile(1, 0, 1_000, 100, 60_000), tile(0, 1, 52_000, 100, 90_000),
             tile(1, 2, 54_000, 8_000, 100_000), tile(2, 2, 58_000, 4_000, 104_000), tile(2, 3, 70_000, 100, 110_000),
             tile(3, 3, 0, 50_000, 60_000, phase=2)]
-    out = timeline_script.window_waits(rows, 2)
+    out = trace_mod.window_waits(rows, 2)
     assert out == dict(rows=2, rows_waited=1, ready_after_open_us_median=12.0, start_after_open_us_median=4.0,
                        l1_wait_us_per_cta=round((100 + 100 + 100 + 8_000 + 4_000 + 100) / 1e3 / 3, 1))
 
@@ -164,8 +91,8 @@ def _pm_export(path, read_pct, write_pct, cycles, totals_gb=None):
     def series(values):
         return f"{values[0]} (" + "; ".join(str(v) for v in values) + ")"
     header = ["ID", "Kernel Name", "profiler__pmsampler_interval_time",
-              "FBSP.TriageCompute." + pm_script.READ, "FBSP.TriageCompute." + pm_script.WRITE,
-              "TPC.TriageCompute." + pm_script.CYCLES]
+              "FBSP.TriageCompute." + trace_mod.PM_READ, "FBSP.TriageCompute." + trace_mod.PM_WRITE,
+              "TPC.TriageCompute." + trace_mod.PM_CYCLES]
     units = ["", "", "us", "%", "%", "cycle"]
     row = ["0", "kernel_MegaMoESm90", "3 (3)", series(read_pct), series(write_pct), series(cycles)]
     if totals_gb is not None:
@@ -177,7 +104,7 @@ def _pm_export(path, read_pct, write_pct, cycles, totals_gb=None):
 
 
 def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
-    """scripts/megamoe_pm_phases.py: the sampled DRAM percentages go to the L1 / L2 stretch
+    """megamoe_interleave.trace.phase_bytes (scripts/diag/megamoe_pm_phases.py): the sampled DRAM percentages go to the L1 / L2 stretch
     the trace puts each sample in (trace span stretched onto the active samples), scaled to
     ncu's counted totals when the export has them, else by the peak; idle samples at either
     end are dropped; a short blip of the other phase joins the stretch around it."""
@@ -189,9 +116,9 @@ def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
              dict(phase=2, t_start_ns=600, t_epilogue_ns=1000), dict(phase=1, t_start_ns=700, t_epilogue_ns=705)]
     path = tmp_path / "pm.csv"
     _pm_export(path, read, write, cycles, totals_gb=(2.2, 0.7))
-    (kernel,) = pm_script.read_pm_kernels(str(path))
+    (kernel,) = trace_mod.read_pm_kernels(str(path))
     assert kernel[1]["dram__bytes_read.sum"] == pytest.approx(2.2e9)  # Gbyte -> bytes
-    out = pm_script.phase_bytes(kernel, trace)
+    out = trace_mod.phase_bytes(kernel, trace)
     assert out["samples"] == 10 and out["scaling"] == "dram__bytes_*.sum"
     assert [(s["phase"], s["start_us"], s["end_us"]) for s in out["stretches"]] == [(1, 0.0, 18.0), (2, 18.0, 30.0)]
     l1, l2 = out["stretches"]
@@ -201,14 +128,14 @@ def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
     assert l1["sm_clock_mhz"] == pytest.approx(1500.0)  # 4500 cycles per 3 us
     assert out["per_phase"]["L1"]["time_us"] == 18.0
     blip = [1, 1, 1, 1, 0, 0, 0, 0, 0.9, 0, 0, None]  # one L1 bin inside the L2 stretch; no tiles at the end
-    assert pm_script.stretches(blip) == [(1, 0, 4), (2, 4, 12)]
-    assert pm_script.stretches(blip, min_bins=1) == [(1, 0, 4), (2, 4, 8), (1, 8, 9), (2, 9, 12)]
+    assert trace_mod.stretches(blip) == [(1, 0, 4), (2, 4, 12)]
+    assert trace_mod.stretches(blip, min_bins=1) == [(1, 0, 4), (2, 4, 8), (1, 8, 9), (2, 9, 12)]
     _pm_export(path, read, write, cycles)  # no totals: scaled by the peak
-    out = pm_script.phase_bytes(pm_script.read_pm_kernels(str(path))[0], trace, dram_peak_gbs=1000.0)
+    out = trace_mod.phase_bytes(trace_mod.read_pm_kernels(str(path))[0], trace, dram_peak_gbs=1000.0)
     assert out["read_gb"] == pytest.approx(220 / 100 * 1000e9 * 3e-6 / 1e9)
     with pytest.raises(ValueError, match="not an ncu raw CSV"):
         (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
-        pm_script.read_pm_kernels(str(tmp_path / "bad.csv"))
+        trace_mod.read_pm_kernels(str(tmp_path / "bad.csv"))
 
 
 def test_check_against_flags_wrong_outputs():
@@ -269,9 +196,290 @@ def test_one_problem_args_defaults_and_checks():
 
 
 def test_bench_parser_has_every_variant_axis():
-    """Every side-by-side axis run_case reads (VARIANT_AXES) is a flag of the bench's command
-    line, defaulting to [None] or a list (a flag lost to another parser broke the bench once)."""
+    """Every side-by-side axis run_case reads (VARIANT_AXES) is a MegaMoEConfig field and a flag
+    of the bench's command line, defaulting to [None] or a list (a flag lost to another parser
+    broke the bench once); the axes of deleted kernel options are gone; new runs go to runs/."""
+    fields = {f.name for f in dataclasses.fields(MegaMoEConfig)}
     args = bench.build_parser().parse_args([])
     for name in bench.VARIANT_AXES:
-        assert isinstance(getattr(args, name), list), name
-    assert bench.build_parser().parse_args(["--dispatch-window", "0", "6"]).dispatch_window == [0, 6]
+        assert name in fields and getattr(args, name) == [None], name
+    assert args.out == "results/h200/megamoe/runs" and args.schedules == ["expert_wave", "interleaved"]
+    a = bench.build_parser().parse_args(["--dispatch-window", "0", "6", "--block-n", "128", "--l2-columns", "0", "1"])
+    assert a.dispatch_window == [0, 6] and a.block_n == [128] and a.l2_columns == [0, 1]
+    for gone in ("--mma", "--dispatch-warps", "--l2-handoffs", "--silu", "--balance-l2", "--dispatch-evict-first",
+                 "--dispatch-keep", "--split-tail", "--block-m"):
+        with pytest.raises(SystemExit):
+            bench.build_parser().parse_args([gone, "1"])
+
+
+def _axes(**given):
+    return {name: given.get(name) for name in bench.VARIANT_AXES}
+
+
+def _values(**given):
+    """Command-line values of every axis (lists; [None] = not given)."""
+    return {name: given.get(name, [None]) for name in bench.VARIANT_AXES}
+
+
+def test_variant_names_and_configs():
+    """Paired names fused[<schedule><,axis value...>] (the axes given only), timing-row labels with
+    the resolved tile and ring depth, and the config each variant runs: the axes given, the rest
+    as MegaMoEConfig.resolve fills it in (l2_columns 0/1 from the command line as a bool)."""
+    assert bench.variant_name("expert_wave", _axes()) == "fused[expert_wave]"
+    assert bench.variant_name("interleaved", _axes(stages=4, dispatch_copy="lsu", lead=3)) == \
+        "fused[interleaved,D3,s4,dc=lsu]"
+    cfg = bench.variant_config("expert_wave", _axes(l2_columns=0, dispatch_window=6))
+    assert cfg.l2_columns is False and cfg.dispatch_window == 6 and cfg.stages is None and not cfg.resolved
+    (name, axes, resolved), = bench.resolved_variants(FLASH, 8, 8192, {**_values(), "l2_columns": [0]},
+                                                      ["expert_wave"], 132)
+    assert name == "fused[expert_wave,l2col0]" and resolved.resolved and resolved.l2_columns is False
+    assert (resolved.block_n, resolved.stages, resolved.dispatch_copy, resolved.dispatch_window) == (256, 3, "bulk", 5)
+    assert resolved == MegaMoEConfig("expert_wave", l2_columns=False).resolve(FLASH, 8, 8192, 132)
+    assert bench.impl_label(resolved, axes) == "fused[expert_wave,128x256,s3,l2col0]"
+    assert bench.impl_label(resolved, _axes(stages=3, block_n=256)) == "fused[expert_wave,128x256,s3]"
+    assert bench.trace_file_name("_x", "expert_wave", _axes(stages=3, dispatch_copy="bulk"), 8, 8192) == \
+        "trace_x_s3_dcbulk_expert_wave_P8_T8192.csv"
+
+
+def test_a_variant_that_does_not_resolve_is_skipped(capsys):
+    """The side-by-side axes may combine into a configuration that cannot run: skipped with a
+    note naming the variant, the others still run. At 128 x 256 tiles 4 stages leave no room for
+    the bulk Dispatch's bounce buffers (its default there is the LSU copy, so a window needs 3
+    stages); a window with the LSU copy is refused by MegaMoEConfig itself."""
+    values = _values(stages=[3, 4], dispatch_copy=["bulk"])
+    got = bench.resolved_variants(FLASH, 8, 8192, values, ["expert_wave", "interleaved"], 132)
+    assert [name for name, _, _ in got] == ["fused[expert_wave,s3,dc=bulk]", "fused[interleaved,s3,dc=bulk]"]
+    out = capsys.readouterr().out
+    assert "skipping fused[expert_wave,s4,dc=bulk]" in out and "skipping fused[interleaved,s4,dc=bulk]" in out
+    assert "does not fit" in out
+    values = _values(stages=[3, 4], dispatch_window=[6])
+    got = bench.resolved_variants(FLASH, 8, 8192, values, ["expert_wave"], 132)
+    assert [(n, c.dispatch_copy) for n, _, c in got] == [("fused[expert_wave,s3,W6]", "bulk")]
+    assert "skipping fused[expert_wave,s4,W6]: dispatch_window needs dispatch_copy='bulk'" in capsys.readouterr().out
+    values = _values(dispatch_copy=["lsu"], dispatch_window=[5])
+    assert bench.resolved_variants(FLASH, 8, 8192, values, ["interleaved"], 132) == []
+    assert "skipping fused[interleaved,dc=lsu,W5]" in capsys.readouterr().out
+
+
+def test_write_trace_round_trip(tmp_path):
+    """A decoded trace (api.decode_trace of the kernel's int64 rows) to CSV and back: one row per
+    tile, times relative to the earliest tile start."""
+    import torch
+
+    from megamoe_interleave.api import decode_trace
+
+    t = torch.full((2, 3, 7), -1, dtype=torch.int64)
+    t[0, 0] = torch.tensor([(1 << 40) | (0 << 16) | 1, 1000, 1100, 5000, 5200, 7, 6000])
+    t[0, 1] = torch.tensor([(2 << 40) | (3 << 16) | 2, 6000, 6500, 9000, 9100, 7, 4500])
+    t[1, 0] = torch.tensor([(1 << 40) | (1 << 16) | 0, 1500, 1600, 4500, 4600, 9, 4500])
+    path = tmp_path / "trace.csv"
+    trace_mod.write_trace(path, decode_trace(t))
+    rows = trace_mod.read_trace(path)
+    assert list(rows[0]) == list(trace_mod.TRACE_CSV_FIELDS) and len(rows) == 3
+    assert [(r["cta"], r["seq"], r["phase"], r["row"], r["n_block"]) for r in rows] == [
+        ("0", "0", "1", "0", "1"), ("0", "1", "2", "3", "2"), ("1", "0", "1", "1", "0")]
+    assert [int(r["t_start_ns"]) for r in rows] == [0, 5000, 500] and rows[1]["t_epilogue_ns"] == "8100"
+    # 4500 cycles over 3000 ns from start to mainloop end: 1.5 GHz, 2500 ns of mainloop
+    assert trace_mod.timeline(rows, 1)[2] == [(5, 1, 3750, 1500.0)]
+
+
+class _FakeMoE:
+    """Stands in for the fused MegaMoE of bench.build_moe on the CPU: forward returns the
+    reference, its kernel time is 100 us (expert_wave) or 90 us (interleaved)."""
+
+    built = []
+
+    def __init__(self, shape, P, tokens, config, w1, w2, *, world="loopback", poison_combine=False,
+                 weight_cache=None, moe_class=None):
+        import torch
+
+        self.config, self.poison_combine, self.P = config, poison_combine, P
+        self.last_kernel_us, self.last_trace = None, {}
+        self._ys = [torch.ones(4, 8) * (r + 1) for r in range(P)]
+        self.built.append(self)
+
+    def forward(self, xs, idx, wts):
+        import torch
+
+        self.last_kernel_us = 100.0 if self.config.schedule == "expert_wave" else 90.0
+        if self.config.trace:
+            t = torch.full((1, 2, 7), -1, dtype=torch.int64)
+            t[0, 0] = torch.tensor([(1 << 40) | 1, 10, 20, 3020, 3100, 0, 4500])
+            t[0, 1] = torch.tensor([(2 << 40) | 2, 3200, 3300, 5300, 5400, 0, 3150])
+            self.last_trace = {0: t}
+        return [y.clone() for y in self._ys]
+
+    def rerun(self):
+        return self.forward(None, None, None)
+
+
+def test_main_on_a_cpu_stand_in(monkeypatch, tmp_path, capsys):
+    """The whole bench (bench.main) with the GPU parts replaced: the baselines and timing rows,
+    the side-by-side variants (a non-resolving one skipped), the paired rows and their CSV
+    columns (as before the redesign), the traces, and the JSON with every variant's resolved
+    config."""
+    import json
+
+    import torch
+
+    from megamoe_interleave.config import MegaMoEConfig as Cfg
+    from xstage import paired, provenance, timing
+
+    P = 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(provenance, "_torch_gpu", lambda: {})
+    monkeypatch.setattr(bench, "dense_bf16_tflops", lambda: 500.0)
+    monkeypatch.setattr(bench, "device_sms", lambda: 132)
+    monkeypatch.setattr(bench, "make_problem", lambda shape, kind, P, T, strength=1.0: (
+        None, None, [torch.zeros(T, 8)] * P, [torch.zeros(T, 6, dtype=torch.int64)] * P, [None] * P))
+    monkeypatch.setattr(bench, "grouped_gemms", lambda *a, **k: ((None, None), lambda: None))
+    monkeypatch.setattr(bench, "unfused_pipeline", lambda *a: [torch.ones(4, 8) * (r + 1) for r in range(P)])
+    monkeypatch.setattr(bench, "build_moe", _FakeMoE)
+    monkeypatch.setattr(timing, "bench", lambda fn, warmup, iters, trials: (
+        [fn() for _ in range(warmup + iters * trials)], timing.Timing([1000.0, 2000.0, 3000.0]))[1])
+    monkeypatch.setattr(xbench, "event_timed", lambda fn: lambda: 110.0)
+    monkeypatch.setattr(paired, "sm_clock_mhz", lambda: 1980)
+    _FakeMoE.built.clear()
+    out = tmp_path / "runs"
+    bench.main(["--P", str(P), "--tokens", "8192", "--stages", "3", "4", "--dispatch-copy", "bulk", "--trials", "2",
+                "--paired-trials", "5", "--trace", "--tag", "_t", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "skipping fused[expert_wave,s4,dc=bulk]" in printed and "skipping fused[interleaved,s4,dc=bulk]" in printed
+    d = json.loads((out / "bench_megamoe_t.json").read_text())
+    names = ["fused[expert_wave,s3,dc=bulk]", "fused[interleaved,s3,dc=bulk]"]
+    assert [v["name"] for v in d["variants"]] == names
+    for v, sched in zip(d["variants"], ("expert_wave", "interleaved")):
+        want = Cfg(sched, stages=3, dispatch_copy="bulk").resolve(FLASH, P, 8192, 132)
+        assert v["config"] == dataclasses.asdict(want)
+        assert v["P"] == P and v["shape"] == "deepseek-v4-flash"
+    impls = [r["impl"] for r in d["rows"]]
+    assert impls[:2] == ["grouped_mm x2 only", "unfused torch pipeline"]
+    assert impls[2:5] == ["fused[expert_wave,128x256,s3,dc=bulk] api", "fused[expert_wave,128x256,s3,dc=bulk] kernels",
+                          "fused[expert_wave,128x256,s3,dc=bulk] api,no-poison"]
+    assert len(impls) == 2 + 2 * 3
+    kernels = [r for r in d["rows"] if r["impl"].endswith("kernels")]
+    assert [r["median_us"] for r in kernels] == [100.0, 90.0]  # the fused kernels' own times
+    (row,) = d["paired"]
+    assert row["baseline"] == "grouped_mm x2" and list(row["variants"]) == names
+    assert row["variants"][names[1]]["median_ratio"] == pytest.approx(90 / 110)
+    with open(out / "bench_megamoe_t_paired.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0])[:7] == ["shape", "routing", "world", "P", "tokens_per_rank", "variant", "baseline"]
+    assert [t["variant"] for t in table] == names
+    with open(out / "bench_megamoe_t.csv") as f:
+        assert next(csv.reader(f))[:6] == ["shape", "routing", "world", "P", "tokens_per_rank", "impl"]
+    assert [t["impl"] for t in d["trace_summaries"]] == ["fused[expert_wave,128x256,s3,dc=bulk]",
+                                                          "fused[interleaved,128x256,s3,dc=bulk]"]
+    assert d["trace_summaries"][0]["l1_tiles"] == 1 and d["trace_summaries"][0]["span_ns"] == 5390
+    assert (out / "trace_t_s3_dcbulk_expert_wave_P8_T8192.csv").exists()
+    # the paired comparison's objects start poisoned (their first y checked), then time without poison
+    timed = [m for m in _FakeMoE.built if not m.config.trace][-2:]
+    assert all(m.poison_combine is False for m in timed)
+
+
+@pytest.mark.parametrize("script", ["bench_megamoe.py", "diag/megamoe_dispatch_cost.py", "diag/megamoe_energy.py",
+                                    "diag/megamoe_ncu_driver.py", "diag/megamoe_pm_phases.py",
+                                    "diag/megamoe_trace_clock.py", "diag/megamoe_trace_timeline.py",
+                                    "diag/profile_megamoe_api.py"])
+def test_command_lines_import_the_library(script):
+    """The bench's and the diagnostics' command lines start (``--help``) with the repository on
+    PYTHONPATH only: no sys.path edits, no script importing another."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + ([os.environ["PYTHONPATH"]]
+                                                                       if os.environ.get("PYTHONPATH") else []))}
+    r = subprocess.run([sys.executable, str(root / "scripts" / script), "--help"], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=root)
+    assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-2000:]
+    text = (root / "scripts" / script).read_text()
+    assert "sys.path" not in text and "import bench_megamoe" not in text
+
+
+def test_no_dispatch_copy_moe_compiles_its_own_kernel(monkeypatch):
+    """megamoe_interleave.diag.NoDispatchCopyMoE: the same resolved config as a MegaMoE, but its
+    fused kernel is NoDispatchCopy of that config, under its own compile-cache key (a shipped
+    kernel of the same config in the cache is not reused)."""
+    from megamoe_interleave import diag
+    from megamoe_interleave.api import MegaMoE, make_world
+    from xstage import cute_compile
+
+    built = []
+    monkeypatch.setattr(cute_compile, "_CACHE", {})
+    monkeypatch.setattr(cute_compile, "compile_hopper", lambda kernel, *args, **kw: (
+        built.append((kernel, len(args))) or type("C", (), {"fn": f"compiled {type(kernel).__name__}"})()))
+    world = make_world("loopback", 2, device="cpu")
+    args = (world, 16, 256, 128, 2, 64, MegaMoEConfig("expert_wave", block_n=64, dispatch_copy="bulk"))
+    shipped, nocopy = MegaMoE(*args, backend="fused"), diag.NoDispatchCopyMoE(*args, backend="fused")
+    assert nocopy.config == shipped.config and nocopy.config.dispatch_window > 0
+    cute_compile._CACHE[("MegaMoESm90", 256, 128, shipped.config.kernel_key())] = "shipped"
+    assert shipped._kernel() == "shipped" and nocopy._kernel() == "compiled NoDispatchCopy"
+    (kernel, nargs), = built
+    assert type(kernel) is diag.NoDispatchCopy and kernel.config == nocopy.config.kernel_key() and nargs == 12 + 6 + 1
+    assert nocopy._kernel() == "compiled NoDispatchCopy" and len(built) == 1  # cached
+
+
+def _cpu_build(monkeypatch):
+    """bench.build_moe on a CPU loopback world (the fused MegaMoE is built and its weights
+    loaded; nothing can launch)."""
+    from megamoe_interleave import api
+
+    monkeypatch.setattr(bench, "make_world", lambda backend, world_size, device: api.make_world(
+        backend, world_size=world_size, device="cpu"))
+
+
+def _tiny_problem(P=2, T=40, seed=0):
+    import torch
+
+    from megamoe_interleave.routing import make_routing
+    from megamoe_interleave.shapes import MoEShape
+
+    shape = MoEShape("tiny", 256, 128, 16, 4, "test")
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(16, 256, 256, generator=g).bfloat16()
+    w2 = torch.randn(16, 256, 128, generator=g).bfloat16()
+    xs = [torch.randn(T, 256, generator=g).bfloat16() for _ in range(P)]
+    routes = [make_routing("balanced", T, 16, 4, seed=r) for r in range(P)]
+    return shape, w1, w2, xs, [r[0] for r in routes], [r[1] for r in routes]
+
+
+def test_build_moe_resolves_the_config_and_shares_the_weights(monkeypatch):
+    """build_moe: a fused MegaMoE of the shape with P ranks of ``tokens`` (its config resolved by
+    MegaMoE as the bench resolved the variant), weights loaded once per weight cache (the later
+    objects share the kernel-layout tensors), poison as asked."""
+    _cpu_build(monkeypatch)
+    shape, w1, w2, *_ = _tiny_problem()
+    config = MegaMoEConfig("interleaved", block_n=64)
+    cache = {}
+    a = bench.build_moe(shape, 2, 64, config, w1, w2, poison_combine=True, weight_cache=cache)
+    b = bench.build_moe(shape, 2, 64, MegaMoEConfig("expert_wave"), w1, w2, weight_cache=cache)
+    assert a.backend == b.backend == "fused" and a.poison_combine and not b.poison_combine
+    assert a.config == config.resolve(shape, 2, 64, 132) and a.config.block_n == 64 and b.config.block_n == 128
+    assert a.buffer.max_tokens == 64 and a.world.world_size == 2 and a.num_experts == 16 and a.topk == 4
+    assert all(b.w1[r] is a.w1[r] and b.w2[r] is a.w2[r] for r in range(2)) and b.w1 is not a.w1
+    c = bench.build_moe(shape, 2, 64, None, w1, w2)
+    assert c.config == MegaMoEConfig().resolve(shape, 2, 64, 132) and c.w1[1] is not a.w1[1]
+
+
+def test_fill_pool_gathers_the_dispatched_rows(monkeypatch):
+    """diag.fill_pool: each rank's pool row i becomes x[src rank][src token] of its plan (what
+    the Dispatch copy writes, so the no-copy kernel computes the shipped kernel's y)."""
+    import torch
+
+    from megamoe_interleave import diag
+
+    _cpu_build(monkeypatch)
+    shape, w1, w2, xs, idx, wts = _tiny_problem()
+    moe = bench.build_moe(shape, 2, 64, MegaMoEConfig("expert_wave", block_n=64), w1, w2,
+                          moe_class=diag.NoDispatchCopyMoE)
+    moe.stage_inputs(xs, idx, wts)
+    for d in range(2):
+        moe.launch_arguments(d)  # sizes the pool scratch, as the first forward does
+        moe.dispatched_rows(d).zero_()
+        diag.fill_pool(moe, d)
+        perm = moe.plan_rank(d)[0]
+        want = torch.stack([xs[s][t] for s, t in zip(perm.src_rank.tolist(), perm.src_token.tolist())])
+        assert perm.src_rank.numel() > 0 and torch.equal(moe.dispatched_rows(d), want)

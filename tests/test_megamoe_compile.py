@@ -448,3 +448,31 @@ def test_setmaxnreg_fits_the_launch_register_pool():
     for n in (AUX_WARPGROUP_REGS, MMA_WARPGROUP_REGS):
         assert n % 8 == 0 and 24 <= n <= 256
     assert AUX_WARPGROUP_REGS < launch_regs < MMA_WARPGROUP_REGS
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("copy", ["lsu", "bulk"])
+def test_no_dispatch_copy_kernel_has_no_dispatch_copy(copy):
+    """megamoe_interleave.diag.NoDispatchCopy (scripts/diag/megamoe_dispatch_cost.py, the ncu
+    driver's --no-dispatch-copy): the shipped kernel of the config copies the rows (LSU: the
+    16-byte vector loads / stores of copy_chunks; bulk: cp.async.bulk pieces into and out of smem),
+    the subclass of the same config does not, and its TMA tile loads are the shipped ones."""
+    from megamoe_interleave.diag import NoDispatchCopy
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
+    from xstage.cute_compile import compile_hopper
+
+    config = resolved("expert_wave", dispatch_copy=copy, dispatch_window=5 if copy == "bulk" else 0)
+
+    def counts(cls):
+        ptx = compile_hopper(cls(512, 256, config), *fake_launch_arguments(512, 256), keep_ptx=True).ptx
+        assert ptx
+        ops = re.findall(r"(cp\.async\.bulk[\w.:]*|ld\.global(?:\.nc)?\.v4|st\.global\.v4)", ptx)
+        return {k: ops.count(k) for k in set(ops)}
+
+    shipped, nocopy = counts(MegaMoESm90), counts(NoDispatchCopy)
+    tma = [k for k in shipped if k.startswith("cp.async.bulk.tensor")]
+    assert tma and all(nocopy.get(k) == shipped[k] for k in tma)
+    bulk_rows = [k for k in shipped if k.startswith("cp.async.bulk.") and not k.startswith("cp.async.bulk.tensor")]
+    assert bool(bulk_rows) == (copy == "bulk") and not any(nocopy.get(k) for k in bulk_rows)
+    for k in ("ld.global.v4", "st.global.v4"):
+        assert nocopy.get(k, 0) < shipped[k], k

@@ -3,8 +3,8 @@ reduction, result summaries, report generation on synthetic data and the suite's
 
 The library modules (xstage.multigpu, xstage.multigpu_report, calibration.peer,
 fa4_a2a.multigpu_sweep, fa4_a2a.multigpu_checks) are imported; the command lines under
-scripts/multigpu only run as subprocesses. The megamoe parts still in scripts/multigpu:
-tests/test_multigpu_megamoe_scripts.py. The GPU parts run on a multi-GPU host
+scripts/multigpu only run as subprocesses. The megamoe modules (megamoe_interleave.multigpu_ep,
+megamoe_interleave.multigpu_checks): tests/test_megamoe_multigpu.py. The GPU parts run on a multi-GPU host
 (scripts/multigpu_suite.sh) or in the loopback world (``--loopback``);
 tests/test_multigpu_gpu.py covers those where a GPU is present."""
 import importlib.util
@@ -343,7 +343,7 @@ def test_suite_dry_run_prints_every_step():
         assert "--standalone --nproc-per-node=4" in c and "--world torch-symm --P 4" in c
         assert "results/h200x4/" in c
     for entry in ("-m xstage.multigpu_envcheck", "-m calibration.peer", "-m fa4_a2a.multigpu_sweep",
-                  "scripts/multigpu/megamoe_ep.py", "scripts/multigpu/correctness.py"):
+                  "-m megamoe_interleave.multigpu_ep", "scripts/multigpu/correctness.py"):
         assert any(f"--nproc-per-node=4 {entry} --world" in c for c in launched), entry
     assert any("nvidia-smi topo -m > results/h200x4/topology/topo.txt" in c for c in cmds)
     assert cmds[-1].endswith("scripts/multigpu/report.py --dir results/h200x4")
@@ -357,7 +357,8 @@ def test_suite_dry_run_steps_and_loopback():
     assert not any("torch.distributed.run" in c for c in cmds)
     entries = [c for c in cmds if "--world" in c]
     assert len(entries) == 2 and all("--world loopback --P 2 --quick" in c for c in entries)
-    assert " -m fa4_a2a.multigpu_sweep --world" in entries[0] and "scripts/multigpu/megamoe_ep.py" in entries[1]
+    assert " -m fa4_a2a.multigpu_sweep --world" in entries[0]
+    assert " -m megamoe_interleave.multigpu_ep --world" in entries[1]
     assert all("results/h200x1-loopback-P2/" in c for c in entries)
     r = _suite("--dry-run", "--loopback", "--full", "--steps", "4", "--out", "/tmp/xx")
     entries = [c for c in r.stdout.splitlines() if c.startswith("+ ") and "--world" in c]
@@ -378,7 +379,8 @@ def test_suite_rejects_bad_arguments(args, msg):
 
 def test_entry_points_refuse_torch_symm_outside_torchrun():
     env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    for cmd in ([str(MG / "megamoe_ep.py")], ["-m", "xstage.multigpu_envcheck"]):
+    for cmd in ([str(MG / "megamoe_ep.py")], ["-m", "megamoe_interleave.multigpu_ep"],
+                ["-m", "xstage.multigpu_envcheck"]):
         r = subprocess.run([sys.executable, *cmd, "--world", "torch-symm"], capture_output=True, text=True,
                            timeout=120, env=env, cwd=ROOT)
         assert r.returncode == 2 and "must run under torchrun" in r.stderr, cmd
@@ -484,7 +486,7 @@ class _Props:
 
 def use_cpu_loopback(monkeypatch):
     """xstage.multigpu.setup makes a CPU loopback world (addressing only, no alignment) and the
-    device queries answer for an H200 (also used by tests/test_multigpu_megamoe_scripts.py)."""
+    device queries answer for an H200 (also used by tests/test_megamoe_multigpu.py)."""
     import torch
 
     from xstage.world import make_world

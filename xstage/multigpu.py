@@ -1,7 +1,7 @@
 """Shared machinery of the multi-GPU suite (issue 6; scripts/multigpu_suite.sh, docs/multigpu.md).
 
 Every entry point of the suite (``xstage.multigpu_envcheck``, ``calibration.peer``,
-``fa4_a2a.multigpu_sweep``, ``scripts/multigpu/megamoe_ep.py``, ``scripts/multigpu/correctness.py``)
+``fa4_a2a.multigpu_sweep``, ``megamoe_interleave.multigpu_ep``, ``scripts/multigpu/correctness.py``)
 runs in one of two worlds:
 
 ``torch-symm``

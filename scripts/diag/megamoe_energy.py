@@ -20,23 +20,20 @@ variant (wall ms/call minus device time: ~6 ms for fused, ~5 ms for the GEMMs at
 results/h200/megamoe/README.md, "Power cap"). So the J/call ratios bound the kernels' energy ratio
 only loosely; what the rows show firmly is the mean power and clock under sustained load.
 
-    python scripts/megamoe_energy.py --P 8 --tokens 8192 --out results/h200/megamoe/energy
+    python scripts/diag/megamoe_energy.py --P 8 --tokens 8192 --out results/h200/megamoe/energy
 """
 import argparse
 import os
 import statistics
-import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import bench_megamoe as bench  # noqa: E402
-from megamoe_interleave.shapes import get_shape  # noqa: E402
-from xstage import paired, provenance  # noqa: E402
+from megamoe_interleave import bench
+from megamoe_interleave.config import MegaMoEConfig
+from megamoe_interleave.shapes import get_shape
+from xstage import paired, provenance
 
 POWER_INSTANT_FIELD = 186  # NVML_FI_DEV_POWER_INSTANT (mW)
 REASON_BITS = {0x1: "gpu_idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
@@ -135,7 +132,7 @@ def main():
     w1, w2, xs, idx, wts = bench.make_problem(shape, "balanced", args.P, args.tokens)
     fns, moes = {}, {}
     for sched in args.schedules:
-        moe = bench.loopback_moe(bench.fused_kwargs(shape, args.P, args.tokens, sched), w1, w2, args.P)
+        moe = bench.build_moe(shape, args.P, args.tokens, MegaMoEConfig(sched), w1, w2)
         ys = moe.forward(xs, idx, wts)  # compile + warm-up; rerun() repeats its device work
         if not all(torch.equal(a, b) for a, b in zip(ys, moe.rerun())):
             raise SystemExit(f"{sched}: rerun() output differs from forward()'s")
@@ -143,7 +140,7 @@ def main():
         fns[f"fused[{sched}]"] = moe.rerun
     any_moe = next(iter(moes.values()))
     fns["reduce"] = lambda: [any_moe.reduce_rank(r) for r in any_moe.world.local_ranks]
-    _, fns["grouped_mm x2"] = bench.grouped_gemms(shape, args.P, w1, w2, idx, wts)
+    _, fns[bench.BASELINE] = bench.grouped_gemms(shape, args.P, w1, w2, idx, wts)
     fns["idle"] = lambda: time.sleep(0.05)
     for fn in fns.values():
         fn()
@@ -174,7 +171,7 @@ def main():
     for sched in args.schedules:
         name = f"fused[{sched}]"
         est = {k: summary[name][k] - summary["reduce"][k] for k in ("j_per_call", "ms_per_call")}
-        est["vs_grouped_j"] = est["j_per_call"] / summary["grouped_mm x2"]["j_per_call"]
+        est["vs_grouped_j"] = est["j_per_call"] / summary[bench.BASELINE]["j_per_call"]
         summary[f"{name} - reduce"] = est
         print(f"{name + ' - reduce':22s} {est['ms_per_call']:9.2f} {est['j_per_call']:9.3f}   "
               f"J/call vs grouped_mm x2: {est['vs_grouped_j']:.3f}")

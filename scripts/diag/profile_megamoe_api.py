@@ -1,30 +1,31 @@
 #!/usr/bin/env python
 """Where does ``MegaMoE.forward`` spend the time outside the fused kernels?
 
-Runs the benchmark problem (DeepSeek-V4-Flash by default, balanced routing, loopback world)
+Runs the benchmark problem (megamoe_interleave.bench.make_problem: DeepSeek-V4-Flash by default,
+balanced routing, loopback world; the schedule's default MegaMoEConfig)
 and reports, per phase of one call, the host wall time with the GPU drained before and
 after the phase (``--sync``: serialised view, each phase's full cost) and the overlapped
 wall time of whole calls; then a ``torch.profiler`` table of the top CPU and CUDA ops and a
 Chrome trace (``<out>/megamoe_api_trace.json``). Writes ``<out>/megamoe_api_profile.json``
 with provenance.
 
-    python scripts/profile_megamoe_api.py --P 1 --tokens 8192 --out results/h200/megamoe
+    python scripts/diag/profile_megamoe_api.py --P 1 --tokens 8192
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from megamoe_interleave.api import MegaMoE, make_world  # noqa: E402
-from megamoe_interleave.routing import make_routing  # noqa: E402
-from megamoe_interleave.shapes import get_shape  # noqa: E402
-from xstage import provenance  # noqa: E402
+from megamoe_interleave.api import MegaMoE
+from megamoe_interleave.bench import DEFAULT_OUT, build_moe, make_problem
+from megamoe_interleave.config import MegaMoEConfig
+from megamoe_interleave.shapes import get_shape
+from xstage import provenance
 
 PHASES = ("stage_inputs", "plan_rank", "launch_arguments", "_run_fused", "reduce_rank")
 
@@ -56,29 +57,21 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--schedule", default="interleaved", choices=["expert_wave", "interleaved"])
     ap.add_argument("--poison", default="on", choices=["on", "off"])
-    ap.add_argument("--out", default="results/h200/megamoe")
+    ap.add_argument("--out", default=DEFAULT_OUT)
     args = ap.parse_args()
     if args.calls < 2 or args.P < 1 or args.tokens < 1:
         ap.error("--calls >= 2, --P >= 1, --tokens >= 1")
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     shape = get_shape(args.shape)
-    E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
-    g = torch.Generator().manual_seed(0)
-    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
-    xs = [torch.randn(args.tokens, H, device="cuda").bfloat16() for _ in range(args.P)]
-    routes = [make_routing("balanced", args.tokens, E, k, seed=r) for r in range(args.P)]
-    idx, wts = [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
-    moe = MegaMoE(make_world("loopback", world_size=args.P, device="cuda"), num_experts=E, hidden=H,
-                  intermediate=I, topk=k, max_tokens_per_rank=args.tokens, schedule=args.schedule,
-                  backend="fused", poison_combine=args.poison == "on")
-    moe.load_weights(w1, w2)
+    w1, w2, xs, idx, wts = make_problem(shape, "balanced", args.P, args.tokens)
+    moe = build_moe(shape, args.P, args.tokens, MegaMoEConfig(args.schedule), w1, w2,
+                    poison_combine=args.poison == "on")
     del w1, w2
     moe.forward(xs, idx, wts)  # compile + warm caches
     torch.cuda.synchronize()
 
-    result = {"args": vars(args)}
+    result = {"args": vars(args), "config": dataclasses.asdict(moe.config)}
     for sync in (False, True):
         totals: dict = {}
         timed_phases(moe, totals, sync)

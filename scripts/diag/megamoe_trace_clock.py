@@ -5,25 +5,22 @@ resolve the clock within a 28-ms call (results/h200/megamoe/clock_probe/), so th
 whether a call runs power-limited: a call after the paired bench's cooldown ("cool") against
 the last of back-to-back calls ("hot"), per rank (in a loopback call rank r runs r-th).
 
-    python scripts/megamoe_trace_clock.py --P 8 --tokens 8192 --hot-calls 10
+    python scripts/diag/megamoe_trace_clock.py --P 8 --tokens 8192 --hot-calls 10
 
 Prints the median clock per rank and writes ``trace_clock<tag>.json`` under ``--out``.
 """
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import bench_megamoe as bench  # noqa: E402
-from megamoe_interleave.api import decode_trace, trace_mainloop_cycles  # noqa: E402
-from megamoe_interleave.shapes import get_shape  # noqa: E402
-from xstage import provenance  # noqa: E402
+from megamoe_interleave import bench
+from megamoe_interleave.api import decode_trace, trace_mainloop_cycles
+from megamoe_interleave.config import MegaMoEConfig
+from megamoe_interleave.shapes import get_shape
+from xstage import provenance
 
 
 def clock_per_rank(moe) -> dict:
@@ -44,7 +41,7 @@ def main():
     ap.add_argument("--cooldown-s", type=float, default=0.25)
     ap.add_argument("--hot-calls", type=int, default=10)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default="results/h200/megamoe")
+    ap.add_argument("--out", default=bench.DEFAULT_OUT)
     args = ap.parse_args()
     if min(args.P, args.tokens, args.hot_calls) < 1:
         raise SystemExit("--P, --tokens and --hot-calls must be >= 1")
@@ -52,8 +49,7 @@ def main():
     w1, w2, xs, idx, wts = bench.make_problem(shape, "balanced", args.P, args.tokens)
     result = {}
     for sched in args.schedules:
-        kw = bench.fused_kwargs(shape, args.P, args.tokens, sched)
-        moe = bench.loopback_moe(kw, w1, w2, args.P, trace=True)
+        moe = bench.build_moe(shape, args.P, args.tokens, MegaMoEConfig(sched, trace=True), w1, w2)
         moe.forward(xs, idx, wts)  # compile
         torch.cuda.synchronize()
         time.sleep(args.cooldown_s)

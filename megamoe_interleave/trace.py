@@ -1,37 +1,102 @@
-#!/usr/bin/env python
-"""DRAM bytes of one fused-kernel launch per phase stretch: ncu's PM sampling (DRAM read /
-write throughput, SM clock over time) against the L1 / L2 phases of a trace of the same
-problem (bench_megamoe --trace). Says where in the schedule the DRAM bytes go.
+"""Per-tile traces of the fused kernel as files, and what the diagnostics read from them.
 
-    ncu --clock-control none --section PmSampling --metrics dram__bytes_read.sum,dram__bytes_write.sum \\
-        --kernel-name regex:MegaMoE --launch-skip 8 --launch-count 1 -o pm \\
-        python scripts/megamoe_ncu_driver.py --P 8
-    ncu -i pm.ncu-rep --page raw --csv --print-metric-instances values > pm_raw.csv
-    python scripts/bench_megamoe.py --P 8 --paired-only --paired-trials 0 --trace --schedules expert_wave
-    python scripts/megamoe_pm_phases.py pm_raw.csv TRACE.csv[.gz] [--out DIR]
+A traced call (``MegaMoEConfig(trace=True)``) leaves one int64 tensor per rank in
+``MegaMoE.last_trace``; :func:`api.decode_trace` turns it into per-CTA tile records.
+Here: those records as a CSV (:func:`write_trace`, the file ``megamoe_interleave.bench --trace``
+writes) and back (:func:`read_trace`, plain or .gz), the mainloop cycles over time
+(:func:`timeline`), the L1 tiles' waits under a Dispatch window (:func:`window_waits`), and the
+split of an ncu PM-sampling export of one launch by the trace's L1 / L2 phases
+(:func:`read_pm_kernels`, :func:`phase_bytes`; scripts/diag/megamoe_pm_phases.py).
 
-The trace is rank 0's, from a traced build (its own run, its own clock), so its span is
-stretched onto the sampled kernel's active samples: phase boundaries are placed by their
-share of the span, not by absolute times. The sampled throughputs are percentages of the
-DRAM peak; they are scaled so that they add up to ncu's dram__bytes_*.sum of the same
-launch when those are in the CSV, else by --dram-peak-gbs.
+Everything here runs on a CPU (tests/test_megamoe_bench.py).
 """
-import argparse
+from __future__ import annotations
+
 import csv
 import gzip
-import os
 import re
-import sys
+import statistics
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
+from .api import trace_mainloop_cycles
 
-from megamoe_trace_timeline import read_trace  # noqa: E402
-from xstage import provenance  # noqa: E402
+# Columns of a trace CSV: one row per tile, times in ns from the earliest tile start of the call.
+TRACE_CSV_FIELDS = ("cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
+                    "t_epilogue_ns", "smid", "cycles")
 
-READ = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
-WRITE = "dramc__write_throughput.avg.pct_of_peak_sustained_elapsed"
-CYCLES = "sm__cycles_active.avg"
+
+def write_trace(path, recs) -> None:
+    """Decoded trace records (:func:`api.decode_trace`: a list per CTA) to a CSV of
+    :data:`TRACE_CSV_FIELDS`, timestamps relative to the earliest tile start."""
+    t_min = min(r["t_start"] for cta in recs for r in cta)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(TRACE_CSV_FIELDS)
+        for c, cta in enumerate(recs):
+            for i, r in enumerate(cta):
+                w.writerow([c, i, r["phase"], r["row"], r["n_block"], r["t_start"] - t_min, r["t_ready"] - t_min,
+                            r["t_mainloop"] - t_min, r["t_epilogue"] - t_min, r["smid"], r["cycles"]])
+
+
+def read_trace(path):
+    """The rows of a trace CSV (plain or .gz) as dicts of strings."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def timeline(rows, bucket_us: float = 250.0):
+    """{phase: [(bucket start us, tiles, median mainloop cycles, median clock MHz)]} over the
+    trace rows (dicts with t_start_ns, t_ready_ns, t_mainloop_ns, cycles, phase); rows without
+    cycles (older traces) or with an empty span are skipped (api.trace_mainloop_cycles)."""
+    buckets = {}
+    for r in rows:
+        t0 = int(r["t_start_ns"])
+        m = trace_mainloop_cycles(int(r.get("cycles") or 0), t0, int(r["t_ready_ns"]), int(r["t_mainloop_ns"]))
+        if m is not None:
+            buckets.setdefault((int(r["phase"]), int(t0 / (bucket_us * 1e3))), []).append(m)
+    out = {}
+    for (phase, b), vals in sorted(buckets.items()):
+        out.setdefault(phase, []).append((b * bucket_us, len(vals), round(statistics.median(v[1] for v in vals)),
+                                          round(1e3 * statistics.median(v[0] for v in vals), 1)))
+    return out
+
+
+def window_waits(rows, window: int, min_wait_ns: int = 2000) -> dict:
+    """The L1 tiles' waits for their rows under a Dispatch window of ``window`` rows, from trace
+    rows (dicts with phase, row, cta, t_start_ns, t_ready_ns, t_epilogue_ns). Per scheduler row
+    r >= window, "opened" = the first end of an L1 tile of row r - window. A row "waited" when
+    at least one of its tiles waited >= ``min_wait_ns`` from its start to its first stage; the
+    earliest such tile's first stage is when the row was ready. Returns the rows counted, the
+    rows that waited, the medians of (ready - opened) and (first tile start - opened) in us
+    over the rows that waited, and the L1 wait summed per CTA in us."""
+    l1 = [r for r in rows if int(r["phase"]) == 1]
+    by_row = {}
+    for r in l1:
+        by_row.setdefault(int(r["row"]), []).append(r)
+    first_end = {k: min(int(t["t_epilogue_ns"]) for t in v) for k, v in by_row.items()}
+    ready_lag, start_lag, counted = [], [], 0
+    for k, tiles in by_row.items():
+        if k < window or k - window not in first_end:
+            continue
+        counted += 1
+        opened = first_end[k - window]
+        waited = [t for t in tiles if int(t["t_ready_ns"]) - int(t["t_start_ns"]) >= min_wait_ns]
+        if waited:
+            ready_lag.append((min(int(t["t_ready_ns"]) for t in waited) - opened) / 1e3)
+            start_lag.append((min(int(t["t_start_ns"]) for t in tiles) - opened) / 1e3)
+    ctas = {int(r["cta"]) for r in l1}
+    wait_us = sum(int(r["t_ready_ns"]) - int(r["t_start_ns"]) for r in l1) / 1e3
+    return dict(rows=counted, rows_waited=len(ready_lag),
+                ready_after_open_us_median=round(statistics.median(ready_lag), 2) if ready_lag else None,
+                start_after_open_us_median=round(statistics.median(start_lag), 2) if start_lag else None,
+                l1_wait_us_per_cta=round(wait_us / len(ctas), 1) if ctas else 0.0)
+
+
+# ----------------------------------------------------------------------------- ncu PM sampling vs the trace
+
+PM_READ = "dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"
+PM_WRITE = "dramc__write_throughput.avg.pct_of_peak_sustained_elapsed"
+PM_CYCLES = "sm__cycles_active.avg"
 _INSTANCES = re.compile(r"^(.*?)\s*\((.*)\)\s*$", re.S)
 _BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 DRAM_PEAK_GBS = 4800.0  # H200 HBM3e: the percentages' scale when the export has no byte totals
@@ -49,7 +114,7 @@ def read_pm_kernels(path: str):
     [(kernel name, scalars, series)], scalars = metric -> value (first number of the cell),
     series = PM-sampled metric (the part after ``TriageCompute.``) -> list of samples. Scalars
     in byte units (Kbyte, Mbyte, ...) are converted to bytes."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", newline="") as f:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", newline="") as f:
         rows = list(csv.reader(f))
     if len(rows) < 3 or "Kernel Name" not in rows[0]:
         raise ValueError(f"{path}: not an ncu raw CSV export (no 'Kernel Name' column)")
@@ -122,9 +187,9 @@ def phase_bytes(kernel, trace_rows, dram_peak_gbs: float = DRAM_PEAK_GBS):
     interval_us = scalars.get("profiler__pmsampler_interval_time")
     if not interval_us:
         raise ValueError(f"{name}: no profiler__pmsampler_interval_time (not a PmSampling export?)")
-    first, end = active_window(series[CYCLES])
-    rd, wr = series[READ][first:end], series[WRITE][first:end]
-    cycles = series[CYCLES][first:end]
+    first, end = active_window(series[PM_CYCLES])
+    rd, wr = series[PM_READ][first:end], series[PM_WRITE][first:end]
+    cycles = series[PM_CYCLES][first:end]
     # percent of peak per sample -> bytes: calibrated on the launch's counted totals when present
     per_pct = dram_peak_gbs * 1e9 * interval_us * 1e-6 / 100.0
     scale_rd = scale_wr = per_pct
@@ -148,34 +213,3 @@ def phase_bytes(kernel, trace_rows, dram_peak_gbs: float = DRAM_PEAK_GBS):
     out["read_gb"] = round(sum(rd) * scale_rd / 1e9, 4)
     out["write_gb"] = round(sum(wr) * scale_wr / 1e9, 4)
     return out
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pm_csv", help="ncu --page raw --csv --print-metric-instances values export")
-    ap.add_argument("trace", help="bench_megamoe --trace CSV (plain or .gz) of the same problem")
-    ap.add_argument("--kernel", default="MegaMoE", help="regex: the first matching kernel of the export")
-    ap.add_argument("--dram-peak-gbs", type=float, default=DRAM_PEAK_GBS,
-                    help="DRAM peak for the percentages when the export has no dram__bytes_*.sum")
-    ap.add_argument("--out", default=None, help="directory for pm_phases.json")
-    args = ap.parse_args()
-    kernels = [k for k in read_pm_kernels(args.pm_csv) if re.search(args.kernel, k[0])]
-    if not kernels:
-        sys.exit(f"no kernel matching {args.kernel!r} in {args.pm_csv}")
-    res = phase_bytes(kernels[0], read_trace(args.trace), args.dram_peak_gbs)
-    print(f"{res['samples']} samples of {res['interval_us']} us; bytes scaled by {res['scaling']}; "
-          f"DRAM read {res['read_gb']:.3f} GB, write {res['write_gb']:.3f} GB")
-    print("phase   start_us   end_us  read_GB  write_GB  SM_MHz")
-    for s in res["stretches"]:
-        print(f"  L{s['phase']}  {s['start_us']:8.0f} {s['end_us']:8.0f} {s['read_gb']:8.3f} {s['write_gb']:9.3f} "
-              f"{s['sm_clock_mhz']:7.0f}")
-    for phase, tot in res["per_phase"].items():
-        print(f"{phase}: {tot['time_us']:.0f} us, read {tot['read_gb']:.3f} GB, write {tot['write_gb']:.3f} GB")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        provenance.write_json(os.path.join(args.out, "pm_phases.json"),
-                              dict(res, pm_csv=os.path.basename(args.pm_csv), trace=os.path.basename(args.trace)))
-
-
-if __name__ == "__main__":
-    main()
