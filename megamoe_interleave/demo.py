@@ -13,8 +13,8 @@ from __future__ import annotations
 def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int = 64) -> dict:
     import torch
 
-    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
-    from megamoe_interleave.bench import check_against, grouped_gemms
+    from megamoe_interleave import MegaMoEConfig
+    from megamoe_interleave.bench import build_moe, check_against, grouped_gemms
     from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline
     from megamoe_interleave.routing import make_routing
     from megamoe_interleave.shapes import get_shape
@@ -36,14 +36,9 @@ def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int =
            "unfused pipeline": bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t))}
     out = {"shape": f"DeepSeek-V4-Flash MoE, loopback P = {P}, {tokens} tokens per rank, balanced routing",
            "checks": {}, "configs": {}}
-    world = make_world("loopback", world_size=P, device="cuda")
-    moes = {}
+    weights = {}  # the two layers share one copy of the kernel-layout weights (12 GB at P = 8)
     for schedule in ("interleaved", "expert_wave"):
-        moe = MegaMoE(world, E, H, I, k, tokens, MegaMoEConfig(schedule))
-        if moes:  # share the kernel-layout weights (12 GB at P = 8)
-            moe.w1, moe.w2 = next(iter(moes.values())).w1, next(iter(moes.values())).w2
-        else:
-            moe.load_weights(w1, w2)
+        moe = build_moe(shape, P, tokens, MegaMoEConfig(schedule), w1, w2, poison_combine=True, weight_cache=weights)
         ys = moe(xs, idx, wts)
         err = max((y[sample].float() - r).abs().max().item() for y, r in zip(ys, refs))
         check_against(ys, unfused, f"fused[{schedule}]")  # every element, against the unfused pipeline
@@ -51,7 +46,6 @@ def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int =
             r.abs().max().item() for r in refs)}
         out["configs"][schedule] = str(moe.config)
         moe.poison_combine = False
-        moes[schedule] = moe
         fns[f"fused[{schedule}]"] = _kernel_time(moe)
     samples, clocks = bench.paired_trials(fns, trials)
     row = dict(shape=shape.name, P=P, tokens_per_rank=tokens,

@@ -1,0 +1,30 @@
+"""scripts/run's main job on a CPU machine: the planner on every shipped profile and the
+calibration fit recomputed from the shipped raw data, equal to the shipped fit, in seconds."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cpu_main_job_refits_the_shipped_calibration(tmp_path):
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "scripts/demo.py", "--cpu", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "need an H100/H200" in r.stdout or "kernels need" in r.stdout
+    for profile in ("paper-b200-nvlink", "h200-nvlink-peer", "h200-pcie-host"):
+        assert f"== plan, {profile}" in r.stdout
+    out = json.loads((tmp_path / "demo.json").read_text())
+    assert out["ok"] and out["calibration_refit_matches_shipped"] and "provenance" in out
+    assert (tmp_path / "calibration" / "report.md").exists()
+    assert time.time() - t0 < 120
+
+
+def test_gpu_demo_modules_import_without_a_gpu():
+    import fa4_a2a.demo
+    import megamoe_interleave.demo
+
+    assert callable(fa4_a2a.demo.run) and callable(megamoe_interleave.demo.run)
