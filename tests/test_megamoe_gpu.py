@@ -213,41 +213,50 @@ def test_fused_tiles_and_ring_depths(block_n, stages, hidden, inter):
     _check_both_schedules(problem, P, k, block_n=block_n, stages=stages, hidden=hidden, inter=inter)
 
 
+def _variants_bitwise_equal(problem, variants, calls=1, check=None):
+    """Every MegaMoE of ``variants`` (zero-argument constructors): its weights loaded, ``calls``
+    forwards each checked against the fp32 reference (and by ``check(moe)``), the last y of
+    every variant bitwise equal, every call of a variant bitwise equal to its first."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    w1, w2, xs, idx, w = problem
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for make in variants:
+        moe = make()
+        moe.load_weights(w1, w2)
+        runs = [moe.forward(xs, idx, w) for _ in range(calls)]
+        for ys in runs:
+            _check(ys, refs)
+            for a, b in zip(ys, runs[0]):
+                assert torch.equal(a, b)
+        if check is not None:
+            check(moe)
+        outs.append(runs[-1])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
 def test_l2_handoffs_bitwise_equal():
     """Staging the L2 output in two handoffs (the 4-stage 128 x 256 ring) or one (3 stages)
     changes no bit of y."""
-    from megamoe_interleave.reference import reference_moe_fp32
+    from megamoe_interleave.config import smem_plan
 
     P, k, hidden, inter = 2, 6, 512, 256
-    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=31, hidden=hidden, inter=inter)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for stages in (3, 4):
-        moe = _make(P, k, "interleaved", block_n=256, stages=stages, dispatch_copy="lsu", hidden=hidden, inter=inter)
-        assert moe.config.stages == stages
-        moe.load_weights(w1, w2)
-        outs.append(moe.forward(xs, idx, w))
-        _check(outs[-1], refs)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    assert [smem_plan(hidden, 256, s, "lsu").l2_handoffs for s in (3, 4)] == [1, 2]
+    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=31, hidden=hidden, inter=inter)
+    _variants_bitwise_equal(problem, [
+        lambda s=s: _make(P, k, "interleaved", block_n=256, stages=s, dispatch_copy="lsu", hidden=hidden, inter=inter)
+        for s in (3, 4)])
 
 
 def test_fused_host_world_remote_path():
     """host world: symmetric x / combine in pinned host memory, so Dispatch reads and the
     Combine 16-byte stores cross PCIe; results must not change."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     P, k = 2, 6
-    w1, w2, xs, idx, w = _problem(P, [70, 33], k, "balanced", 0.1, seed=5)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for schedule in ("expert_wave", "interleaved"):
-        moe = _make(P, k, schedule, world="host")
-        moe.load_weights(w1, w2)
-        outs.append(moe.forward(xs, idx, w))
-        _check(outs[-1], refs)
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    problem = _problem(P, [70, 33], k, "balanced", 0.1, seed=5)
+    _variants_bitwise_equal(problem, [lambda s=s: _make(P, k, s, world="host") for s in ("expert_wave", "interleaved")])
 
 
 def test_l2_columns_bitwise_equal():
@@ -255,23 +264,15 @@ def test_l2_columns_bitwise_equal():
     output element is one tile's, whatever the order), with masked picks, partial blocks and
     experts of several rows (two L2 pair tiles per row, so the tiles really move); LSU and
     windowed bulk Dispatch; three calls each (counters reset)."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     P, k, hidden, inter = 2, 6, 256, 128
-    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=71, hidden=hidden, inter=inter)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for options in (dict(l2_columns=False), dict(), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2)):
-        moe = _make(P, k, "expert_wave", block_n=128, stages=2, hidden=hidden, inter=inter, num_sms=8, **options)
-        moe.load_weights(w1, w2)
-        for _ in range(3):
-            y = moe.forward(xs, idx, w)
-            _check(y, refs)
-        outs.append(y)
+    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=71, hidden=hidden, inter=inter)
+
+    def several_rows(moe):
         assert any(rec[1] >= 1 for rec in moe.plan_rank(0)[1].row_record), "need an expert of several rows"
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
+    _variants_bitwise_equal(problem, [
+        lambda o=o: _make(P, k, "expert_wave", block_n=128, stages=2, hidden=hidden, inter=inter, num_sms=8, **o)
+        for o in (dict(l2_columns=False), dict(), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2))],
+        calls=3, check=several_rows)
 
 
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
@@ -282,25 +283,16 @@ def test_dispatch_variants_bitwise_equal(hidden, num_sms):
     rows, so the dispatch warp moves nearly all of them (L1 producers wait on the per-row
     counters); repeated calls check that the counters, the bounce buffers' mbarrier phases and
     bulk groups start afresh each call."""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     P, k, inter = 2, 6, 128
-    w1, w2, xs, idx, w = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for schedule in ("expert_wave", "interleaved"):
-        for copy, window in (("lsu", 0), ("bulk", 0), ("bulk", 1), ("bulk", 3)):
-            moe = _make(P, k, schedule, block_n=128, stages=2, num_sms=num_sms, hidden=hidden, inter=inter,
-                        dispatch_copy=copy, dispatch_window=window)
-            moe.load_weights(w1, w2)
-            for _ in range(3):
-                y = moe.forward(xs, idx, w)
-                _check(y, refs)
-            outs.append(y)
-            assert moe.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
-    for other in outs[1:]:
-        for a, b in zip(outs[0], other):
-            assert torch.equal(a, b)
+    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
+
+    def enough_rows(moe):
+        assert moe.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
+    _variants_bitwise_equal(problem, [
+        lambda s=s, c=c, win=win: _make(P, k, s, block_n=128, stages=2, num_sms=num_sms, hidden=hidden, inter=inter,
+                                        dispatch_copy=c, dispatch_window=win)
+        for s in ("expert_wave", "interleaved") for c, win in (("lsu", 0), ("bulk", 0), ("bulk", 1), ("bulk", 3))],
+        calls=3, check=enough_rows)
 
 
 def test_rerun_repeats_forward_bitwise():
@@ -324,22 +316,9 @@ def test_row_metadata_handoff_with_consecutive_l1_tiles():
     picks' weights spread over three decades, y checked against the fp32 reference and bitwise
     against the 132-SM launch, five calls each. (compute-sanitizer's racecheck flags exactly this
     handoff, also with every barrier of it two-sided: results/h200/sanitizers/README.md.)"""
-    from megamoe_interleave.reference import reference_moe_fp32
-
     P, k = 2, 6
     w1, w2, xs, idx, _ = _problem(P, [250, 170], k, "balanced", 0.0, seed=81)
     g = torch.Generator(device="cuda").manual_seed(5)
     w = [10 ** (3 * torch.rand(i.shape, generator=g, device="cuda") - 2) for i in idx]
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
-    outs = []
-    for num_sms in (2, 132):
-        moe = _make(P, k, "expert_wave", num_sms=num_sms, experts_per_wave=8)
-        moe.load_weights(w1, w2)
-        runs = [moe.forward(xs, idx, w) for _ in range(5)]
-        for ys in runs:
-            _check(ys, refs)
-            for a, b in zip(ys, runs[0]):
-                assert torch.equal(a, b)
-        outs.append(runs[0])
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    _variants_bitwise_equal((w1, w2, xs, idx, w), [
+        lambda n=n: _make(P, k, "expert_wave", num_sms=n, experts_per_wave=8) for n in (2, 132)], calls=5)
