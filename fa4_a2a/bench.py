@@ -72,7 +72,8 @@ TILE_M = TILE_N = 128
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world", choices=("loopback", "host", "torch-symm"), default="loopback")
+    p.add_argument("--world", choices=("loopback", "host", "loopback+host", "torch-symm"), default="loopback",
+                   help="loopback+host: the fused kernel's destinations in pinned host memory, inputs on the GPU")
     p.add_argument("--P", type=int, default=8, help="world size (torch-symm: must equal the process count)")
     p.add_argument("--heads", type=int, nargs="+", default=[24, 40])
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768, 49152, 65536])
@@ -380,7 +381,7 @@ def run(args):
         g = torch.Generator(device=device).manual_seed((M + H) * 64 + rank)
         q, k, v = (torch.randn(1, M, Hl, D, generator=g, device=device).to(dtype) for _ in range(3))
         o_local = torch.empty_like(q)
-        dest = world.alloc((1, M // P, H, D), dtype)
+        dest = world.alloc((1, M // P, H, D), dtype, remote=True)
         # This rank's head offset folded into its table (fa4_a2a.interface.ulysses_peer_table).
         table = (dest.peer_table(rank) + rank * Hl * D * q.element_size()).contiguous()
         fns = variant_fns(world, rank, q, k, v, o_local, dest, table, P)
@@ -588,7 +589,7 @@ def main(argv=None):
     if payload["rank"] != 0:
         return 0
     out = Path(os.environ.get("OUT", "")) / args.out if os.environ.get("BENCH_TO_OUT") else Path(args.out)
-    stem = out / (args.tag or f"bench_{args.world}{'_stabilized' if args.stabilize else ''}")
+    stem = out / (args.tag or f"bench_{args.world.replace('+', '_')}{'_stabilized' if args.stabilize else ''}")
     bench.write_json(f"{stem}.json", payload)
     md = table3(payload)
     Path(f"{stem}.md").write_text(md)

@@ -26,7 +26,7 @@ def run(*, P: int = 8, heads: int = 24, seq: int = 8192, head_dim: int = 128, tr
     # time rank 0's kernels (every rank runs the same shapes)
     q, k, v = (seq_to_head_shards(x)[0].contiguous() for x in (qs, ks, vs))
     o_local = torch.empty_like(q)
-    dest = world.alloc((1, C, heads, head_dim), q.dtype)
+    dest = world.alloc((1, C, heads, head_dim), q.dtype, remote=True)
     table = (dest.peer_table(0)).contiguous()
     names = ("fa_only", "serial_symm", "fused")
     fns = {n: f for n, f in variant_fns(world, 0, q, k, v, o_local, dest, table, P).items() if n in names}

@@ -56,7 +56,7 @@ def run_checks(ctx, quick: bool = False) -> list:
             rec = {"kernel": "fa4", "case": name, "variant": vname, "P": P, "B": B, "C": C, "Hl": Hl, "D": D,
                    "dtype": dts, "causal": causal}
             try:
-                dest = ctx.world.alloc((B, C, Hl * P, D), dtype)
+                dest = ctx.world.alloc((B, C, Hl * P, D), dtype, remote=True)
                 dest.fill_(float("nan"))
                 lses = {}
                 ctx.world.barrier()  # every destination poisoned before any peer stores into it

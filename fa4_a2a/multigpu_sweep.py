@@ -122,7 +122,7 @@ def run(ctx, args):
         for M in args.seqs:
             t0 = time.time()
             q, k, v, o_loc, tables = {}, {}, {}, {}, {}
-            dest = ctx.world.alloc((1, M // P, H, D), dtype)
+            dest = ctx.world.alloc((1, M // P, H, D), dtype, remote=True)
             views, keepalive = mg.symm_peer_views(ctx, (1, M // P, H, D), dtype)
             held = [dest, keepalive]  # alive until this shape is done
             for r in ctx.local_ranks:

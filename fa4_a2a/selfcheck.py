@@ -79,7 +79,7 @@ def check_world(world, shapes=DEFAULT_SHAPES, seed: int = 0, verbose: bool = Tru
         # 2./3. Serial (symm) and the fused kernel into poisoned symmetric destinations
         results = {}
         for name in ("serial_symm", "fused"):
-            dest = world.alloc((B, C, H, D), dtype)
+            dest = world.alloc((B, C, H, D), dtype, remote=True)
             dest.fill_(float("nan"))
             world.barrier()  # every rank poisoned before anyone stores
             for r in ranks:

@@ -46,7 +46,7 @@ class UlyssesWorkspace:
         self.world = world
         self.shape = tuple(shape)
         self.dtype = dtype
-        self.dest = world.alloc(tuple(shape), dtype)
+        self.dest = world.alloc(tuple(shape), dtype, remote=True)  # the fused epilogue's remote stores land here
         head_bytes = (H // P) * D * torch.empty((), dtype=dtype).element_size()
         # Fold this rank's head offset into its table: the kernel needs no rank (see kernel.py).
         self.tables = {r: (self.dest.peer_table(r) + r * head_bytes).contiguous() for r in world.local_ranks}

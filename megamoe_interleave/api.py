@@ -93,7 +93,7 @@ class MegaMoEBuffer:
         self.x = world.alloc((T, hidden), dtype)
         self.topk_idx = world.alloc((T, topk), torch.int64)
         self.topk_weights = world.alloc((T, topk), torch.float32)
-        self.combine = world.alloc((topk, T, hidden), dtype)
+        self.combine = world.alloc((topk, T, hidden), dtype, remote=True)  # the Combine stores' destinations
         self.counters = {r: torch.zeros(num_counters, dtype=torch.int32, device=world.device)
                          for r in world.local_ranks}
         self.num_tokens = [0] * world.world_size

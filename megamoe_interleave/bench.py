@@ -408,9 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The bench's command line (one flag per side-by-side axis of VARIANT_AXES)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
-    ap.add_argument("--world", default="loopback", choices=["loopback", "host"],
-                    help="host: symmetric buffers in pinned host memory, so Dispatch reads and Combine "
-                         "stores cross PCIe (a real drain-limited remote path on one GPU)")
+    ap.add_argument("--world", default="loopback", choices=["loopback", "host", "loopback+host"],
+                    help="loopback: no remote path (the control); host: every symmetric buffer in pinned host "
+                         "memory (Dispatch reads and Combine stores cross PCIe); loopback+host: only the Combine "
+                         "destinations in pinned host memory, so the remote stores alone cross PCIe (the "
+                         "h200-pcie-host profile's path)")
     ap.add_argument("--routing", nargs="+", default=["balanced"], choices=["balanced", "skewed"])
     ap.add_argument("--strength", type=float, default=1.0)
     ap.add_argument("--P", nargs="+", type=int, default=[1, 8])

@@ -251,12 +251,16 @@ def test_l2_handoffs_bitwise_equal():
         for s in (3, 4)])
 
 
-def test_fused_host_world_remote_path():
-    """host world: symmetric x / combine in pinned host memory, so Dispatch reads and the
-    Combine 16-byte stores cross PCIe; results must not change."""
+def test_fused_remote_paths_bitwise_equal():
+    """The worlds with a remote path change no bit of y, both schedules: ``host`` (every symmetric
+    buffer in pinned host memory: Dispatch reads and Combine stores cross PCIe) and
+    ``loopback+host`` (only the Combine destinations there: the remote stores alone cross PCIe),
+    against the plain loopback world."""
     P, k = 2, 6
     problem = _problem(P, [70, 33], k, "balanced", 0.1, seed=5)
-    _variants_bitwise_equal(problem, [lambda s=s: _make(P, k, s, world="host") for s in ("expert_wave", "interleaved")])
+    _variants_bitwise_equal(problem, [lambda s=s, w=w: _make(P, k, s, world=w)
+                                      for w in ("loopback", "host", "loopback+host")
+                                      for s in ("expert_wave", "interleaved")])
 
 
 def test_l2_columns_bitwise_equal():

@@ -241,3 +241,44 @@ def test_host_world_is_pinned_and_device_visible():
     w.barrier()
     assert torch.equal(buf.host(0), vals.cpu())
     assert (buf.host(1) == -7).all()
+
+
+def test_remote_placement_option_checks_and_labels():
+    """``loopback`` takes ``remote="device"`` (the control: alloc(remote=True) changes nothing) or
+    ``"host"`` (only the remote destinations in pinned host memory, which needs CUDA);
+    ``"loopback+host"`` names the latter; the other backends take no such option."""
+    w = W.make_world("loopback", 2, device="cpu")
+    assert w.placement == "loopback" and w.remote == "device"
+    buf = w.alloc((8,), torch.float32, remote=True)
+    assert buf.local(0).device.type == "cpu" and not buf.local(0).is_pinned()
+    with pytest.raises(ValueError, match="remote must be one of"):
+        W.make_world("loopback", 2, device="cpu", remote="nvlink")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        W.make_world("loopback", 2, device="cpu", remote="host")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        W.make_world("loopback+host", 2, device="cpu")
+    with pytest.raises(TypeError):
+        W.make_world("host", 2, device="cpu", remote="host")
+    assert "loopback+host" in W.WORLDS
+
+
+@pytest.mark.gpu
+def test_remote_placement_puts_only_remote_buffers_in_pinned_memory():
+    """loopback+host: a buffer allocated with remote=True is pinned host memory reached through the
+    device mapping (its peer table holds the host pointers); every other buffer stays on the GPU."""
+    w = W.make_world("loopback+host", 2)
+    assert w.backend == "loopback" and w.placement == "loopback+host"
+    src = w.alloc((4096,), torch.int32)
+    dst = w.alloc((4096,), torch.int32, remote=True)
+    for r in range(2):
+        assert src.local(r).is_cuda
+        with pytest.raises(ValueError, match="no host copy"):  # a device allocation
+            src.host(r)
+        h = dst.host(r)
+        assert h.is_pinned() and dst.local(r).data_ptr() == h.data_ptr()
+        assert dst.peer_table(r).tolist() == [dst.host(j).data_ptr() for j in range(2)]
+    vals = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32, device=w.device)
+    dst.local(1).copy_(vals)
+    w.barrier()
+    assert torch.equal(dst.host(1), vals.cpu())
+

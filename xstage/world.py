@@ -22,12 +22,20 @@ Three backends provide such tables:
     table holds the peer mappings of *this tensor* (allocation base + the
     tensor's offset inside it, see :func:`symm_peer_addresses`).
 
+Placement per buffer: a kernel's *remote destinations* (MegaMoE's Combine slots, the Ulysses
+outputs) are allocated with ``alloc(..., remote=True)``. ``make_world("loopback", P,
+remote="host")`` puts exactly those in pinned host memory and keeps every other buffer (inputs,
+the Dispatch source) in device memory: a real remote path (PCIe, the calibrated ``h200-pcie-host``
+profile) for the stores alone, on one GPU. In the plain loopback world ``remote=True`` changes
+nothing (no remote path: the control); in ``host`` every buffer is pinned host memory; in
+``torch-symm`` every buffer already is a peer's.
+
 Contract (other packages code against it)::
 
     world = make_world("loopback" | "host" | "torch-symm", world_size=P, device=None)
-    world.world_size, world.backend, world.local_ranks, world.device
+    world.world_size, world.backend, world.local_ranks, world.device, world.placement
     world.barrier()
-    buf = world.alloc(shape, dtype)          # SymmetricTensor
+    buf = world.alloc(shape, dtype, remote=False)   # SymmetricTensor
     buf.local(r)       # rank r's own buffer (torch.Tensor on world.device)
     buf.peer_table(r)  # int64 CUDA tensor [P] of base addresses seen from r
     buf.fill_(value)   # poison every local copy
@@ -42,6 +50,8 @@ import torch
 
 __all__ = [
     "BACKENDS",
+    "REMOTE_PLACEMENTS",
+    "WORLDS",
     "ADDRESS_ALIGN",
     "World",
     "LoopbackWorld",
@@ -54,6 +64,8 @@ __all__ = [
 ]
 
 BACKENDS = ("loopback", "host", "torch-symm")
+REMOTE_PLACEMENTS = ("device", "host")  # loopback: where alloc(..., remote=True) puts a buffer
+WORLDS = BACKENDS + ("loopback+host",)  # names make_world takes: "loopback+host" = loopback, remote="host"
 
 # Every base address handed to a kernel is at least this aligned (16-byte
 # vector stores need 16; we promise more so kernels can assume it).
@@ -242,10 +254,18 @@ class World:
     def local_ranks(self) -> List[int]:
         raise NotImplementedError
 
+    @property
+    def placement(self) -> str:
+        """Where the remote destinations live, for result labels: the backend's name, or
+        ``loopback+host`` when only they are pinned host memory."""
+        return self.backend
+
     def barrier(self) -> None:
         raise NotImplementedError
 
-    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype, remote: bool = False) -> SymmetricTensor:
+        """One buffer per rank; ``remote``: a buffer that kernels store into from other ranks
+        (see the module docstring's placement paragraph)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -257,9 +277,22 @@ class LoopbackWorld(World):
 
     backend = "loopback"
 
+    def __init__(self, world_size: int, device: torch.device, remote: str = "device"):
+        if remote not in REMOTE_PLACEMENTS:
+            raise ValueError(f"remote must be one of {REMOTE_PLACEMENTS}, got {remote!r}")
+        if remote == "host" and device.type != "cuda":
+            raise ValueError("remote='host' (pinned host memory) needs a CUDA device")
+        super().__init__(world_size, device)
+        self.remote = remote
+        self.uva_checks: List[str] = []  # as HostWorld's, for the pinned remote destinations
+
     @property
     def local_ranks(self) -> List[int]:
         return list(range(self.world_size))
+
+    @property
+    def placement(self) -> str:
+        return "loopback+host" if self.remote == "host" else "loopback"
 
     def barrier(self) -> None:
         # All ranks share one process and stream order; a device sync makes
@@ -267,9 +300,11 @@ class LoopbackWorld(World):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype, remote: bool = False) -> SymmetricTensor:
         shape = _normalize_shape(shape)
         dtype = _check_dtype(dtype)
+        if remote and self.remote == "host":
+            return _alloc_pinned(self, shape, dtype)
         locals_ = {r: torch.empty(shape, dtype=dtype, device=self.device) for r in self.local_ranks}
         ptrs = [locals_[r].data_ptr() for r in self.local_ranks]
         for r, p in enumerate(ptrs):
@@ -323,41 +358,42 @@ class HostWorld(World):
     def barrier(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
-        shape = _normalize_shape(shape)
-        dtype = _check_dtype(dtype)
-        host: Dict[int, torch.Tensor] = {}
-        locals_: Dict[int, torch.Tensor] = {}
-        addrs: List[int] = []
-        keep: List[object] = []
-        with torch.cuda.device(self.device):
-            for r in self.local_ranks:
-                h = torch.empty(shape, dtype=dtype, pin_memory=True)
-                ptr = h.data_ptr()
-                if ptr % ADDRESS_ALIGN:
-                    raise RuntimeError(f"pinned allocation for rank {r} is not {ADDRESS_ALIGN}-byte aligned")
-                # With UVA (every 64-bit CUDA platform) a pinned host pointer is
-                # also its device pointer; check when cuda-python can tell.
-                dptr = _host_device_pointer(ptr)
-                if dptr is not None:
-                    if dptr != ptr:
-                        raise RuntimeError(
-                            f"pinned memory is mapped at 0x{dptr:x} on the device, host 0x{ptr:x}: no UVA"
-                        )
-                    self.uva_checks.append(f"rank {r}: cudaHostGetDevicePointer == host pointer")
-                nbytes = h.numel() * h.element_size()
-                try:
-                    dev_view = torch.as_tensor(_CudaArrayView(ptr, nbytes, h), device=self.device)
-                    dev_view = dev_view.view(dtype).view(shape)
-                except Exception:  # torch refused the mapping: fall back to the CPU tensor
-                    dev_view = h
-                host[r] = h
-                locals_[r] = dev_view
-                addrs.append(ptr)
-                keep.append(h)
-        return SymmetricTensor(
-            self, shape, dtype, locals_, {r: list(addrs) for r in self.local_ranks}, keep, host
-        )
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype, remote: bool = False) -> SymmetricTensor:
+        return _alloc_pinned(self, _normalize_shape(shape), _check_dtype(dtype))
+
+
+def _alloc_pinned(world: World, shape: Tuple[int, ...], dtype: torch.dtype) -> SymmetricTensor:
+    """One pinned, device-mapped host buffer per local rank of ``world`` (stores to it cross PCIe)."""
+    host: Dict[int, torch.Tensor] = {}
+    locals_: Dict[int, torch.Tensor] = {}
+    addrs: List[int] = []
+    keep: List[object] = []
+    with torch.cuda.device(world.device):
+        for r in world.local_ranks:
+            h = torch.empty(shape, dtype=dtype, pin_memory=True)
+            ptr = h.data_ptr()
+            if ptr % ADDRESS_ALIGN:
+                raise RuntimeError(f"pinned allocation for rank {r} is not {ADDRESS_ALIGN}-byte aligned")
+            # With UVA (every 64-bit CUDA platform) a pinned host pointer is
+            # also its device pointer; check when cuda-python can tell.
+            dptr = _host_device_pointer(ptr)
+            if dptr is not None:
+                if dptr != ptr:
+                    raise RuntimeError(
+                        f"pinned memory is mapped at 0x{dptr:x} on the device, host 0x{ptr:x}: no UVA"
+                    )
+                world.uva_checks.append(f"rank {r}: cudaHostGetDevicePointer == host pointer")
+            nbytes = h.numel() * h.element_size()
+            try:
+                dev_view = torch.as_tensor(_CudaArrayView(ptr, nbytes, h), device=world.device)
+                dev_view = dev_view.view(dtype).view(shape)
+            except Exception:  # torch refused the mapping: fall back to the CPU tensor
+                dev_view = h
+            host[r] = h
+            locals_[r] = dev_view
+            addrs.append(ptr)
+            keep.append(h)
+    return SymmetricTensor(world, shape, dtype, locals_, {r: list(addrs) for r in world.local_ranks}, keep, host)
 
 
 class TorchSymmWorld(World):
@@ -402,7 +438,7 @@ class TorchSymmWorld(World):
             return self.group
         return self._dist.group.WORLD
 
-    def alloc(self, shape: ShapeLike, dtype: torch.dtype) -> SymmetricTensor:
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype, remote: bool = False) -> SymmetricTensor:
         shape = _normalize_shape(shape)
         dtype = _check_dtype(dtype)
         t = self._symm.empty(shape, dtype=dtype, device=self.device)
@@ -441,23 +477,28 @@ def _resolve_device(device, backend: str) -> torch.device:
 def make_world(backend: str, world_size: int = 1, device=None, **kwargs) -> World:
     """Create a peer-memory world.
 
-    backend: ``"loopback"`` | ``"host"`` | ``"torch-symm"`` (see module doc).
+    backend: ``"loopback"`` | ``"host"`` | ``"torch-symm"`` (see module doc), or ``"loopback+host"``
+    for ``"loopback"`` with ``remote="host"``.
     world_size: number of ranks P (>= 1).  device: a CUDA device (default: the
     current one).  ``loopback`` also accepts ``device="cpu"`` for host-side
     tests of the addressing (tables on the CPU; nothing can be launched).
-    ``torch-symm`` accepts ``group=`` (default: the world group).
+    ``torch-symm`` accepts ``group=`` (default: the world group); ``loopback`` accepts
+    ``remote="host"`` (remote destinations in pinned host memory, see the module docstring).
     """
+    if backend == "loopback+host":
+        backend, kwargs = "loopback", dict(kwargs, remote="host")
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+        raise ValueError(f"unknown backend {backend!r}; choose one of {WORLDS}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend != "torch-symm" and kwargs:
-        raise TypeError(f"unexpected arguments for backend {backend!r}: {sorted(kwargs)}")
+    allowed = {"loopback": {"remote"}, "host": set(), "torch-symm": {"group", "dist", "symm_mem"}}[backend]
+    if set(kwargs) - allowed:
+        raise TypeError(f"unexpected arguments for backend {backend!r}: {sorted(set(kwargs) - allowed)}")
     dev = _resolve_device(device, backend)
     if backend == "loopback":
-        return LoopbackWorld(world_size, dev)
+        return LoopbackWorld(world_size, dev, **kwargs)
     if backend == "host":
         return HostWorld(world_size, dev)
     if dev.type == "cuda":
