@@ -491,17 +491,17 @@ def trace_mainloop_cycles(cycles: int, t_start: int, t_ready: int, t_mainloop: i
 
 
 def decode_trace(trace: torch.Tensor):
-    """Per-tile records of one rank's trace tensor (see ``kernel_config.TRACE_FIELDS``):
-    list per CTA of dicts with phase, row, n_block, timestamps (ns), smid and the SM cycles from
-    tile start to mainloop end, in execution order."""
+    """Per-tile records of one rank's trace tensor (see ``config.TRACE_FIELDS``): a list per CTA,
+    in execution order, of dicts with phase, row, n_block and the other TRACE_FIELDS."""
     out = []
     for cta_rows in trace.cpu().tolist():
         recs = []
-        for key, t0, t1, t2, t3, smid, cycles in cta_rows:
+        for values in cta_rows:
+            key = values[0]
             if key < 0:
                 break
-            recs.append(dict(phase=key >> 40, row=(key >> 16) & 0xFFFFFF, n_block=key & 0xFFFF, t_start=t0,
-                             t_ready=t1, t_mainloop=t2, t_epilogue=t3, smid=smid,
-                             cycles=cycles))
+            rec = dict(phase=key >> 40, row=(key >> 16) & 0xFFFFFF, n_block=key & 0xFFFF)
+            rec.update(zip(TRACE_FIELDS[1:], values[1:]))
+            recs.append(rec)
         out.append(recs)
     return out

@@ -24,11 +24,17 @@ DISPATCH_COPIES = ("lsu", "bulk")
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 DEEP_RING_MAX_ROWS = 512  # 4 ring stages below this many rows per local expert, else 3
 
-# Per-tile trace row (trace=True): phase<<40 | row<<16 | n_block, then %globaltimer (ns) at tile
+# Per-tile trace row (trace=True), both sides of the staging boundary (paper Section 5.2.3).
+# Written by consumer thread 0: key = phase<<40 | row<<16 | n_block; %globaltimer (ns) at tile
 # start, when the tile's first ring stage had landed (L2: after the producer's dependency wait),
-# after the mainloop, after the output was staged, the SM id, and the SM cycles (%clock64) from
-# tile start to mainloop end. Timestamps are the consumers' (thread 0).
-TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles")
+# after the mainloop, after the output was staged; the SM id; the SM cycles (%clock64) from tile
+# start to mainloop end; t_slot: when the staging slot was free (the first EMPTY wait returned;
+# t_slot - t_mainloop is the consumers' wait for the epilogue warps). Written by epilogue thread 0:
+# t_rs_end, when every epilogue thread had issued the tile's stores (L2: the Combine remote stores,
+# L1: the h stores), and rs_ns, the stores' issue span (from the FULL wait's return to the end of
+# each staged part's stores, summed over parts; backpressure stalls included).
+TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid", "cycles", "t_slot", "t_rs_end",
+                "rs_ns")
 
 
 def pair_tiles_per_row(n_cols: int, block_n: int) -> int:

@@ -212,6 +212,15 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         c0, c1 = self.schedule.init(g, ctx.grid)
         return g, r, G, Int32(c0), Int32(c1)
 
+    def timestamp(self):
+        """%globaltimer when tracing, else a constant (no instruction emitted)."""
+        return xdev.globaltimer_ns() if const_expr(self.trace) else Int64(0)
+
+    def cycle_stamp(self):
+        """%clock64 when tracing, else a constant: with the timestamps it gives the SM clock over a
+        tile, hence the mainloop in cycles (comparable with the tensor-pipe peak)."""
+        return xdev.clock64() if const_expr(self.trace) else Int64(0)
+
     def stage_index(self, m, c):
         """Word ``c`` of row ``m`` in the staging tile (BM x stage_words 32-bit words): the 16-byte
         group XOR-swizzled by the row, so a warp's stmatrix (8 rows x 4 words) hits 32 distinct

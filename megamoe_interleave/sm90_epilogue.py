@@ -60,9 +60,11 @@ class EpilogueMixin:
     def epilogue_tiles(self, ctx, et: Int32, gm, sm):
         """Per tile of the schedule: (1) the rows' metadata into smem (L1: routing weight, read by
         the consumers' SwiGLU; L2: the Combine destination), arrive EMPTY; (2) wait FULL, copy the
-        staged rows out: h, then publish it; or the Combine stores, part by part."""
+        staged rows out: h, then publish it; or the Combine stores, part by part. Tracing: thread
+        0 records when the stores were issued and their issue span (TRACE_FIELDS t_rs_end, rs_ns)."""
         g, r, G, c0, c1 = self.schedule_start(ctx)
         chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
+        n_tile = Int32(0)
         while not self.schedule.done((c0, c1), ctx.grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
             if tile.valid > 0:
@@ -77,6 +79,9 @@ class EpilogueMixin:
                         sm.row_addr[m] = self.combine_destination(gm, row0 + m)
                     m = m + self.num_epi_threads
                 self.epilogue_handoff()
+                t_part = self.timestamp()
+                span = Int64(0)
+                t_end = Int64(0)
                 if tile.phase == PHASE_L1:
                     h_base = Int64(gm.h.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
                     u = et
@@ -89,15 +94,24 @@ class EpilogueMixin:
                     # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
                     self.epi_sync()
+                    t_end = self.timestamp()
                     if et == 0:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(gm.counters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
                 else:
                     for part in cutlass.range_constexpr(self.l2_handoffs):
                         if const_expr(part > 0):
+                            span = span + self.timestamp() - t_part
                             self.epilogue_handoff()  # part 0 read out: the staging tile is free for part 1
+                            t_part = self.timestamp()
                         self.combine_stores(tile, rows, part, sm, et)
                     self.epi_sync()  # every thread done with row_addr before the next tile's metadata
+                    t_end = self.timestamp()
+                if const_expr(self.trace):
+                    if et == 0 and n_tile < cute.size(gm.trace, mode=[1]):
+                        gm.trace[ctx.cta, n_tile, 8] = t_end
+                        gm.trace[ctx.cta, n_tile, 9] = span + t_end - t_part
+                    n_tile = n_tile + 1
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
 

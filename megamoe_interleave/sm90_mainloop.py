@@ -191,19 +191,23 @@ class ConsumerMixin:
                 t1 = Int64(0)
                 t2 = Int64(0)
                 k2 = Int64(0)
+                t_slot = Int64(0)
                 if tile.phase == PHASE_L1:
                     state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, frags, self.hidden // BLOCK_K)
                     t2 = self.timestamp()
                     k2 = self.cycle_stamp()
-                    self.hand_off(frags, sm, True, 0)
+                    t_slot = self.hand_off(frags, sm, True, 0)
                 else:
                     state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, frags, self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
                     k2 = self.cycle_stamp()
                     for part in cutlass.range_constexpr(self.l2_handoffs):
-                        self.hand_off(frags, sm, False, part)
+                        t_part = self.hand_off(frags, sm, False, part)
+                        if const_expr(part == 0):
+                            t_slot = t_part
                 if const_expr(self.trace):
-                    self.record_trace(gm.trace, ctx.cta, n_tile, tidx, tile, t0, t1, t2, xdev.globaltimer_ns(), k2 - k0)
+                    self.record_trace(gm.trace, ctx.cta, n_tile, tidx, tile,
+                                      (t0, t1, t2, xdev.globaltimer_ns(), Int64(xdev.smid()), k2 - k0, t_slot))
                 n_tile = n_tile + 1
             c0, c1 = n0, n1
             cur = tile_fields(ahead)
@@ -236,14 +240,17 @@ class ConsumerMixin:
     @cute.jit
     def hand_off(self, frags, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """Wait until the staging tile is free (EMPTY), stage the output (L1: all BN/2 h columns;
-        L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL."""
+        L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL. Returns when the slot
+        was free (tracing; else a constant)."""
         cute.arch.barrier(barrier_id=int(self.NamedBarrier.EpilogueEmpty), number_of_threads=self.handoff_threads)
+        t_slot = self.timestamp()
         _, acc, _, _, tCcC = frags
         parts = 1 if swiglu_l1 else self.l2_handoffs
         size = cute.size(acc)
         self.stage_fragment(acc, tCcC, sm, swiglu_l1, part * (size // parts), (part + 1) * (size // parts),
                             part * (self.block_n // parts))
         cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.EpilogueFull), number_of_threads=self.handoff_threads)
+        return t_slot
 
     @cute.jit
     def stage_fragment(self, acc, tCcC, sm, swiglu_l1: cutlass.Constexpr, lo: cutlass.Constexpr,
@@ -282,25 +289,11 @@ class ConsumerMixin:
                 xdev.stmatrix_x4(sm.sC.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
                                  words[3])
 
-    def timestamp(self):
-        """%globaltimer when tracing, else a constant (no instruction emitted)."""
-        return xdev.globaltimer_ns() if const_expr(self.trace) else Int64(0)
-
-    def cycle_stamp(self):
-        """%clock64 when tracing, else a constant: with the timestamps it gives the SM clock over a
-        tile, hence the mainloop in cycles (comparable with the tensor-pipe peak)."""
-        return xdev.clock64() if const_expr(self.trace) else Int64(0)
-
     @cute.jit
-    def record_trace(self, mTrace, cta: Int32, n_tile: Int32, tidx: Int32, tile, t0: Int64, t1: Int64,
-                     t2: Int64, t3: Int64, cycles: Int64):
-        """Thread 0 writes one TRACE_FIELDS row (if it fits)."""
+    def record_trace(self, mTrace, cta: Int32, n_tile: Int32, tidx: Int32, tile, values):
+        """Thread 0 writes the tile's key and ``values`` (TRACE_FIELDS[1:1 + len(values)]) into row
+        ``n_tile`` of this CTA's trace, if it fits."""
         if tidx == 0 and n_tile < cute.size(mTrace, mode=[1]):
-            key = (Int64(tile.phase) << 40) | (Int64(tile.row) << 16) | Int64(tile.n_block)
-            mTrace[cta, n_tile, 0] = key
-            mTrace[cta, n_tile, 1] = t0
-            mTrace[cta, n_tile, 2] = t1
-            mTrace[cta, n_tile, 3] = t2
-            mTrace[cta, n_tile, 4] = t3
-            mTrace[cta, n_tile, 5] = Int64(xdev.smid())
-            mTrace[cta, n_tile, 6] = cycles
+            mTrace[cta, n_tile, 0] = (Int64(tile.phase) << 40) | (Int64(tile.row) << 16) | Int64(tile.n_block)
+            for i in cutlass.range_constexpr(len(values)):
+                mTrace[cta, n_tile, 1 + i] = values[i]

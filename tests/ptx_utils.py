@@ -20,3 +20,23 @@ def try_wait_loops(ptx):
             a, b = min(inner, key=lambda ab: ab[1] - ab[0]) if inner else (None, None)
             out.append(None if a is None else lines[a:b + 1])
     return out
+
+
+def canonical_ptx(ptx: str) -> str:
+    """PTX with comments, debug lines, register declarations and the kernel's (class-derived)
+    name removed and every register renamed by first use: two builds of the same program --
+    whatever Python code structure or SSA order produced them -- give the same text."""
+    ptx = re.sub(r"kernel_cutlass_kernel_\w*?_object_at_", "KERNEL_", ptx)
+    maps = {}
+
+    def rename(m):
+        regs = maps.setdefault(m.group(1), {})
+        return "%" + m.group(1) + str(regs.setdefault(m.group(2), len(regs)))
+    out = []
+    for line in ptx.splitlines():
+        line = line.split("//")[0].rstrip()
+        s = line.strip()
+        if not s or s.startswith((".loc", ".file", ".reg ")):
+            continue
+        out.append(re.sub(r"%([a-z]+)(\d+)\b", rename, line))
+    return "\n".join(out)

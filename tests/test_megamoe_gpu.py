@@ -188,7 +188,10 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule):
         for c, (got, want) in enumerate(zip(recs, ref)):
             assert [(r["phase"], r["row"], r["n_block"]) for r in got] == [(t.phase, t.row, t.n_block) for t in want]
             for r in got:
-                assert r["t_start"] <= r["t_ready"] <= r["t_mainloop"] <= r["t_epilogue"]
+                assert r["t_start"] <= r["t_ready"] <= r["t_mainloop"] <= r["t_slot"] <= r["t_epilogue"]
+                # the epilogue warps' side: their stores end after the tile was staged; their issue
+                # span lies inside [slot free, stores issued] (part spans summed)
+                assert r["t_epilogue"] <= r["t_rs_end"] + 2000 and 0 <= r["rs_ns"] <= r["t_rs_end"] - r["t_slot"] + 2000
                 # SM cycles over tile start -> mainloop end: a clock between 0.3 and 2.5 GHz
                 ns = r["t_mainloop"] - r["t_start"]
                 assert r["cycles"] > 0 and (ns < 5000 or 0.3 * ns < r["cycles"] < 2.5 * ns), r

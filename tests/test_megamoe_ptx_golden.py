@@ -1,0 +1,58 @@
+"""The shipped fused-kernel builds are the program they were (CPU, sm_90a): the canonical PTX
+(ptx_utils.canonical_ptx: registers renamed by first use, names and comments dropped) of the four
+default builds -- DeepSeek-V4-Flash at P = 1 and loopback P = 8, both schedules, through
+MegaMoEConfig.resolve -- hashes to tests/golden/megamoe_default_ptx.json, which was computed from
+the kernel before the redesign. Instrumentation and other options must leave these builds alone;
+a change that alters one on purpose updates the file and says why.
+
+    python tests/test_megamoe_ptx_golden.py     # print the current hashes
+"""
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # ptx_utils, when run as a script
+from ptx_utils import canonical_ptx  # noqa: E402
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "megamoe_default_ptx.json"
+BUILDS = [(P, s) for P in (1, 8) for s in ("expert_wave", "interleaved")]
+
+
+def build_hash(P, schedule):
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from megamoe_interleave.config import MegaMoEConfig
+    from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
+    from megamoe_interleave.shapes import get_shape
+
+    shape = get_shape("deepseek-v4-flash")
+    config = MegaMoEConfig(schedule).resolve(shape, P, 8192, 132)
+    with tempfile.TemporaryDirectory() as d:
+        compile_megamoe_sm90(shape.hidden, shape.intermediate, config.kernel_key(), options=f"--keep-ptx --dump-dir={d}")
+        ptx = "\n".join(Path(d, f).read_text() for f in sorted(os.listdir(d)) if f.endswith(".ptx"))
+    assert ptx, "no PTX produced"
+    return hashlib.sha256(canonical_ptx(ptx).encode()).hexdigest()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("P,schedule", BUILDS)
+def test_shipped_build_is_the_golden_program(P, schedule):
+    want = json.loads(GOLDEN.read_text())["builds"][f"P{P}_{schedule}"]
+    assert build_hash(P, schedule) == want, f"the P = {P} {schedule} build changed: see {GOLDEN.name}"
+
+
+def test_canonical_ptx_ignores_register_numbering_only():
+    a = ".reg .b32 %r<9>;\n\tadd.s32 %r5, %r3, 1;\n\tst.global.b32 [%rd7], %r5; // x\n"
+    b = ".reg .b32 %r<12>;\n\tadd.s32 %r8, %r2, 1;\n\tst.global.b32 [%rd1], %r8;\n"
+    assert canonical_ptx(a) == canonical_ptx(b)
+    assert canonical_ptx(a) != canonical_ptx(a.replace("add.s32", "sub.s32"))
+    assert canonical_ptx(a) != canonical_ptx("\tadd.s32 %r5, %r3, 1;\n\tst.global.b32 [%rd7], %r3;\n")
+
+
+if __name__ == "__main__":
+    for P, schedule in BUILDS:
+        print(f"P{P}_{schedule}", build_hash(P, schedule))
