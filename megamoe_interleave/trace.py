@@ -21,7 +21,7 @@ from .api import trace_mainloop_cycles
 
 # Columns of a trace CSV: one row per tile, times in ns from the earliest tile start of the call.
 TRACE_CSV_FIELDS = ("cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
-                    "t_epilogue_ns", "smid", "cycles")
+                    "t_epilogue_ns", "smid", "cycles", "t_slot_ns", "t_rs_end_ns", "rs_ns")
 
 
 def write_trace(path, recs) -> None:
@@ -34,7 +34,8 @@ def write_trace(path, recs) -> None:
         for c, cta in enumerate(recs):
             for i, r in enumerate(cta):
                 w.writerow([c, i, r["phase"], r["row"], r["n_block"], r["t_start"] - t_min, r["t_ready"] - t_min,
-                            r["t_mainloop"] - t_min, r["t_epilogue"] - t_min, r["smid"], r["cycles"]])
+                            r["t_mainloop"] - t_min, r["t_epilogue"] - t_min, r["smid"], r["cycles"],
+                            r["t_slot"] - t_min, r["t_rs_end"] - t_min, r["rs_ns"]])
 
 
 def read_trace(path):

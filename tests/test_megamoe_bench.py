@@ -268,10 +268,12 @@ def test_write_trace_round_trip(tmp_path):
 
     from megamoe_interleave.api import decode_trace
 
-    t = torch.full((2, 3, 7), -1, dtype=torch.int64)
-    t[0, 0] = torch.tensor([(1 << 40) | (0 << 16) | 1, 1000, 1100, 5000, 5200, 7, 6000])
-    t[0, 1] = torch.tensor([(2 << 40) | (3 << 16) | 2, 6000, 6500, 9000, 9100, 7, 4500])
-    t[1, 0] = torch.tensor([(1 << 40) | (1 << 16) | 0, 1500, 1600, 4500, 4600, 9, 4500])
+    from megamoe_interleave.config import TRACE_FIELDS
+
+    t = torch.full((2, 3, len(TRACE_FIELDS)), -1, dtype=torch.int64)
+    t[0, 0] = torch.tensor([(1 << 40) | (0 << 16) | 1, 1000, 1100, 5000, 5200, 7, 6000, 5100, 5900, 650])
+    t[0, 1] = torch.tensor([(2 << 40) | (3 << 16) | 2, 6000, 6500, 9000, 9100, 7, 4500, 9050, 9800, 600])
+    t[1, 0] = torch.tensor([(1 << 40) | (1 << 16) | 0, 1500, 1600, 4500, 4600, 9, 4500, 4550, 5000, 300])
     path = tmp_path / "trace.csv"
     trace_mod.write_trace(path, decode_trace(t))
     rows = trace_mod.read_trace(path)
@@ -279,6 +281,7 @@ def test_write_trace_round_trip(tmp_path):
     assert [(r["cta"], r["seq"], r["phase"], r["row"], r["n_block"]) for r in rows] == [
         ("0", "0", "1", "0", "1"), ("0", "1", "2", "3", "2"), ("1", "0", "1", "1", "0")]
     assert [int(r["t_start_ns"]) for r in rows] == [0, 5000, 500] and rows[1]["t_epilogue_ns"] == "8100"
+    assert (rows[1]["t_slot_ns"], rows[1]["t_rs_end_ns"], rows[1]["rs_ns"]) == ("8050", "8800", "600")
     # 4500 cycles over 3000 ns from start to mainloop end: 1.5 GHz, 2500 ns of mainloop
     assert trace_mod.timeline(rows, 1)[2] == [(5, 1, 3750, 1500.0)]
 
@@ -303,9 +306,9 @@ class _FakeMoE:
 
         self.last_kernel_us = 100.0 if self.config.schedule == "expert_wave" else 90.0
         if self.config.trace:
-            t = torch.full((1, 2, 7), -1, dtype=torch.int64)
-            t[0, 0] = torch.tensor([(1 << 40) | 1, 10, 20, 3020, 3100, 0, 4500])
-            t[0, 1] = torch.tensor([(2 << 40) | 2, 3200, 3300, 5300, 5400, 0, 3150])
+            t = torch.full((1, 2, 10), -1, dtype=torch.int64)  # len(TRACE_FIELDS)
+            t[0, 0] = torch.tensor([(1 << 40) | 1, 10, 20, 3020, 3100, 0, 4500, 3030, 3500, 400])
+            t[0, 1] = torch.tensor([(2 << 40) | 2, 3200, 3300, 5300, 5400, 0, 3150, 5310, 6000, 590])
             self.last_trace = {0: t}
         return [y.clone() for y in self._ys]
 
