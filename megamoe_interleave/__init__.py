@@ -13,7 +13,8 @@ scheduler       tile schedulers (pure functions: the Python reference and the ke
                 arithmetic share one definition), deadlock-freedom proof, eq. 16 lead
 schedule_trace  tiny device kernel that evaluates the schedulers (device order == reference)
 torch_backend   the kernel's data flow with torch ops (``backend="torch"``)
-reference       float32 reference and the unfused torch pipeline baseline
+reference       float32 reference, the unfused torch pipeline baseline, the W8A8 recipe's emulation
+quant           E4M3 quantization of the W8A8 recipe (1x128 activations, 128x128 weights), kernel layout
 routing         balanced / skewed (Zipf) routing generators, masking
 shapes          MoE shapes of the paper's models (with sources; unknown ones marked)
 bench           the one-GPU benchmark (fused variants vs grouped GEMMs vs the unfused pipeline;

@@ -22,6 +22,11 @@ everywhere):
 4. Combine: each L2 output row is written to ``combine[pick, token]`` on its source rank;
 5. after all ranks' stores are visible, every rank reduces its own ``combine`` over
    the valid picks into ``y``.
+
+W8A8 (``MegaMoEConfig(precision="w8a8")``, ``backend="torch"`` only so far): ``x`` holds E4M3
+rows and ``x_scales`` their per-token 1x128 FP32 scales (step 1 quantizes BF16 inputs), Dispatch
+moves both, L1 / L2 run the recipe of :mod:`~megamoe_interleave.quant` (h re-quantized 1x128
+between them) and Combine stays BF16, into the same slots.
 """
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import reference, torch_backend
-from .config import BLOCK_M, INTERLEAVE, TRACE_FIELDS, MegaMoEConfig
+from . import quant, reference, torch_backend
+from .config import BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
 from .shapes import MoEShape
 from xstage.world import make_world  # noqa: F401  (re-export for callers)
@@ -74,6 +79,8 @@ class MegaMoEBuffer:
 
     ``x`` [T, H] bf16, ``topk_idx`` [T, k] int64, ``topk_weights`` [T, k] f32 (inputs, read
     remotely by Dispatch), ``combine`` [k, T, H] bf16 (written remotely by Combine),
+    ``precision="w8a8"``: ``x`` [T, H] E4M3 and ``x_scales`` [T, H/128] f32 (read by Dispatch too;
+    None otherwise), ``combine`` still bf16;
     ``counters[r]`` int32 workspace of rank r (kernel: error word, grid-barrier counter,
     per-row L1->L2 and Dispatch readiness counters; row counters are reset in-kernel so repeated calls
     need no host memset). Only rank r's own kernel touches it, so it is plain device memory,
@@ -81,7 +88,7 @@ class MegaMoEBuffer:
     where the counters' atomics would cross PCIe)."""
 
     def __init__(self, world, *, hidden: int, topk: int, max_tokens_per_rank: int, num_counters: int = 1024,
-                 dtype=torch.bfloat16):
+                 dtype=torch.bfloat16, precision: str = "bf16"):
         if max_tokens_per_rank <= 0 or hidden <= 0 or topk <= 0:
             raise ValueError("hidden, topk and max_tokens_per_rank must be positive")
         if (hidden * torch.tensor([], dtype=dtype).element_size()) % 16:
@@ -90,7 +97,9 @@ class MegaMoEBuffer:
         self.hidden, self.topk, self.max_tokens = hidden, topk, max_tokens_per_rank
         self.dtype = dtype
         T = max_tokens_per_rank
-        self.x = world.alloc((T, hidden), dtype)
+        w8a8 = precision == "w8a8"
+        self.x = world.alloc((T, hidden), quant.E4M3 if w8a8 else dtype)
+        self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if w8a8 else None
         self.topk_idx = world.alloc((T, topk), torch.int64)
         self.topk_weights = world.alloc((T, topk), torch.float32)
         self.combine = world.alloc((topk, T, hidden), dtype, remote=True)  # the Combine stores' destinations
@@ -108,6 +117,11 @@ class MegaMoE:
     :attr:`config` holds the result. ``backend``: "fused" (the CuTe DSL kernel; CUDA) or "torch"
     (the same data flow with torch ops, any device, single-process worlds); None = "fused" on a
     CUDA world. ``num_sms``: CTAs of the persistent launch at most (None = the device's SMs).
+
+    ``config.precision`` "w8a8" selects the FP8 recipe (:mod:`~megamoe_interleave.quant`): a
+    config field, not an eleventh constructor parameter (the constructor stays at ten), since it
+    decides what the kernel is compiled for and which tiles resolve. ``backend="fused"`` with
+    "w8a8" raises NotImplementedError here: that kernel is not built yet.
 
     ``poison_combine`` (default True): NaN into the Combine slots the top-k reduction reads before
     each call, so a slot the kernel failed to write shows up as NaN in ``y`` (correctness tests keep
@@ -137,6 +151,8 @@ class MegaMoE:
         shape = MoEShape("MegaMoE", hidden, intermediate, num_experts, topk, "caller")
         self.config = (config or MegaMoEConfig()).resolve(shape, P, max_tokens_per_rank, num_sms)
         self.schedule = self.config.schedule_spec()
+        if backend == "fused" and self.config.precision == "w8a8":
+            raise NotImplementedError("the W8A8 fused kernel is not built yet; use backend='torch'")
         self.world, self.backend, self.num_sms = world, backend, num_sms
         self.num_experts, self.hidden, self.intermediate, self.topk = num_experts, hidden, intermediate, topk
         self.experts_per_rank = num_experts // P
@@ -156,7 +172,7 @@ class MegaMoE:
         max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // (2 * BLOCK_M)) \
             + self.experts_per_rank
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
-                                    num_counters=2 + 2 * max_rows)
+                                    num_counters=2 + 2 * max_rows, precision=self.config.precision)
         self.poison_combine = poison_combine
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
@@ -167,22 +183,56 @@ class MegaMoE:
         self._poison_pending = False
         self.w1 = {}
         self.w2 = {}
+        self.w1_scales = {}  # w8a8: rank -> FP32 block scales of w1 / w2 (quant.quantize_weights)
+        self.w2_scales = {}
 
     # -- weights -----------------------------------------------------------
-    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Global weights ``w1`` [E, 2I, H] (gate | up), ``w2`` [E, H, I]; each local rank keeps
-        its slice in the kernel layout (:func:`transform_weights`)."""
+    def _check_weight_shapes(self, w1: torch.Tensor, w2: torch.Tensor, dtype) -> None:
         E, H, inter = self.num_experts, self.hidden, self.intermediate
         if w1.shape != (E, 2 * inter, H) or w2.shape != (E, H, inter):
             raise ValueError(f"expected w1 {(E, 2*inter, H)} and w2 {(E, H, inter)}, got {tuple(w1.shape)}, {tuple(w2.shape)}")
-        if w1.dtype != self.buffer.dtype or w2.dtype != self.buffer.dtype:
-            raise ValueError(f"weights must be {self.buffer.dtype}")
+        if w1.dtype != dtype or w2.dtype != dtype:
+            raise ValueError(f"weights must be {dtype}, got {w1.dtype}, {w2.dtype}")
+
+    def load_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Global bf16 weights ``w1`` [E, 2I, H] (gate | up), ``w2`` [E, H, I]; each local rank keeps
+        its slice in the kernel layout (:func:`transform_weights`), for ``precision="w8a8"``
+        quantized to it (:func:`quant.quantize_weights`: interleave, then 128x128 blocks)."""
+        self._check_weight_shapes(w1, w2, self.buffer.dtype)
         el = self.experts_per_rank
         for r in self.world.local_ranks:
             sl = slice(r * el, (r + 1) * el)
-            w1_il, w2_c = transform_weights(w1[sl], w2[sl])
-            self.w1[r] = w1_il.to(self.world.device)
-            self.w2[r] = w2_c.to(self.world.device)
+            if self.config.precision == "w8a8":
+                self._keep_quantized(r, *quant.quantize_weights(w1[sl], w2[sl]))
+            else:
+                w1_il, w2_c = transform_weights(w1[sl], w2[sl])
+                self.w1[r] = w1_il.to(self.world.device)
+                self.w2[r] = w2_c.to(self.world.device)
+
+    def load_quantized_weights(self, w1_q: torch.Tensor, w1_s: torch.Tensor, w2_q: torch.Tensor,
+                               w2_s: torch.Tensor) -> None:
+        """``precision="w8a8"``: global E4M3 weights already in the kernel layout, as
+        :func:`quant.quantize_weights` returns them (``w1_q`` [E, 2I, H] gate/up interleaved with
+        ``w1_s`` [E, 2I/128, H/128] over the interleaved rows, ``w2_q`` [E, H, I] with ``w2_s``
+        [E, H/128, I/128], FP32 scales), kept bit for bit. A DeepGEMM / DeepSeek FP8 checkpoint
+        (w1 blocks over gate | up rows) goes through :func:`quant.from_deepgemm_layout` first."""
+        if self.config.precision != "w8a8":
+            raise ValueError("load_quantized_weights needs MegaMoEConfig(precision='w8a8')")
+        self._check_weight_shapes(w1_q, w2_q, quant.E4M3)
+        E, H, inter, b = self.num_experts, self.hidden, self.intermediate, QUANT_BLOCK
+        want = ((E, 2 * inter // b, H // b), (E, H // b, inter // b))
+        if (w1_s.shape, w2_s.shape) != want or w1_s.dtype != torch.float32 or w2_s.dtype != torch.float32:
+            raise ValueError(f"expected float32 scales w1_s {want[0]} and w2_s {want[1]}, got "
+                             f"{w1_s.dtype} {tuple(w1_s.shape)}, {w2_s.dtype} {tuple(w2_s.shape)}")
+        el = self.experts_per_rank
+        for r in self.world.local_ranks:
+            sl = slice(r * el, (r + 1) * el)
+            self._keep_quantized(r, w1_q[sl], w1_s[sl], w2_q[sl], w2_s[sl])
+
+    def _keep_quantized(self, r: int, w1_q, w1_s, w2_q, w2_s) -> None:
+        dev = self.world.device
+        self.w1[r], self.w1_scales[r] = w1_q.to(dev).contiguous(), w1_s.to(dev).contiguous()
+        self.w2[r], self.w2_scales[r] = w2_q.to(dev).contiguous(), w2_s.to(dev).contiguous()
 
     # -- forward -----------------------------------------------------------
     def _as_rank_list(self, v) -> List[torch.Tensor]:
@@ -190,13 +240,17 @@ class MegaMoE:
             return [v]
         return list(v)
 
-    def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], topk_idx, topk_weights):
+    def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], topk_idx, topk_weights, x_scales=None):
         """``x`` [T_r, H] bf16, ``topk_idx`` [T_r, k] (global expert ids, -1 = masked),
         ``topk_weights`` [T_r, k] f32, one per local rank (a list in the loopback world,
-        tensors in the torch-symm world). Returns y with x's shape per local rank."""
+        tensors in the torch-symm world). Returns y with x's shape per local rank, bf16.
+
+        ``precision="w8a8"``: ``x`` bf16 (quantized per token and 128-group on the way in) or
+        E4M3 with ``x_scales`` [T_r, H/128] f32 per rank (:func:`quant.quantize_act`'s layout,
+        used as given); ``x_scales`` must be None for bf16 ``x`` and in bf16 precision."""
         xs, idxs, ws = self._as_rank_list(x), self._as_rank_list(topk_idx), self._as_rank_list(topk_weights)
         ranks = self.world.local_ranks
-        self.stage_inputs(xs, idxs, ws)
+        self.stage_inputs(xs, idxs, ws, None if x_scales is None else self._as_rank_list(x_scales))
         if self.backend == "fused":
             return self._run_fused()
         self._flush_poison()
@@ -222,12 +276,13 @@ class MegaMoE:
         ordered by the one CUDA stream, so no host-side barrier is needed between phases."""
         return len(self.world.local_ranks) == self.world.world_size
 
-    def stage_inputs(self, xs, idxs, ws) -> None:
+    def stage_inputs(self, xs, idxs, ws, x_scales=None) -> None:
         """Validate every rank's inputs, copy them into its symmetric buffers, schedule the
         Combine poison and synchronize the world (sources publish before anyone pulls).
 
         Inputs that already are the leading rows of the rank's symmetric buffers (e.g.
-        ``moe.buffer.x.local(r)[:T]`` written by the caller) are not copied. The expert-id
+        ``moe.buffer.x.local(r)[:T]`` written by the caller) are not copied; ``x_scales``: see
+        :meth:`forward` (W8A8: bf16 ``x`` is quantized into ``x`` / ``x_scales``). The expert-id
         range of all ranks is checked with one device sync. In multi-process worlds the
         poison is written here, before the world barrier; in single-process worlds stream
         order suffices, so it is deferred to just before the launch (see ``_flush_poison``)."""
@@ -237,20 +292,33 @@ class MegaMoE:
         if not self.w1:
             raise RuntimeError("call load_weights() first")
         buf = self.buffer
-        for xr, ir, wr in zip(xs, idxs, ws):
-            if xr.dtype != buf.dtype:
-                raise ValueError(f"x must be {buf.dtype}, got {xr.dtype}")
+        w8a8 = self.config.precision == "w8a8"
+        if x_scales is not None and (not w8a8 or len(x_scales) != len(xs)):
+            raise ValueError("x_scales (one per local rank) go with E4M3 x and precision='w8a8' only")
+        for i, (xr, ir, wr) in enumerate(zip(xs, idxs, ws)):
+            want = buf.x.dtype if x_scales is not None else buf.dtype
+            if xr.dtype != want:
+                raise ValueError(f"x must be {want}, got {xr.dtype}"
+                                 + (" (E4M3 x comes with x_scales)" if w8a8 and x_scales is None else ""))
             reference.check_routing_shapes(xr, ir, wr)
             if xr.shape[1] != self.hidden or ir.shape[1] != self.topk:
                 raise ValueError(f"x must be [T, {self.hidden}] and topk_idx [T, {self.topk}]")
+            if x_scales is not None and (x_scales[i].dtype != torch.float32
+                                         or x_scales[i].shape != (xr.shape[0], self.hidden // QUANT_BLOCK)):
+                raise ValueError(f"x_scales must be float32 [T, {self.hidden // QUANT_BLOCK}], got "
+                                 f"{x_scales[i].dtype} {tuple(x_scales[i].shape)}")
             if xr.shape[0] > buf.max_tokens:
                 raise ValueError(f"{xr.shape[0]} tokens > max_tokens_per_rank {buf.max_tokens}")
         self._generation += 1  # the buffers change: any cached plan is stale
         staged_idx = []
-        for r, xr, ir, wr in zip(ranks, xs, idxs, ws):
+        for i, (r, xr, ir, wr) in enumerate(zip(ranks, xs, idxs, ws)):
             T = xr.shape[0]
-            for dst, src in ((buf.x.local(r)[:T], xr), (buf.topk_idx.local(r)[:T], ir),
-                             (buf.topk_weights.local(r)[:T], wr)):
+            if not w8a8:
+                rows = [(buf.x.local(r)[:T], xr)]
+            else:  # E4M3 rows and their scales, quantized here from bf16 x
+                x_q, x_s = quant.quantize_act(xr) if x_scales is None else (xr, x_scales[i])
+                rows = [(buf.x.local(r)[:T], x_q), (buf.x_scales.local(r)[:T], x_s)]
+            for dst, src in rows + [(buf.topk_idx.local(r)[:T], ir), (buf.topk_weights.local(r)[:T], wr)]:
                 if not _same_memory(dst, src):
                     dst.copy_(src)
             staged_idx.append(buf.topk_idx.local(r)[:T])

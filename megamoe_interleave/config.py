@@ -18,6 +18,8 @@ from .scheduler import DIVMOD_SMALL_MAX, SCHEDULES, Schedule, check_experts_per_
 BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
 BLOCK_NS = (256, 128, 64)  # supported N tiles, widest first
+QUANT_BLOCK = 128  # W8A8: FP8 scale granularity along K (1x128 activations, 128x128 weights; quant.py)
+PRECISIONS = ("bf16", "w8a8")
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 INTERLEAVE = 8  # gate/up interleave granularity of w1 (api.transform_weights)
 DISPATCH_COPIES = ("lsu", "bulk")
@@ -96,6 +98,13 @@ class MegaMoEConfig:
     resolves its config once, and :attr:`MegaMoE.config` shows the result. Fields that do not
     apply to the schedule (``lead`` for expert_wave; ``experts_per_wave``, ``l2_columns`` for
     interleaved) must stay ``None``.
+
+    ``precision``: "bf16" (BF16 x BF16, FP32 accumulate) or "w8a8" (the SM90 FP8 recipe of
+    :mod:`~megamoe_interleave.quant`: E4M3 weights with 128x128 block scales, E4M3 activations
+    with 1x128 scales, per-128-K FP32 promotion; BF16 output and Combine). It lives here rather
+    than as a ``MegaMoE`` argument because it selects what the kernel is compiled for (it is part
+    of :meth:`kernel_key`) and constrains the tiles (:meth:`resolve`), and because the
+    constructor is kept at ten parameters. Only ``backend="torch"`` runs "w8a8" so far.
     """
 
     schedule: str = "interleaved"  # "interleaved" (paper Algorithm 1) or "expert_wave"
@@ -108,10 +117,13 @@ class MegaMoEConfig:
     l2_columns: Optional[bool] = None  # expert_wave: each expert's L2 tiles column by column
     trace: bool = False  # per-tile timelines into MegaMoE.last_trace (TRACE_FIELDS)
     timeout_ns: int = 2_000_000_000  # bound of every device-side wait (then an error word, not a hang)
+    precision: str = "bf16"  # "bf16" or "w8a8" (see the class docstring)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         ew = self.schedule == "expert_wave"
         for name, applies in (("lead", not ew), ("experts_per_wave", ew), ("l2_columns", ew)):
             if getattr(self, name) is not None and not applies:
@@ -167,17 +179,32 @@ class MegaMoEConfig:
         * l2_columns: on for expert_wave wherever the order's positions fit scheduler.divmod_small
           (0.1-0.3 % faster than the row order on three hosts, results/h200/megamoe/l2_columns/).
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
+
+        precision="w8a8" also needs H and I to be multiples of QUANT_BLOCK (the 1x128 activation
+        groups and 128x128 weight blocks tile K and N of both GEMMs: K = H, N = 2I for Linear-1,
+        K = I, N = H for Linear-2) and block_n = 256: an L1 tile of block_n interleaved w1 rows
+        yields block_n / 2 columns of h, and its epilogue quantizes h per token and 128 columns,
+        so a tile must hold whole groups (hence H % 512 and I % 256 with the CTA pairs). Its
+        stages and dispatch_copy are resolved as for the bf16 kernel until the FP8 kernel exists.
         """
         hidden, inter, experts, topk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
         if experts % world_size:
             raise ValueError(f"num_experts {experts} not divisible by world size {world_size}")
         if hidden % BLOCK_K or inter % BLOCK_K:
             raise ValueError(f"hidden {hidden} and intermediate {inter} must be multiples of {BLOCK_K}")
+        w8a8 = self.precision == "w8a8"
+        if w8a8 and (hidden % QUANT_BLOCK or inter % QUANT_BLOCK):
+            raise ValueError(f"precision='w8a8': hidden {hidden} and intermediate {inter} must be multiples of "
+                             f"{QUANT_BLOCK} (the FP8 scale blocks)")
         block_n = self.block_n
         if block_n is None:
             block_n = next((n for n in BLOCK_NS if hidden % (2 * n) == 0 and inter % n == 0), None)
             if block_n is None:
                 raise ValueError(f"no N tile in {BLOCK_NS} tiles hidden {hidden} and intermediate {inter}")
+        if w8a8 and block_n != 2 * QUANT_BLOCK:
+            raise ValueError(f"precision='w8a8' needs block_n={2 * QUANT_BLOCK} (an L1 tile must hold whole 1x128 "
+                             f"groups of h), so H % 512 == 0 and I % 256 == 0; got block_n={block_n} for "
+                             f"H={hidden}, I={inter}")
         if hidden % (2 * block_n) or (2 * inter) % (2 * block_n):
             raise ValueError(f"H={hidden} and 2I={2 * inter} must be multiples of 2*block_n={2 * block_n}")
         stages = self.stages

@@ -4,6 +4,9 @@
 * :func:`unfused_pipeline` -- the unfused bf16 baseline of one destination rank's experts:
   token permute + ``torch._grouped_mm`` L1 + SwiGLU x routing weight + ``torch._grouped_mm``
   L2 (+ combine by :func:`weighted_combine`). Benchmarks time it against the fused kernel.
+* :func:`reference_moe_w8a8` -- the W8A8 recipe (:mod:`megamoe_interleave.quant`) emulated with
+  its rounding points; :func:`w8a8_quantization_error` / :func:`relative_error` measure it
+  against :func:`reference_moe_fp32`.
 
 Conventions (shared with :mod:`megamoe_interleave.api` and the kernel):
 expert parallelism over P ranks, rank r owns global experts ``[r*E_l, (r+1)*E_l)``;
@@ -18,6 +21,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from . import quant
+from .config import QUANT_BLOCK
 
 
 def check_routing_shapes(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -235,3 +241,111 @@ def gather_rows(xs: Sequence[torch.Tensor], perm: Permutation, device) -> torch.
         sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]
         out[sel.to(device)] = x[perm.src_token[sel].to(x.device)].to(device)
     return out
+
+
+# -- W8A8 ------------------------------------------------------------------------------------
+# End-to-end error of the recipe against reference_moe_fp32 on the BF16 weights (random data):
+# E4M3 keeps 3 mantissa bits, so round-to-nearest moves a (normal) element by at most 2^-4 of its
+# value and by an RMS eps in [2^-5, 2^-4] / sqrt(3) (ulp / sqrt(12), relative to a value at the
+# top / bottom of its binade); a dot product of many such elements has relative RMS error eps.
+# y carries x's and w1's errors twice (SwiGLU multiplies the gate and the up product, each with
+# both) and h's and w2's once: ||y - ref|| / ||ref|| ~ sqrt(2 + 2 + 1 + 1) * eps, in
+# [sqrt(2) * 2^-5, sqrt(2) * 2^-4] = [0.044, 0.088] (measured ~0.063; the BF16 output rounding,
+# 2^-9, is negligible). DeepGEMM's tests' calc_diff = ||y - ref||^2 / (||y||^2 + ||ref||^2) ~ rel^2 / 2.
+W8A8_FP32_REL_ERROR = (2 ** 0.5 * 2 ** -5, 2 ** 0.5 * 2 ** -4)
+# What the fused W8A8 kernel must match reference_moe_w8a8 to (relative, as relative_error). It
+# cannot be bitwise: Hopper's FP8 WGMMA accumulates a 128-K block with ~14 bits (DeepSeek-V3
+# report, Section 3.3.2) and its SiLU / FMAs round differently, and these perturbations flip
+# E4M3 roundings of h. Perturbing every promoted GEMM result by 2^-14 / 2^-13 / 2^-11 relative
+# moves y by ~0.003 / 0.004 / 0.0085 (the square root of the perturbation: it acts through rounding
+# flips), so 0.01 admits up to ~4x Hopper's accumulation error; a missing rounding point (h not
+# quantized) moves y by ~0.023 and is rejected (tests/test_megamoe_w8a8.py).
+W8A8_KERNEL_REL_ERROR = 0.01
+
+
+def blockwise_scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
+    """The SM90 FP8 GEMM with per-128-K promotion: ``out [M, N]`` FP32 = sum over the K blocks
+    ``kb`` in K order of ``fp32(block dot) * (a_s[:, kb] * b_s[:, kb])``, accumulated in FP32
+    (DeepGEMM ``sm90_fp8_gemm_1d2d.cuh``: ``final_accum += (scale_a * scale_b) * accum`` after
+    each BLOCK_K = 128 of WGMMAs; DeepSeek-V3 report Section 3.3.2, N_C = 128).
+
+    ``a_q [M, K]`` E4M3 with ``a_s [M, K/128]``; ``b_q [N, K]`` E4M3 with ``b_s [N, K/128]`` (one
+    scale per row and K block: a 128x128 weight block's scale repeated over its 128 rows).
+    The block dot is exact in float64 whatever the summation order (an E4M3 product is a
+    multiple of 2^-18 below 2^18, a 128-term sum stays below 2^25 < 2^35), so the result does
+    not depend on BLAS, M or the device; it is rounded to FP32 once (Hopper's FP8 WGMMA
+    accumulates a block with ~14 bits, which the kernel will not reproduce bit for bit)."""
+    out = torch.zeros(a_q.shape[0], b_q.shape[0], dtype=torch.float32, device=a_q.device)
+    for kb in range(a_q.shape[1] // QUANT_BLOCK):
+        k = slice(kb * QUANT_BLOCK, (kb + 1) * QUANT_BLOCK)
+        part = (a_q[:, k].double() @ b_q[:, k].double().t()).float()
+        out = out + part * (a_s[:, kb, None] * b_s[None, :, kb])
+    return out
+
+
+def w8a8_expert_compute(x_q, x_s, weights, counts, w1_q, w1_s, w2_q, w2_s) -> torch.Tensor:
+    """The W8A8 counterpart of :func:`unfused_expert_compute` on dispatched rows (expert-major,
+    ``counts[e]`` rows per local expert): per expert, Linear-1 with promotion, SwiGLU x routing
+    weight in FP32, h quantized per token and 128 columns, Linear-2 with promotion, BF16 out
+    (the Combine slot values).
+
+    ``x_q [rows, H]`` E4M3 with ``x_s [rows, H/128]``; ``weights [rows]`` FP32; weights in the
+    kernel layout of :func:`quant.quantize_weights` (``w1_q [E_l, 2I, H]`` interleaved rows with
+    ``w1_s [E_l, 2I/128, H/128]``, ``w2_q [E_l, H, I]`` with ``w2_s [E_l, H/128, I/128]``). Linear-1
+    runs over the interleaved rows as the kernel's N tiles do; its columns are de-interleaved for
+    SwiGLU. Every row is computed on its own (no dependence on the other rows)."""
+    from .api import untransform_w1
+
+    inter = w2_q.shape[-1]
+    out = torch.empty(x_q.shape[0], w2_q.shape[1], dtype=torch.bfloat16, device=x_q.device)
+    start = 0
+    for e, n in enumerate(counts.tolist() if isinstance(counts, torch.Tensor) else counts):
+        r = slice(start, start + n)
+        start += n
+        if n == 0:
+            continue
+        acc = blockwise_scaled_mm(x_q[r], x_s[r], w1_q[e], w1_s[e].repeat_interleave(QUANT_BLOCK, 0))
+        gate_up = untransform_w1(acc.t()[None])[0].t()  # columns back to gate | up
+        h_q, h_s = quant.quantize_act(swiglu(gate_up[:, :inter], gate_up[:, inter:]) * weights[r, None])
+        out[r] = blockwise_scaled_mm(h_q, h_s, w2_q[e], w2_s[e].repeat_interleave(QUANT_BLOCK, 0)).to(torch.bfloat16)
+    return out
+
+
+def reference_moe_w8a8(xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tensor],
+                       topk_weights: Sequence[torch.Tensor], w1_q: torch.Tensor, w1_s: torch.Tensor,
+                       w2_q: torch.Tensor, w2_s: torch.Tensor,
+                       x_scales: Optional[Sequence[torch.Tensor]] = None) -> List[torch.Tensor]:
+    """BF16 output of every rank under the W8A8 recipe, with its rounding points: x quantized per
+    token and 128-group (unless ``xs`` are E4M3 with ``x_scales [T, H/128]``), each pick through
+    :func:`w8a8_expert_compute`, the BF16 results in ``[k, T, H]`` Combine slots reduced by
+    :func:`weighted_combine`. Global weights in the kernel layout (:func:`quant.quantize_weights`).
+    The fused W8A8 kernel must match it (``backend="torch"`` does bit for bit)."""
+    E, _, H = w1_q.shape
+    ys = []
+    for r, (x, idx, w) in enumerate(zip(xs, topk_idx, topk_weights)):
+        check_routing(x, idx, w, E)
+        x_q, x_s = quant.quantize_act(x) if x_scales is None else (x, x_scales[r])
+        perm = permute_for_rank([idx], [w], 0, E)
+        rows = perm.src_token.to(x.device)
+        out = w8a8_expert_compute(x_q[rows], x_s[rows], perm.weights.to(x.device), perm.counts_host,
+                                  w1_q, w1_s, w2_q, w2_s)
+        combine = torch.zeros(idx.shape[1], x.shape[0], H, dtype=torch.bfloat16, device=x.device)
+        combine[perm.src_pick.to(x.device), rows] = out
+        ys.append(weighted_combine(combine, idx))
+    return ys
+
+
+def relative_error(ys: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> float:
+    """``||y - ref|| / ||ref||`` (Frobenius, float64) over every rank's output together: the
+    end-to-end quantization error of ``ys`` against e.g. :func:`reference_moe_fp32`."""
+    num = sum(float((y.double() - r.double()).pow(2).sum()) for y, r in zip(ys, refs))
+    den = sum(float(r.double().pow(2).sum()) for r in refs)
+    return (num / den) ** 0.5 if den else float(num > 0)
+
+
+def w8a8_quantization_error(xs, topk_idx, topk_weights, w1: torch.Tensor, w2: torch.Tensor) -> float:
+    """End-to-end error of the recipe on global BF16 weights ``w1`` [E, 2I, H] (gate | up), ``w2``:
+    :func:`relative_error` of :func:`reference_moe_w8a8` (weights by :func:`quant.quantize_weights`)
+    against :func:`reference_moe_fp32` (within W8A8_FP32_REL_ERROR on random data)."""
+    ys = reference_moe_w8a8(xs, topk_idx, topk_weights, *quant.quantize_weights(w1, w2))
+    return relative_error(ys, reference_moe_fp32(xs, topk_idx, topk_weights, w1, w2))

@@ -4,6 +4,10 @@ It reads the same symmetric buffers and writes the same Combine slots as the ker
 (``combine[pick, token]`` on every source rank), so the buffer layout and the slot protocol are
 tested where no Hopper GPU is (CI). Single-process worlds only (loopback, host): a rank reaches
 its peers only through the kernel's peer table in multi-process worlds.
+
+``precision="w8a8"``: Dispatch moves the E4M3 rows with their 1x128 scales (``x``, ``x_scales``),
+the experts run :func:`reference.w8a8_expert_compute` (the recipe's rounding points) and
+Combine stores BF16 into the same slots: bit for bit :func:`reference.reference_moe_w8a8`.
 """
 from __future__ import annotations
 
@@ -21,11 +25,19 @@ def run_dataflow(moe) -> None:
     ws = [buf.topk_weights.local(s)[: T[s]] for s in range(P)]
     perms = reference.permute_ranks(idxs, ws, range(P), moe.experts_per_rank)
     dev = world.device
+    w8a8 = moe.config.precision == "w8a8"
+    if w8a8:
+        x_scales = [buf.x_scales.local(s)[: T[s]] for s in range(P)]
     for d in range(P):
         perm = perms[d]
         rows = reference.gather_rows(xs, perm, dev)
-        out = reference.unfused_expert_compute(rows, perm.weights.to(dev), perm.counts, gate_up_w1_t(moe.w1[d]),
-                                               moe.w2[d].transpose(1, 2))
+        if w8a8:
+            out = reference.w8a8_expert_compute(rows, reference.gather_rows(x_scales, perm, dev), perm.weights.to(dev),
+                                                perm.counts_host, moe.w1[d], moe.w1_scales[d], moe.w2[d],
+                                                moe.w2_scales[d])
+        else:
+            out = reference.unfused_expert_compute(rows, perm.weights.to(dev), perm.counts, gate_up_w1_t(moe.w1[d]),
+                                                   moe.w2[d].transpose(1, 2))
         for s in range(P):
             sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]
             buf.combine.local(s)[perm.src_pick[sel].to(dev), perm.src_token[sel].to(dev)] = out[sel.to(dev)]

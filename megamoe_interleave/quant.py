@@ -1,0 +1,118 @@
+"""FP8 (E4M3) quantization of the W8A8 recipe: the SM90 one of DeepSeek-V3 and DeepGEMM.
+
+The recipe (DeepSeek-V3 Technical Report, arXiv:2412.19437, Section 3.3.2 "Fine-grained
+quantization" and "Increasing accumulation precision"; DeepGEMM's SM90 FP8 GEMMs,
+github.com/deepseek-ai/DeepGEMM):
+
+* weights: E4M3 with one FP32 scale per 128x128 block of a ``[N, K]`` matrix;
+* activations: E4M3 with one FP32 scale per token and 128-element group along K (1x128);
+* GEMM: FP32 accumulation, the scales applied per 128-K block ("promotion":
+  :func:`~megamoe_interleave.reference.blockwise_scaled_mm`).
+
+Scale rule, as ``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8`` in DeepGEMM's
+``deep_gemm/utils/math.py``: ``s = max(amax, 1e-4) / 448`` over the group or block (448 = the
+largest E4M3 value; the 1e-4 floor keeps an all-zero group's scale finite and nonzero, so it
+quantizes and dequantizes to exact zeros), ``q = e4m3(x * (1 / s))`` with round-to-nearest-even,
+saturating (the ``cvt.rn.satfinite`` of the kernel) and ``x ~= q * s``. The scales stay FP32:
+they are NOT rounded to powers of two. DeepGEMM rounds them up to powers of two (UE8M0, its
+``use_ue8m0``) for the SM100 kernels, whose block-scaled MMAs take 8-bit exponents; the SM90
+kernels (``sm90_fp8_gemm_1d2d``) multiply FP32 scales in the promotion, and the DeepSeek-V3 FP8
+checkpoints store an FP32 ``<weight>_scale_inv`` per 128x128 block of each weight, dequantized as
+``q * s`` (github.com/deepseek-ai/DeepSeek-V3, ``inference/fp8_cast_bf16.py``, ``weight_dequant``).
+
+Layouts here: activation ``q [T, K]`` with ``s [T, K/128]`` (token-major); weight ``q [..., N, K]``
+with ``s [..., N/128, K/128]``. The kernel layout of Linear-1 interleaves w1's gate and up rows by
+8 (:func:`~megamoe_interleave.api.transform_weights`) BEFORE the block quantization
+(:func:`quantize_weights`), so a scale block is 128 rows of the interleaved matrix (64 gate + 64 up
+rows): the kernel's L1 N tiles run over interleaved rows, and this way every 128 accumulator
+columns of a tile share one weight scale per K block, so the promotion applies one ``sa * sb`` per
+row as in any other GEMM. Quantized before the interleave (DeepGEMM's layout,
+:func:`from_deepgemm_layout`), a tile's gate and up columns would alternate every 8 columns with
+different scales.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .config import QUANT_BLOCK
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def _blocks(x: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """``[..., N, K]`` -> ``[..., N / block_rows, block_rows, K / 128, 128]`` (a view)."""
+    *lead, n, k = x.shape
+    if n % block_rows or k % QUANT_BLOCK:
+        raise ValueError(f"[{n}, {k}] does not tile into {block_rows}x{QUANT_BLOCK} blocks")
+    return x.reshape(*lead, n // block_rows, block_rows, k // QUANT_BLOCK, QUANT_BLOCK)
+
+
+def quantize(x: torch.Tensor, block_rows: int, scales: Optional[torch.Tensor] = None):
+    """``x [..., N, K]`` -> (E4M3 ``q``, FP32 scales ``[..., N / block_rows, K / 128]``), one scale
+    per ``block_rows x 128`` block: 1 for activations, 128 for weights. ``scales`` given: quantize
+    with those instead of the amax rule (the cast alone)."""
+    v = _blocks(x.float(), block_rows)
+    if scales is None:
+        scales = v.abs().amax(dim=(-3, -1)).clamp(min=AMAX_FLOOR) / E4M3_MAX
+    q = (v * (1.0 / scales[..., :, None, :, None])).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q.reshape(x.shape), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP32 ``q * s`` of :func:`quantize`'s output (the block height follows from the shapes)."""
+    v = _blocks(q.float(), q.shape[-2] // scales.shape[-2])
+    return (v * scales[..., :, None, :, None]).reshape(q.shape)
+
+
+def quantize_act(x: torch.Tensor):
+    """Per token and 128-element group along K: ``x [T, K]`` -> (``q [T, K]``, ``s [T, K/128]``)."""
+    return quantize(x, 1)
+
+
+def quantize_weight(w: torch.Tensor):
+    """Per 128x128 block: ``w [..., N, K]`` -> (``q``, ``s [..., N/128, K/128]``)."""
+    return quantize(w, QUANT_BLOCK)
+
+
+def quantize_weights(w1: torch.Tensor, w2: torch.Tensor):
+    """BF16 global weights (``w1 [E, 2I, H]`` gate then up rows, ``w2 [E, H, I]``) -> the kernel
+    layout ``(w1_q, w1_s, w2_q, w2_s)``: w1 gate/up interleaved by 8, then quantized in 128x128
+    blocks of the interleaved rows (``w1_s [E, 2I/128, H/128]``); w2 quantized as is
+    (``w2_s [E, H/128, I/128]``)."""
+    from .api import transform_weights
+
+    w1_il, w2 = transform_weights(w1, w2)
+    return (*quantize_weight(w1_il), *quantize_weight(w2))
+
+
+def from_deepgemm_layout(w1_q: torch.Tensor, w1_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor):
+    """Pre-quantized weights in the DeepGEMM / DeepSeek FP8 checkpoint layout -> the kernel layout.
+
+    That layout quantizes w1 BEFORE the interleave: ``w1_q [E, 2I, H]`` gate then up rows with
+    ``w1_s [E, 2I/128, H/128]`` over those rows (a checkpoint's gate_proj and up_proj with their
+    128x128 ``scale_inv`` blocks, stacked; DeepGEMM's SM90 Mega MoE interleaves only the
+    FP8 rows and keeps these scales, ``transform_weights_for_mega_moe_sm90`` in
+    ``deep_gemm/mega/__init__.py`` of the SM90 Mega MoE branches, so its kernel needs a gate and an
+    up scale per N tile). w2 has the same layout in both and passes through.
+
+    An interleaved block ``c`` holds 64 rows of gate block ``c // 2`` and 64 of up block ``c // 2``,
+    which have their own scales, so it gets the larger of the two, ``s' = max(s_gate, s_up)``: the
+    half whose scale it is keeps its E4M3 codes bit for bit, the other half is rescaled by
+    ``s_small / s'`` <= 1 and rounded to E4M3 once more (<= 2^-4 relative, subnormals aside).
+    Lossless where gate and up blocks share their scales; otherwise NOT the checkpoint's values
+    exactly, unlike DeepGEMM, whose layout needs no conversion."""
+    from .api import transform_weights
+
+    E, two_i, H = w1_q.shape
+    if w1_s.shape != (E, two_i // QUANT_BLOCK, H // QUANT_BLOCK) or two_i % (2 * QUANT_BLOCK):
+        raise ValueError(f"w1_q {tuple(w1_q.shape)} with w1_s {tuple(w1_s.shape)}: not 128x128 blocks of "
+                         f"gate then up rows (I a multiple of {QUANT_BLOCK})")
+    gate_s, up_s = w1_s.chunk(2, dim=1)
+    s = torch.maximum(gate_s, up_s)  # [E, I/128, H/128]: natural block j -> interleaved blocks 2j, 2j+1
+    q_nat, _ = quantize(dequantize(w1_q, w1_s), QUANT_BLOCK, torch.cat([s, s], dim=1))
+    w1_il, w2_q = transform_weights(q_nat, w2_q)
+    return w1_il, s.repeat_interleave(2, dim=1).contiguous(), w2_q, w2_s.contiguous()
