@@ -20,6 +20,9 @@ shapes          MoE shapes of the paper's models (with sources; unknown ones mar
 bench           the one-GPU benchmark (fused variants vs grouped GEMMs vs the unfused pipeline;
                 scripts/bench_megamoe.py) and the problems / objects the diagnostics build
 trace           per-tile trace files and their analyses (timeline, Dispatch-window waits, ncu PM phases)
+sweep           the X-Stage evaluation sweep on one GPU (expert_wave vs interleaved per cell, per-tile
+                statistics, the model's predictions; resumable; scripts/sweep_megamoe.py)
+evaluation      its figures, tables and README from the sweep JSON (CPU; scripts/megamoe_xstage_report.py)
 diag            diagnostic kernel variants (the kernel without its Dispatch copy; scripts/diag)
 multigpu_ep     multi-GPU step 3: expert_wave vs interleaved per rank (torchrun or loopback)
 multigpu_checks multi-GPU step 4, megamoe half: correctness across processes

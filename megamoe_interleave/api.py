@@ -271,6 +271,15 @@ class MegaMoE:
             raise RuntimeError("rerun() needs a forward() first")
         return self._run_fused()
 
+    def set_trace(self, enabled: bool) -> None:
+        """Per-tile tracing (``MegaMoEConfig.trace``) on or off for the calls that follow, on this
+        object: its buffers, weights, scratch and the staged inputs' plan stay (``rerun()`` still
+        applies), so a traced and an untraced call of one problem can alternate (the trace's
+        overhead, :mod:`megamoe_interleave.sweep`). Only the compiled kernel changes (its own
+        compile-cache key; compiled on the first call that uses it). ``last_trace`` keeps the
+        last traced call's tensors."""
+        self.config = dataclasses.replace(self.config, trace=bool(enabled))
+
     def _single_process(self) -> bool:
         """Every rank lives in this process (loopback / host worlds): all ranks' work is
         ordered by the one CUDA stream, so no host-side barrier is needed between phases."""

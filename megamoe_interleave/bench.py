@@ -4,7 +4,9 @@ pipeline vs the two torch._grouped_mm GEMMs alone. The library part of
 ``scripts/bench_megamoe.py`` (its command line: :func:`build_parser`, :func:`main`; also
 ``python -m megamoe_interleave.bench``); the paired trials, verdicts and result files are
 :mod:`xstage.bench`'s. The megamoe diagnostics (scripts/diag/megamoe_*.py) build their problems
-and objects here too (:func:`make_problem`, :func:`grouped_gemms`, :func:`build_moe`).
+and objects here too (:func:`make_problem`, :func:`grouped_gemms`, :func:`build_moe`), and so does
+the X-Stage sweep (:mod:`megamoe_interleave.sweep`: :func:`make_weights`, :func:`make_inputs`,
+:func:`warmed_moe`, :func:`kernel_time_call`).
 
 Per (shape, routing, P, tokens per rank): median per-call time over trials (xstage.timing),
 TFLOP/s = 2 * picks * H * I * 3 / t, against the measured dense bf16 matmul rate.
@@ -87,31 +89,57 @@ def add_one_problem_args(ap) -> None:
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
 
 
-def make_problem(shape, kind, P, tokens, strength=1.0):
-    """The benchmark's MoE problem on the GPU: global weights w1 [E, 2I, H], w2 [E, H, I] (seed 0),
-    random x and routing (seed = rank) per source rank. Returns (w1, w2, xs, idx, wts)."""
-    E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
-    g = torch.Generator().manual_seed(0)
-    # One expert at a time (the same numbers as one randn of the whole tensor): a float32
-    # w1 of DeepSeek-V4-Pro alone is 68 GB, and the host ran out of memory on it.
-    w1 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
-    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
+def make_weights(shape, *, device="cuda", rng="cpu", seed=0):
+    """Global weights w1 [E, 2I, H], w2 [E, H, I] (bf16 on ``device``), N(0, 1/fan_in), one
+    expert at a time (the same numbers as one randn of the whole tensor: a float32 w1 of
+    DeepSeek-V4-Pro alone is 68 GB, and the host ran out of memory on it). ``rng="cpu"``: a CPU
+    generator seeded ``seed`` (make_problem's numbers); ``rng="cuda"``: a CUDA generator seeded
+    ``seed`` on ``device`` (other numbers of the same distribution; seconds instead of minutes
+    for the big shapes: DeepSeek-V4-Pro's 25 G elements take minutes on one CPU core)."""
+    if rng not in ("cpu", "cuda"):
+        raise ValueError(f"rng must be 'cpu' or 'cuda', got {rng!r}")
+    if rng == "cuda" and torch.device(device).type != "cuda":
+        raise ValueError(f"rng='cuda' needs a CUDA device, got {device!r}")
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    g = torch.Generator(device=device if rng == "cuda" else "cpu").manual_seed(seed)
+    w1 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=device)
     for w, fan_in in ((w1, H), (w2, I)):
         for e in range(E):
-            w[e] = (torch.randn(w.shape[1:], generator=g) / fan_in ** 0.5).bfloat16()
-    xs = [torch.randn(tokens, H, device="cuda").bfloat16() for _ in range(P)]
-    routes = [make_routing(kind, tokens, E, k, seed=r, strength=strength) for r in range(P)]
-    return w1, w2, xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
+            w[e] = (torch.randn(w.shape[1:], generator=g, device=g.device) / fan_in ** 0.5).bfloat16()
+    return w1, w2
+
+
+def make_inputs(shape, kind, P, tokens, strength=1.0):
+    """Random x (on the GPU) and routing (seed = rank, ``make_routing(kind, ..., strength=...)``)
+    per source rank: (xs, idx, wts), lists of P tensors on the GPU."""
+    xs = [torch.randn(tokens, shape.hidden, device="cuda").bfloat16() for _ in range(P)]
+    routes = [make_routing(kind, tokens, shape.num_experts, shape.topk, seed=r, strength=strength) for r in range(P)]
+    return xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
+
+
+def make_problem(shape, kind, P, tokens, strength=1.0):
+    """The benchmark's MoE problem on the GPU: global weights w1 [E, 2I, H], w2 [E, H, I] (seed 0,
+    :func:`make_weights`), random x and routing (seed = rank) per source rank
+    (:func:`make_inputs`). Returns (w1, w2, xs, idx, wts)."""
+    return (*make_weights(shape), *make_inputs(shape, kind, P, tokens, strength))
+
+
+def rank_weight_views(shape, P, w1, w2):
+    """Each destination rank's slice of the global weights as the grouped GEMMs (and the
+    unfused pipeline) take them: (w1_t, w2_t), lists of P views [E/P, H, 2I] and [E/P, I, H]."""
+    el = shape.num_experts // P
+    return ([w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)],
+            [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)])
 
 
 def grouped_gemms(shape, P, w1, w2, idx, wts, ranks=None):
     """The two grouped GEMMs alone, per destination rank on pre-permuted (random) inputs: returns
     (the global-weight views each rank's GEMMs use as (w1_t, w2_t), a callable running the GEMMs
     of ``ranks``, default all)."""
-    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
-    el = E // P
-    w1_t = [w1[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
-    w2_t = [w2[r * el:(r + 1) * el].transpose(1, 2) for r in range(P)]
+    H, I = shape.hidden, shape.intermediate
+    el = shape.num_experts // P
+    w1_t, w2_t = rank_weight_views(shape, P, w1, w2)
     ranks = range(P) if ranks is None else ranks
     perms = {d: permute_for_rank(idx, wts, d, el) for d in ranks}
     a1 = {d: torch.randn(p.src_rank.numel(), H, device=w1.device).bfloat16() for d, p in perms.items()}
@@ -160,6 +188,32 @@ def check_against(ys, refs, name):
             raise RuntimeError(f"{name}: rank {rank} max |fused - unfused| = {err:.4g} (output range {scale:.4g})")
 
 
+def warmed_moe(shape, P, tokens, config, w1, w2, xs, idx, wts, *, world="loopback", refs=None, name="fused",
+               weight_cache=None):
+    """:func:`build_moe` (Combine slots NaN-poisoned) after its first ``forward`` (compile and
+    warm-up), whose output is checked against ``refs`` (the unfused pipeline's y) when given;
+    poison off for the calls that follow (timed calls, ``rerun``)."""
+    moe = build_moe(shape, P, tokens, config, w1, w2, world=world, poison_combine=True, weight_cache=weight_cache)
+    ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
+    if refs is not None:
+        check_against(ys, refs, name)
+    moe.poison_combine = False
+    return moe
+
+
+def kernel_time_call(moe, xs=None, idx=None, wts=None, *, rerun=False):
+    """() -> device time in us of the fused kernels of one call of ``moe`` (``last_kernel_us``):
+    ``moe.rerun()`` when ``rerun`` (the kernels and the reduction on the staged inputs), else a
+    whole ``moe.forward(xs, idx, wts)``."""
+    def timed():
+        if rerun:
+            moe.rerun()
+        else:
+            moe.forward(xs, idx, wts)
+        return moe.last_kernel_us
+    return timed
+
+
 def fused_kernel_timed(shape, P, tokens, config, w1, w2, xs, idx, wts, *, world="loopback", refs=None, name="fused",
                        weight_cache=None, rerun=False):
     """() -> device time of the fused kernels of one MegaMoE.forward call (``last_kernel_us``);
@@ -168,19 +222,9 @@ def fused_kernel_timed(shape, P, tokens, config, w1, w2, xs, idx, wts, *, world=
     reduction on the staged inputs), so the GPU idles no longer before the kernels than before
     the GEMMs (``forward``'s input staging and host planning leave it idle for milliseconds,
     which matters without a cooldown: the idle lets the clock rise at the power cap)."""
-    moe = build_moe(shape, P, tokens, config, w1, w2, world=world, poison_combine=True, weight_cache=weight_cache)
-    ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
-    if refs is not None:
-        check_against(ys, refs, name)
-    moe.poison_combine = False
-
-    def timed():
-        if rerun:
-            moe.rerun()
-        else:
-            moe.forward(xs, idx, wts)
-        return moe.last_kernel_us
-    return timed
+    moe = warmed_moe(shape, P, tokens, config, w1, w2, xs, idx, wts, world=world, refs=refs, name=name,
+                     weight_cache=weight_cache)
+    return kernel_time_call(moe, xs, idx, wts, rerun=rerun)
 
 
 # ----------------------------------------------------------------------------- variants

@@ -1,0 +1,493 @@
+"""The MegaMoE X-Stage evaluation from a sweep JSON (:mod:`megamoe_interleave.sweep`), on a CPU:
+the analogues of the paper's Figure 8 (speedup of interleaved over expert_wave per model and
+routing, the loopback control next to the remote Combine over PCIe), Figure 10 (the
+distributions of the Linear-2 tiles' sender-visible remote-store span T_RS per schedule, remote
+vs the loopback control) and Table 2 (per shape: span wave / interleaved, mainloop L2 / L1,
+predicted / measured stall), and a markdown README: geometric mean, median and max speedup per
+world next to the paper's 1.18x / 1.17x / 1.62x, the sign-test verdict per cell, and the
+regressions (cells where interleaved is slower) for the author to explain. Figures need
+matplotlib (the ``plot`` extra); without it they are skipped with a message, the tables stay.
+The command line is ``scripts/megamoe_xstage_report.py`` (:func:`main`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from xstage import bench as xbench
+from xstage.multigpu import geomean
+
+from .sweep import DEFAULT_OUT, NO_PREDICTION, QUANTILES, ROUTINGS, WORLDS, load_sweep
+
+# The paper's MegaMoE headline (Section 5.2.1): 84 configurations on eight GPUs.
+PAPER = {"geomean": 1.18, "median": 1.17, "max": 1.62, "configs": 84,
+         "setting": "8 GPUs (NVLink/NVSwitch), W4A8 and W8A8, seven model shapes, EP = 8"}
+FIGURE8 = "fig8_speedup.png"
+FIGURE10 = "fig10_rs_span.png"
+ROUTING_COLORS = {"balanced": "tab:green", "skewed1": "tab:orange", "skewed2": "tab:red"}
+SCHEDULE_COLORS = {"expert_wave": "tab:red", "interleaved": "tab:blue"}
+
+
+# ----------------------------------------------------------------------------- selections
+
+
+def measured_cells(payload: Mapping) -> list:
+    """The records that hold a measured speedup."""
+    return [r for r in payload.get("cells", [])
+            if r.get("status") == "ok" and (r.get("timing") or {}).get("speedup") is not None]
+
+
+def _c(rec, field):
+    return rec["cell"][field]
+
+
+def _us(ns):
+    return None if ns is None else ns / 1e3
+
+
+def _trace(rec, schedule) -> dict:
+    return ((rec.get("schedules") or {}).get(schedule) or {}).get("trace") or {}
+
+
+def stats(speedups: Sequence[float]) -> dict:
+    """n, geometric mean, median, max, min of speedups (None entries for none)."""
+    s = [float(x) for x in speedups]
+    if not s:
+        return dict(n=0, geomean=None, median=None, max=None, min=None)
+    return dict(n=len(s), geomean=geomean(s), median=statistics.median(s), max=max(s), min=min(s))
+
+
+def speedup_summary(cells: Sequence[Mapping]) -> dict:
+    """Speedup statistics (:func:`stats`) and sign-test verdict counts: every cell, per world and
+    per (world, P)."""
+    groups = {"all": list(cells)}
+    for world in WORLDS:
+        groups[world] = [r for r in cells if _c(r, "world") == world]
+    for world in WORLDS:
+        for P in sorted({_c(r, "P") for r in cells}):
+            groups[f"{world}, P={P}"] = [r for r in cells if (_c(r, "world"), _c(r, "P")) == (world, P)]
+    groups = {k: v for k, v in groups.items() if v or k == "all"}
+    out = {}
+    for name, recs in groups.items():
+        d = stats([r["timing"]["speedup"] for r in recs])
+        d["verdicts"] = dict(Counter(r["timing"]["verdict"] for r in recs))
+        out[name] = d
+    return out
+
+
+def figure8_rows(cells: Sequence[Mapping]) -> list:
+    """Per (shape, routing, world): the cells' speedups over P and tokens (geometric mean, min,
+    max, count), in the sweep's order of shapes and :data:`ROUTINGS` / :data:`WORLDS` order."""
+    groups = {}
+    for rec in cells:
+        groups.setdefault((_c(rec, "shape"), _c(rec, "routing"), _c(rec, "world")), []).append(rec)
+    shapes = list(dict.fromkeys(_c(r, "shape") for r in cells))
+    rows = []
+    for (shape, routing, world), recs in sorted(groups.items(), key=lambda kv: (
+            shapes.index(kv[0][0]), list(ROUTINGS).index(kv[0][1]), list(WORLDS).index(kv[0][2]))):
+        s = stats([r["timing"]["speedup"] for r in recs])
+        rows.append(dict(shape=shape, routing=routing, world=world, cells=s["n"], geomean=s["geomean"], min=s["min"],
+                         max=s["max"], speedups=[r["timing"]["speedup"] for r in recs]))
+    return rows
+
+
+def select_cell(cells: Sequence[Mapping], shape: str, world: str, routing: str, P: Optional[int] = None):
+    """The record of ``shape`` / ``world`` / ``routing`` at ``P`` (None: the largest P measured)
+    with the most tokens per rank, or None."""
+    recs = [r for r in cells if (_c(r, "shape"), _c(r, "world"), _c(r, "routing")) == (shape, world, routing)]
+    if P is None and recs:
+        P = max(_c(r, "P") for r in recs)
+    recs = [r for r in recs if _c(r, "P") == P]
+    return max(recs, key=lambda r: _c(r, "tokens")) if recs else None
+
+
+def _shapes(cells) -> list:
+    return list(dict.fromkeys(_c(r, "shape") for r in cells))
+
+
+def figure10_rows(cells: Sequence[Mapping], shapes: Optional[Sequence[str]] = None, routing: str = "skewed1",
+                  P: Optional[int] = None, max_shapes: int = 3) -> list:
+    """T_RS of the L2 tiles per (shape, world, schedule) of the cell :func:`select_cell` picks
+    (us: median, p10, p90, p99 and the :data:`QUANTILES`), for ``shapes`` (default: the first
+    ``max_shapes`` measured), remote next to the loopback control, and the span the model
+    predicts (loopback+host)."""
+    shapes = list(shapes) if shapes is not None else _shapes(cells)[:max_shapes]
+    rows = []
+    for shape in shapes:
+        for world in WORLDS:
+            rec = select_cell(cells, shape, world, routing, P)
+            if rec is None:
+                continue
+            m = rec.get("model") or {}
+            for sched, tag in (("expert_wave", "wave"), ("interleaved", "interleaved")):
+                rs = _trace(rec, sched).get("rs_ns") or {}
+                if not rs.get("n"):
+                    continue
+                rows.append(dict(shape=shape, world=world, schedule=sched, routing=routing, P=_c(rec, "P"),
+                                 tokens=_c(rec, "tokens"), tiles=rs["n"], median_us=_us(rs["median"]),
+                                 p10_us=_us(rs["p10"]), p90_us=_us(rs["p90"]), p99_us=_us(rs["p99"]),
+                                 predicted_us=m.get(f"predicted_rs_{tag}_us"),
+                                 quantiles_us=[_us(q) for q in rs.get("quantiles") or []]))
+    return rows
+
+
+def table2_rows(cells: Sequence[Mapping], world: str = "loopback+host", routing: str = "skewed1",
+                P: Optional[int] = None) -> list:
+    """Table 2 per shape, from the cell :func:`select_cell` picks (us): T_RS medians wave /
+    interleaved; the expert_wave trace's L2 / L1 mainloop medians (the model's inputs); the
+    median predicted (eq. 15) / measured stall over the sampled L2 tiles, per schedule; the
+    share of tiles predicted zero under interleaving; eq. 14; the cell's speedup."""
+    rows = []
+    for shape in _shapes(cells):
+        rec = select_cell(cells, shape, world, routing, P)
+        if rec is None:
+            continue
+        ew, il = _trace(rec, "expert_wave"), _trace(rec, "interleaved")
+
+        def med(tr, *path):
+            d = tr
+            for p in path:
+                d = (d or {}).get(p)
+            return _us(d)
+
+        m = rec.get("model") or {}
+        rows.append(dict(
+            shape=shape, world=world, routing=routing, P=_c(rec, "P"), tokens=_c(rec, "tokens"),
+            span_wave_us=med(ew, "rs_ns", "median"), span_interleaved_us=med(il, "rs_ns", "median"),
+            mma_l2_us=med(ew, "l2_mainloop_ns", "median"), mma_l1_us=med(ew, "l1_mainloop_ns", "median"),
+            stall_wave_pred_us=med(ew, "stall", "predicted_ns", "median"),
+            stall_wave_meas_us=med(ew, "stall", "measured_ns", "median"),
+            stall_int_pred_us=med(il, "stall", "predicted_ns", "median"),
+            stall_int_meas_us=med(il, "stall", "measured_ns", "median"),
+            int_pred_zero_frac=(il.get("stall") or {}).get("predicted_zero_frac"),
+            sampled_wave=(ew.get("stall") or {}).get("sampled"), sampled_int=(il.get("stall") or {}).get("sampled"),
+            eq14_holds=m.get("interleave_sufficient"), speedup=rec["timing"]["speedup"]))
+    return rows
+
+
+def verdict_rows(cells: Sequence[Mapping]) -> list:
+    """One row per cell: its key, speedup, sign-test verdict and p values, matched trials."""
+    out = []
+    for rec in cells:
+        t = rec["timing"]
+        out.append(dict(rec["cell"], speedup=t["speedup"], verdict=t["verdict"], n_matched=t.get("n_matched"),
+                        n_trials=t.get("n_trials"), p_interleaved_faster=t.get("p_interleaved_faster"),
+                        p_interleaved_slower=t.get("p_interleaved_slower"),
+                        expert_wave_median_us=t.get("expert_wave_median_us"),
+                        interleaved_median_us=t.get("interleaved_median_us")))
+    return out
+
+
+def regressions(cells: Sequence[Mapping]) -> list:
+    """The cells where interleaved is slower (speedup < 1), slowest first, with what the author
+    needs to explain them: the verdict, the mainloop medians of both schedules (interleaving
+    mixes experts: weight locality) and the measured stall medians (us)."""
+    out = []
+    for rec in sorted(cells, key=lambda r: r["timing"]["speedup"]):
+        if rec["timing"]["speedup"] >= 1.0:
+            continue
+        ew, il = _trace(rec, "expert_wave"), _trace(rec, "interleaved")
+        ml = lambda tr, k: _us(((tr.get(k) or {}).get("median")))  # noqa: E731
+        st = lambda tr: _us(((tr.get("stall") or {}).get("measured_ns") or {}).get("median"))  # noqa: E731
+        out.append(dict(rec["cell"], speedup=rec["timing"]["speedup"], verdict=rec["timing"]["verdict"],
+                        l1_mainloop_us=(ml(ew, "l1_mainloop_ns"), ml(il, "l1_mainloop_ns")),
+                        l2_mainloop_us=(ml(ew, "l2_mainloop_ns"), ml(il, "l2_mainloop_ns")),
+                        stall_measured_us=(st(ew), st(il))))
+    return out
+
+
+def trace_overhead_summary(payload: Mapping) -> dict:
+    """Per schedule: the median, min and max over the cells of the traced / untraced ratio."""
+    out = {}
+    for sched in ("expert_wave", "interleaved"):
+        r = [((rec.get("schedules") or {}).get(sched) or {}).get("trace_overhead", {}).get("ratio")
+             for rec in payload.get("cells", []) if rec.get("status") == "ok"]
+        r = [x for x in r if x is not None]
+        out[sched] = dict(n=len(r), median=statistics.median(r) if r else None, min=min(r, default=None),
+                          max=max(r, default=None))
+    return out
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a message) without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed (pip install '.[plot]'): figures skipped; the tables are in the README")
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _legend(fig, axes, **kw) -> None:
+    """One legend on the last panel with every label of every panel (each once)."""
+    entries = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, h)
+    if entries:
+        axes[-1].legend(list(entries.values()), list(entries), **kw)
+
+
+def draw_figure8(rows: Sequence[Mapping], path) -> Optional[Path]:
+    """Figure 8 analogue: per world a panel, per shape a group of bars (one per routing: the
+    geometric mean over P and tokens), every cell's speedup as a dot; the line at 1."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return None
+    worlds = [w for w in WORLDS if any(r["world"] == w for r in rows)]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(worlds), figsize=(1.6 * len(shapes) * len(worlds) + 2, 4), squeeze=False,
+                             sharey=True)
+    width = 0.8 / len(ROUTINGS)
+    for ax, world in zip(axes[0], worlds):
+        for j, routing in enumerate(ROUTINGS):
+            xs, ys = [], []
+            for i, shape in enumerate(shapes):
+                r = next((r for r in rows if (r["shape"], r["routing"], r["world"]) == (shape, routing, world)), None)
+                if r is None:
+                    continue
+                x = i + (j - (len(ROUTINGS) - 1) / 2) * width
+                xs.append(x)
+                ys.append(r["geomean"])
+                ax.plot([x] * len(r["speedups"]), r["speedups"], "k.", ms=3)
+            if xs:
+                ax.bar(xs, ys, width=width, label=routing, color=ROUTING_COLORS[routing])
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes, rotation=30, ha="right")
+        ax.set_title(world)
+    axes[0][0].set_ylabel("speedup T_expert_wave / T_interleaved")
+    _legend(fig, axes[0], title="routing")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def draw_figure10(rows: Sequence[Mapping], path) -> Optional[Path]:
+    """Figure 10 analogue: per shape a panel of T_RS CDFs (log us), one line per (schedule,
+    world): the remote path solid, the loopback control dashed; the model's predicted spans
+    (loopback+host) as vertical lines."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return None
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.6), squeeze=False)
+    colors = SCHEDULE_COLORS
+    levels = [q / 100 for q in QUANTILES]
+    for ax, shape in zip(axes[0], shapes):
+        for r in (r for r in rows if r["shape"] == shape):
+            if not r["quantiles_us"]:
+                continue
+            ax.plot(r["quantiles_us"], levels, color=colors[r["schedule"]],
+                    ls="-" if r["world"] == "loopback+host" else "--", label=f"{r['schedule']}, {r['world']}")
+            if r["world"] == "loopback+host" and r["predicted_us"]:
+                ax.axvline(r["predicted_us"], color=colors[r["schedule"]], lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.set_xlabel("T_RS of one L2 tile (us)")
+        first = next(r for r in rows if r["shape"] == shape)
+        ax.set_title(f"{shape} ({first['routing']}, P={first['P']}, T={first['tokens']})", fontsize=9)
+    axes[0][0].set_ylabel("fraction of L2 tiles")
+    _legend(fig, axes[0], fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- README
+
+
+def _f(x, fmt="{:.3f}", none="–"):
+    try:
+        return none if x is None else fmt.format(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _pair(a, b, fmt="{:.2f}"):
+    return f"{_f(a, fmt)} / {_f(b, fmt)}"
+
+
+def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Path] = None,
+           table2_world: str = "loopback+host", table2_routing: str = "skewed1", table2_P: Optional[int] = None,
+           fig10_routing: str = "skewed1", fig10_shapes: Optional[Sequence[str]] = None) -> str:
+    """The README of a sweep folder (markdown)."""
+    cells = measured_cells(payload)
+    allrecs = payload.get("cells", [])
+    status = Counter(r.get("status") for r in allrecs)
+    runs = payload.get("runs", [])
+    L = ["# MegaMoE X-Stage evaluation (one GPU, simulated ranks)", "",
+         f"From `sweep.json`: {len(allrecs)} cells ({status.get('ok', 0)} measured, {status.get('skipped', 0)} "
+         f"skipped, {status.get('error', 0)} failed), {len(runs)} run(s): "
+         + "; ".join(f"{(r.get('provenance') or {}).get('date_utc')} on {(r.get('provenance') or {}).get('gpu')}, "
+                     f"commit {(r.get('provenance') or {}).get('commit')}" for r in runs) + ".", "",
+         "Method (docs/xstage-evaluation.md): per cell both schedules with their default configs, "
+         "paired trials in rotated order, SM clock after each call; speedup = median over the clock-matched "
+         "trials of T_expert_wave / T_interleaved; a time is the fused kernels' device time of one call: "
+         f"{payload.get('time_scope', '')}. Worlds: `loopback` = no remote path (the control), "
+         "`loopback+host` = the Combine stores over PCIe into pinned host memory (profile `h200-pcie-host`). "
+         f"The paper's numbers are for {PAPER['setting']}: a different platform and precision.", ""]
+
+    # Figure 8 / the headline
+    L += ["## Speedup of interleaved over expert_wave (Figure 8 analogue)", ""]
+    summ = speedup_summary(cells)
+    rows = [["paper", PAPER["configs"], f"{PAPER['geomean']:.2f}x", f"{PAPER['median']:.2f}x", f"{PAPER['max']:.2f}x",
+             "–", "–"]]
+    for name, s in summ.items():
+        v = s["verdicts"]
+        rows.append([name, s["n"], _f(s["geomean"], "{:.3f}x"), _f(s["median"], "{:.3f}x"), _f(s["max"], "{:.3f}x"),
+                     _f(s["min"], "{:.3f}x"), f"{v.get('interleaved faster', 0)} / {v.get('interleaved slower', 0)} / "
+                     f"{v.get('no significant difference', 0)} / {v.get('inconclusive', 0)}"])
+    L += _table(["cells", "n", "geometric mean", "median", "max", "min",
+                 "interleaved faster / slower / n.s. / inconclusive (sign test)"], rows)
+    L += ["", f"![Figure 8 analogue]({fig8.name})" if fig8 else
+          "(Figure 8 not drawn: no matplotlib, or no measured cell.)", ""]
+    f8 = figure8_rows(cells)
+    if f8:
+        L += _table(["shape", "routing", "world", "cells", "geometric mean", "min", "max"],
+                    [[r["shape"], r["routing"], r["world"], r["cells"], _f(r["geomean"], "{:.3f}x"),
+                      _f(r["min"], "{:.3f}x"), _f(r["max"], "{:.3f}x")] for r in f8])
+        L.append("")
+
+    # Figure 10
+    f10 = figure10_rows(cells, fig10_shapes, fig10_routing)
+    L += ["## Remote-store span T_RS of the L2 tiles (Figure 10 analogue)", "",
+          f"Routing {fig10_routing}; per shape the cell with the largest P and most tokens. `loopback` stores into "
+          "device memory (the local-store control); the predicted span is the model's T_iss0 + ΔT_iss "
+          "(aligned worst case, K = all SMs).", ""]
+    if f10:
+        L += _table(["shape", "world", "schedule", "P", "tokens", "L2 tiles", "T_RS median (p10 – p90) us", "p99 us",
+                     "model span us"],
+                    [[r["shape"], r["world"], r["schedule"], r["P"], r["tokens"], r["tiles"],
+                      f"{_f(r['median_us'], '{:.2f}')} ({_f(r['p10_us'], '{:.2f}')} – {_f(r['p90_us'], '{:.2f}')})",
+                      _f(r["p99_us"], "{:.2f}"), _f(r["predicted_us"], "{:.2f}")] for r in f10])
+    else:
+        L.append("No traced cell.")
+    L += ["", f"![Figure 10 analogue]({fig10.name})" if fig10 else "(Figure 10 not drawn.)", ""]
+
+    # Table 2
+    t2 = table2_rows(cells, table2_world, table2_routing, table2_P)
+    L += ["## Per-tile stall model (Table 2 analogue)", "",
+          f"World {table2_world}, routing {table2_routing}; per shape the cell with the largest P and most tokens "
+          "(its P and tokens in the table); times in us, medians. Span = T_RS wave / interleaved; T_mma = the "
+          "expert_wave trace's L2 / L1 mainloop (first stage landed -> last WGMMA retired); Δt = eq. 15 "
+          "prediction [T_RS - T_mma(successor)]+ / the measured wait of the successor tile for the staging slot, "
+          "over the L2 tiles with a successor in their CTA.", ""]
+    if t2:
+        L += _table(["shape", "P", "tokens", "span wave / int.", "T_mma L2 / L1", "Δt wave (pred. / meas.)",
+                     "Δt int. (pred. / meas.)", "int. predicted 0", "eq. 14", "speedup"],
+                    [[r["shape"], r["P"], r["tokens"], _pair(r["span_wave_us"], r["span_interleaved_us"]),
+                      _pair(r["mma_l2_us"], r["mma_l1_us"]), _pair(r["stall_wave_pred_us"], r["stall_wave_meas_us"]),
+                      _pair(r["stall_int_pred_us"], r["stall_int_meas_us"]), _f(r["int_pred_zero_frac"], "{:.0%}"),
+                      {True: "holds", False: "fails", None: "–"}[r["eq14_holds"]], _f(r["speedup"], "{:.3f}x")]
+                     for r in t2])
+    else:
+        L.append(f"No traced cell in {table2_world} / {table2_routing}."
+                 + (f" ({NO_PREDICTION})" if table2_world == "loopback" else ""))
+    L.append("")
+
+    # the sign test per cell
+    L += ["## Sign test per cell", "",
+          "Paired over the trials at the reference clock; one-sided sign tests at alpha = 0.05 "
+          "(p: interleaved faster / interleaved slower).", ""]
+    L += _table(["shape", "routing", "tokens", "world", "P", "speedup", "verdict", "p (faster / slower)", "matched"],
+                [[r["shape"], r["routing"], r["tokens"], r["world"], r["P"], _f(r["speedup"], "{:.3f}x"), r["verdict"],
+                  _pair(r["p_interleaved_faster"], r["p_interleaved_slower"], "{:.3g}"),
+                  f"{r['n_matched']}/{r['n_trials']}"] for r in verdict_rows(cells)])
+    L.append("")
+
+    # regressions
+    regs = regressions(cells)
+    L += ["## Regressions: interleaved slower (for the author to explain)", ""]
+    if not regs:
+        L.append("None: interleaved is at least as fast in every measured cell.")
+    for r in regs:
+        L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: {r['speedup']:.3f}x "
+                 f"({r['verdict']}); mainloop L1 wave / int. {_pair(*r['l1_mainloop_us'])} us, L2 "
+                 f"{_pair(*r['l2_mainloop_us'])} us; measured stall wave / int. {_pair(*r['stall_measured_us'])} us. "
+                 "Explanation: _to be written_.")
+    L.append("")
+
+    # overhead, skips, errors
+    ov = trace_overhead_summary(payload)
+    L += ["## Trace overhead", "", "Traced / untraced kernel time of the same cell and schedule (paired trials); "
+          "the per-tile numbers above come from traced calls.", ""]
+    L += _table(["schedule", "cells", "median", "min", "max"],
+                [[s, o["n"], _f(o["median"]), _f(o["min"]), _f(o["max"])] for s, o in ov.items()])
+    other = [r for r in allrecs if r.get("status") != "ok"]
+    if other:
+        L += ["", "## Not measured", ""]
+        for r in other:
+            c = r["cell"]
+            L.append(f"- {c['shape']} {c['routing']} T={c['tokens']} {c['world']} P={c['P']} {c['precision']}: "
+                     f"{r.get('status')}: {r.get('reason') or r.get('error')}")
+    return "\n".join(L) + "\n"
+
+
+def write_report(payload: Mapping, out_dir, **selection) -> dict:
+    """Figures (when matplotlib is there), the tables as CSV and README.md into ``out_dir``;
+    ``selection``: :func:`readme`'s table2_* / fig10_* arguments. Returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = measured_cells(payload)
+    f10_rows = figure10_rows(cells, selection.get("fig10_shapes"), selection.get("fig10_routing", "skewed1"))
+    paths = {"fig8": draw_figure8(figure8_rows(cells), out_dir / FIGURE8),
+             "fig10": draw_figure10(f10_rows, out_dir / FIGURE10)}
+    paths["fig8_csv"] = xbench.write_csv(out_dir / "fig8_speedup.csv",
+                                         [{k: v for k, v in r.items() if k != "speedups"} for r in figure8_rows(cells)])
+    paths["fig10_csv"] = xbench.write_csv(out_dir / "fig10_rs_span.csv",
+                                          [{k: v for k, v in r.items() if k != "quantiles_us"} for r in f10_rows])
+    paths["table2_csv"] = xbench.write_csv(out_dir / "table2.csv", table2_rows(
+        cells, selection.get("table2_world", "loopback+host"), selection.get("table2_routing", "skewed1"),
+        selection.get("table2_P")))
+    paths["verdicts_csv"] = xbench.write_csv(out_dir / "verdicts.csv", verdict_rows(cells))
+    readme_path = out_dir / "README.md"
+    readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"], **selection))
+    paths["readme"] = readme_path
+    return paths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", default=DEFAULT_OUT, help="the sweep JSON (scripts/sweep_megamoe.py --out)")
+    ap.add_argument("--out", default=None, help="folder of the figures, tables and README (default: the sweep's)")
+    ap.add_argument("--table2-world", default="loopback+host", choices=WORLDS)
+    ap.add_argument("--table2-routing", default="skewed1", choices=tuple(ROUTINGS))
+    ap.add_argument("--table2-P", type=int, default=None, help="default: the largest P measured per shape")
+    ap.add_argument("--fig10-routing", default="skewed1", choices=tuple(ROUTINGS))
+    ap.add_argument("--fig10-shapes", nargs="+", default=None, help="default: the first three shapes measured")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    payload = load_sweep(args.sweep)
+    out = Path(args.out) if args.out else Path(args.sweep).parent
+    paths = write_report(payload, out, table2_world=args.table2_world, table2_routing=args.table2_routing,
+                         table2_P=args.table2_P, fig10_routing=args.fig10_routing, fig10_shapes=args.fig10_shapes)
+    for name, p in paths.items():
+        if p is not None:
+            print(f"{name}: {p}")
+    return paths
+
+
+if __name__ == "__main__":
+    main()
