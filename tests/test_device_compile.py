@@ -78,7 +78,7 @@ def test_helper_ptx_contains(helper_ptx, pattern):
 def test_bulk_copy_helpers_ptx():
     """bulk_copy_g2s / bulk_copy_s2g emit the non-tensor bulk copies with 32-bit shared
     addresses, completing on the mbarrier (load, waited with mbarrier_wait_tries) and on a bulk
-    async-group (store); their L2 cache policies; discard_l2."""
+    async-group (store); their L2 cache policy."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Int64
@@ -99,15 +99,13 @@ def test_bulk_copy_helpers_ptx():
             xd.bulk_copy_g2s(buf, g.iterator.toint(), 8192, mbar)
             if xd.mbarrier_wait_tries(mbar, Int32(0), 1000, err.iterator):
                 xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 8192, buf, 8192)
-            # the same pair with L2 cache policies (evict-first load, evict-last store), then
-            # the store's first line discarded from L2
+            # the same pair with the evict-first L2 cache policy
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, 4096)
             xd.bulk_copy_g2s(buf, g.iterator.toint(), 4096, mbar, "evict_first")
             if xd.mbarrier_wait_tries(mbar, Int32(1), 1000, err.iterator):
-                xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 4096, buf, 4096, "evict_last")
+                xd.bulk_copy_s2g(Int64(g.iterator.toint()) + 4096, buf, 4096, "evict_first")
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0)
-            xd.discard_l2(Int64(g.iterator.toint()) + 8192)
 
     @cute.jit
     def launch(g, err, stream):
@@ -121,9 +119,7 @@ def test_bulk_copy_helpers_ptx():
     assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group \[%rd\d+\], \[%r\d+\], 8192;", ptx)
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # the evict-first copies: a policy created in each copy's own asm block (scoped register)
-    assert len(re.findall(r"createpolicy\.fractional\.L2::evict_first\.b64 xs_pol, 1\.0;", ptx)) == 1
-    assert len(re.findall(r"createpolicy\.fractional\.L2::evict_last\.b64 xs_pol, 1\.0;", ptx)) == 1
-    assert re.search(r"discard\.global\.L2 \[%rd\d+\], 128;", ptx)
+    assert len(re.findall(r"createpolicy\.fractional\.L2::evict_first\.b64 xs_pol, 1\.0;", ptx)) == 2
     assert re.search(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier::complete_tx::bytes\.L2::cache_hint "
                      r"\[%r\d+\], \[%rd\d+\], 4096, \[%r\d+\], xs_pol;", ptx)
     assert re.search(r"cp\.async\.bulk\.global\.shared::cta\.bulk_group\.L2::cache_hint \[%rd\d+\], \[%r\d+\], "

@@ -85,7 +85,6 @@ __all__ = [
     "mbarrier_wait_tries",
     "spin_wait_ge_tries",
     "nanosleep",
-    "discard_l2",
     "BULK_CACHE_POLICIES",
     "grid_arrive_and_wait",
     "raise_on_device_error",
@@ -174,13 +173,13 @@ def store_v4_to_peer(
     store_v4(peer_address(peer_table, dst, byte_offset, loc=loc, ip=ip), w0, w1, w2, w3, cache, loc=loc, ip=ip)
 
 
-# L2 cache policies of the bulk copies (``.L2::cache_hint``): None, "evict_first" (data used
-# once: it does not push reused lines out of L2) or "evict_last" (data to be read again soon;
-# whoever pins lines this way must bound how many stay pinned, e.g. with :func:`discard_l2`).
+# L2 cache policies of the bulk copies (``.L2::cache_hint``): None or "evict_first" (data used
+# once: it does not push reused lines out of L2). (An evict-last policy with L2 discards of the
+# dead lines was measured and reverted: docs/experiments.md, `dispatch_keep`.)
 # The policy is created inside the copy's own asm block (a scoped register), so no 64-bit
 # policy stays live across the caller's loop -- in the fused MoE kernel a live policy register
 # made ptxas serialize the consumers' WGMMAs.
-BULK_CACHE_POLICIES = (None, "evict_first", "evict_last")
+BULK_CACHE_POLICIES = (None, "evict_first")
 
 
 def _bulk_copy(op: str, operands: str, args, policy, loc, ip) -> None:
@@ -219,16 +218,6 @@ def bulk_copy_s2g(address, smem: cute.Pointer, nbytes, policy: cutlass.Constexpr
     waits only until the source may be overwritten). ``policy`` as in :func:`bulk_copy_g2s`."""
     _bulk_copy("cp.async.bulk.global.shared::cta.bulk_group", "[{$r0}], [{$r1}], {$r2}",
                [Int64(address), Int32(smem.toint()), Int32(nbytes)], policy, loc, ip)
-
-
-@dsl_user_op
-def discard_l2(address, *, loc=None, ip=None) -> None:
-    """``discard.global.L2 [address], 128``: drop the 128-byte L2 line at ``address`` (Int64,
-    128-byte aligned) without writing it back; the memory then holds indeterminate values (PTX:
-    a weak write of an unstable value). For scratch whose contents are dead: a dirty line that
-    would otherwise cost a DRAM write-back, or an evict-last line that would stay pinned. Order
-    it after every reader with an acquire of their completion."""
-    cute.arch.inline_ptx("discard.global.L2 [{$r0}], 128;", read_only_args=[Int64(address)], loc=loc, ip=ip)
 
 
 @dsl_user_op
