@@ -154,10 +154,7 @@ def _build_parser() -> _Parser:
     plan = sub.add_parser("plan", help="run the design test for a kernel")
     psub = plan.add_subparsers(dest="kernel", required=True, parser_class=_Parser)
 
-    fa = psub.add_parser("fa-a2a", help="FlashAttention + Ulysses post All-to-All (Section 4.3)")
-    c: list = []
-    fa.set_defaults(checks=c)
-    fa.add_argument("--platform", required=True, help=_PLATFORM_HELP)
+    fa, c = _plan_parser(psub, "fa-a2a", "FlashAttention + Ulysses post All-to-All (Section 4.3)")
     _add_int(fa, c, "--seq", required=True, help="global sequence length M (tokens)")
     _add_int(fa, c, "--heads", required=True, help="total attention heads H")
     _add_int(fa, c, "--head-dim", required=True, help="head dimension d")
@@ -171,10 +168,7 @@ def _build_parser() -> _Parser:
              help="Q-loop time per KV tile, microseconds > 0 (default: profile's)")
     fa.add_argument("--json", action="store_true")
 
-    moe = psub.add_parser("megamoe", help="MegaMoE Combine bursts (Section 4.2)")
-    c = []
-    moe.set_defaults(checks=c)
-    moe.add_argument("--platform", required=True, help=_PLATFORM_HELP)
+    moe, c = _plan_parser(psub, "megamoe", "MegaMoE Combine bursts (Section 4.2)")
     _add_int(moe, c, "--hidden", required=True, help="hidden size h")
     _add_int(moe, c, "--intermediate", required=True, help="expert intermediate size")
     _add_int(moe, c, "--experts", required=True, help="routed experts (all ranks)")
@@ -193,6 +187,15 @@ def _build_parser() -> _Parser:
              help="dense bf16 rate in TFLOP/s > 0, to estimate the mainloop times (default: profile's)")
     moe.add_argument("--json", action="store_true")
     return ap
+
+
+def _plan_parser(psub, name: str, help: str):
+    """A ``plan`` subcommand with its --platform flag and the list its numeric checks go into."""
+    sub = psub.add_parser(name, help=help)
+    checks: list = []
+    sub.set_defaults(checks=checks)
+    sub.add_argument("--platform", required=True, help=_PLATFORM_HELP)
+    return sub, checks
 
 
 def _fail(msg: str):
