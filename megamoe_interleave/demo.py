@@ -10,7 +10,7 @@ numbers are not the bench's inputs; the kernels' times do not depend on the valu
 from __future__ import annotations
 
 
-def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int = 64) -> dict:
+def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int = 64, cooldown_s: float = 0.25) -> dict:
     import torch
 
     from megamoe_interleave import MegaMoEConfig
@@ -47,7 +47,7 @@ def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int =
         out["configs"][schedule] = str(moe.config)
         moe.poison_combine = False
         fns[f"fused[{schedule}]"] = _kernel_time(moe)
-    samples, clocks = bench.paired_trials(fns, trials)
+    samples, clocks = bench.paired_trials(fns, trials, cooldown_s)
     row = dict(shape=shape.name, P=P, tokens_per_rank=tokens,
                **bench.paired_verdicts(samples, clocks, "grouped_mm x2", 30.0))
     picks = sum(int((i >= 0).sum()) for i in idx)
