@@ -102,6 +102,7 @@ class SharedTensors:
     row_addr: Any
     bulk_buf: Any
     bulk_mbar: Any
+    stamp_word: Any  # trace builds: a word holding 1, see MegaMoESm90.barrier_timestamp
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             row_w: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_M], 16]
             row_addr: cute.struct.Align[cute.struct.MemRange[Int64, BLOCK_M], 16]
             bulk_buf: cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128]
-            bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
+            # + trace builds: a word holding 1 (MegaMoESm90.barrier_timestamp)
+            bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 + int(self.trace)], 8]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -215,6 +217,13 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
     def timestamp(self):
         """%globaltimer when tracing, else a constant (no instruction emitted)."""
         return xdev.globaltimer_ns() if const_expr(self.trace) else Int64(0)
+
+    def barrier_timestamp(self, sm):
+        """%globaltimer after a named-barrier wait when tracing, else a constant. A warp leaving
+        ``bar.sync`` may issue a plain timer read before the barrier has resolved (seen on the
+        H200: the epilogue's stamp after its FULL wait up to 5.6 us before the consumers had
+        arrived), so the read waits for a shared-memory load, which cannot pass the barrier."""
+        return xdev.globaltimer_after_shared_load(sm.stamp_word) if const_expr(self.trace) else Int64(0)
 
     def cycle_stamp(self):
         """%clock64 when tracing, else a constant: with the timestamps it gives the SM clock over a
@@ -248,7 +257,11 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             sC=storage.sC.get_tensor(sC_layout, dtype=Int32),
             row_w=storage.row_w.get_tensor(cute.make_layout(BLOCK_M)),
             row_addr=storage.row_addr.get_tensor(cute.make_layout(BLOCK_M)),
-            bulk_buf=storage.bulk_buf.data_ptr(), bulk_mbar=storage.bulk_mbar.data_ptr())
+            bulk_buf=storage.bulk_buf.data_ptr(), bulk_mbar=storage.bulk_mbar.data_ptr(),
+            stamp_word=cute.recast_ptr(storage.bulk_mbar.data_ptr() + 2, dtype=Int32))
+        if const_expr(self.trace):
+            if tidx == 0:
+                cute.make_tensor(sm.stamp_word, cute.make_layout(1))[0] = Int32(1)  # before the CTA sync below
         ops = TmaOperands(tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2)
         if self.producer_warp(tidx):
             for atom in (tma_a1, tma_b1, tma_a2, tma_b2):

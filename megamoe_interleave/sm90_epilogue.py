@@ -79,7 +79,7 @@ class EpilogueMixin:
                         sm.row_addr[m] = self.combine_destination(gm, row0 + m)
                     m = m + self.num_epi_threads
                 self.epilogue_handoff()
-                t_part = self.timestamp()
+                t_part = self.barrier_timestamp(sm)
                 span = Int64(0)
                 t_end = Int64(0)
                 if tile.phase == PHASE_L1:
@@ -94,7 +94,7 @@ class EpilogueMixin:
                     # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
                     self.epi_sync()
-                    t_end = self.timestamp()
+                    t_end = self.barrier_timestamp(sm)
                     if et == 0:
                         cute.arch.fence_acq_rel_gpu()
                         xdev.red_add_release(gm.counters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
@@ -103,10 +103,10 @@ class EpilogueMixin:
                         if const_expr(part > 0):
                             span = span + self.timestamp() - t_part
                             self.epilogue_handoff()  # part 0 read out: the staging tile is free for part 1
-                            t_part = self.timestamp()
+                            t_part = self.barrier_timestamp(sm)
                         self.combine_stores(tile, rows, part, sm, et)
                     self.epi_sync()  # every thread done with row_addr before the next tile's metadata
-                    t_end = self.timestamp()
+                    t_end = self.barrier_timestamp(sm)
                 if const_expr(self.trace):
                     if et == 0 and n_tile < cute.size(gm.trace, mode=[1]):
                         gm.trace[ctx.cta, n_tile, 8] = t_end

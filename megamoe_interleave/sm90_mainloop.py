@@ -243,7 +243,7 @@ class ConsumerMixin:
         L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL. Returns when the slot
         was free (tracing; else a constant)."""
         cute.arch.barrier(barrier_id=int(self.NamedBarrier.EpilogueEmpty), number_of_threads=self.handoff_threads)
-        t_slot = self.timestamp()
+        t_slot = self.barrier_timestamp(sm)
         _, acc, _, _, tCcC = frags
         parts = 1 if swiglu_l1 else self.l2_handoffs
         size = cute.size(acc)

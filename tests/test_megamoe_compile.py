@@ -219,6 +219,38 @@ def test_row_metadata_handoff_ptx(tmp_path, schedule):
         _check_row_metadata_handoff(broken, empty, full)
 
 
+def _check_stamps_after_barrier_waits(ptx, barrier_ids):
+    """In program order, the first %globaltimer read after every ``bar.sync`` on ``barrier_ids`` is
+    barrier_timestamp's: predicated on a volatile shared-memory load, which cannot pass the
+    barrier (a plain timer read can). Returns the number of such waits checked."""
+    waits = 0
+    pending = None
+    for ln in ptx.splitlines():
+        m = re.search(r"bar\.sync\s+(\d+),", ln)
+        if m and int(m.group(1)) in barrier_ids:
+            pending, waits = ln.strip(), waits + 1
+        elif pending and "%globaltimer" in ln:
+            assert re.search(r"ld\.volatile\.shared\.b32 .*@xs_p mov\.u64 %rd\d+, %globaltimer", ln), \
+                f"plain timer read after {pending}: {ln.strip()}"
+            pending = None
+    return waits
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trace_stamps_after_barrier_waits(tmp_path, schedule):
+    """Trace builds: the staging-slot stamp (consumers, after EMPTY), the store-span start
+    (epilogue, after FULL) and its end (after the epilogue barrier) wait for their barrier."""
+    from megamoe_interleave.kernel_sm90 import NamedBarrier
+
+    ids = {int(NamedBarrier.EpilogueEmpty), int(NamedBarrier.EpilogueFull), int(NamedBarrier.Epilogue)}
+    ptx = _ptx(tmp_path, 512, 256, resolved(schedule, block_n=256, stages=4, trace=True))  # two L2 hand-offs
+    assert _check_stamps_after_barrier_waits(ptx, ids) >= 6
+    plain = re.sub(r"\{ \.reg \.b32 xs_v;[^}]*\}", "mov.u64 %rd1, %globaltimer;", ptx, count=1)
+    with pytest.raises(AssertionError, match="plain timer read"):
+        _check_stamps_after_barrier_waits(plain, ids)
+
+
 def _check_ring_waits_bounded(ptx, min_waits):
     """Every mbarrier wait loop reads %globaltimer inside the loop (bounded); none of
     cute.arch.mbarrier_wait's unbounded inline-asm LAB_WAIT loops is left; the ring's error code is

@@ -191,11 +191,10 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule):
             for r in got:
                 assert r["t_start"] <= r["t_ready"] <= r["t_mainloop"] <= r["t_slot"] <= r["t_epilogue"]
                 # the epilogue warps' side: their stores end after the tile was staged; their issue
-                # span lies inside [slot free, stores issued] (part spans summed). These compare
-                # %globaltimer readings of two warps of one SM (consumer thread 0 vs epilogue
-                # thread 0): on the H200 they disagreed by up to ~2.4 us although the named
-                # barriers order the events, so cross-warp slack; every span the evaluation uses is
-                # a difference of one warp's readings.
+                # span lies inside [slot free, stores issued] (part spans summed). Readings of two
+                # warps (consumer thread 0, epilogue thread 0) ordered by the named barriers; the
+                # stamps after a barrier wait are barrier_timestamp's (a plain timer read after
+                # bar.sync ran up to 5.6 us ahead of the barrier on the H200)
                 assert r["rs_ns"] >= 0
                 excess = max(r["t_epilogue"] - r["t_rs_end"], r["rs_ns"] - (r["t_rs_end"] - r["t_slot"]))
                 if excess > cross_warp_excess:
@@ -205,9 +204,8 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule):
                 assert r["cycles"] > 0 and (ns < 5000 or 0.3 * ns < r["cycles"] < 2.5 * ns), r
                 if r["phase"] == PHASE_L1:
                     l1_end[r["row"]] = max(l1_end.get(r["row"], 0), r["t_epilogue"])
-        print(f"rank {d}: epilogue vs consumer timestamps, worst disorder {cross_warp_excess} ns", worst if cross_warp_excess else "")
-        assert cross_warp_excess <= 4000, f"epilogue vs consumer timestamps out of order by {cross_warp_excess} ns"
         slack_ns = 2000  # %globaltimer update granularity
+        assert cross_warp_excess <= slack_ns, f"epilogue vs consumer stamps out of order by {cross_warp_excess} ns: {worst}"
         for got in recs:
             for r in got:
                 if r["phase"] == PHASE_L2:

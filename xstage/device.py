@@ -248,6 +248,22 @@ def globaltimer_ns(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def globaltimer_after_shared_load(word: cute.Pointer, *, loc=None, ip=None) -> Int64:
+    """``%globaltimer`` read once a volatile load of the 32-bit shared-memory ``word`` has
+    returned (0 if the word holds 0): a timestamp that cannot run ahead of a preceding
+    ``bar.sync``. A warp leaving a named-barrier wait may issue register-only instructions, a plain
+    timer read among them, before the barrier has resolved; a shared-memory load cannot, and the
+    timer read is predicated on the loaded value."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int64(llvm.inline_asm(
+        Int64.mlir_type, [Int32(word.toint()).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b32 xs_v; .reg .pred xs_p; ld.volatile.shared.b32 xs_v, [$1]; setp.ne.b32 xs_p, xs_v, 0; "
+        "mov.u64 $0, 0; @xs_p mov.u64 $0, %globaltimer; }",
+        "=l,r", has_side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def clock64(*, loc=None, ip=None) -> Int64:
     """``%clock64``: this SM's cycle counter (not comparable across SMs)."""
     return cute.arch.clock64(loc=loc, ip=ip)
