@@ -43,6 +43,8 @@ def gpu(out: Path) -> dict:
             print(f"   {name:22s} {v['median_us']:9.0f} us  ratio {v['median_ratio']:.3f}  "
                   f"{moe['tflops'][name]:6.0f} TFLOP/s  faster in {100 * v['frac_not_slower']:.0f} % of "
                   f"{v['n_matched']} trials")
+        else:
+            print(f"   {name:22s} no trial at the reference clock (+-{row['clock_tol_mhz']:.0f} MHz): no ratio")
     print(f"\n{time.time() - t0:.0f} s")
     return {"fa4_a2a": fa, "megamoe_interleave": moe, "ok": fa["ok"] and moe["ok"]}
 
