@@ -2,7 +2,7 @@
 
 Entry points:
   ulysses_attention(q, k, v, world, ...)  sequence-sharded [B, S/P, H, D] in and out
-  UlyssesAttention(world)                 nn.Module mirroring yunchang's UlyssesAttention
+  UlyssesAttention(group_or_world)        drop-in for yunchang's UlyssesAttention (a process group or a World)
   attention_a2a(...) / attention_local(...)  one rank's fused / FA-only launch
   torch.ops.fa4_a2a.attention_a2a_ / attention_local_  the same as torch custom ops
   a2a_symm(...)                           the A2A-only baseline by a symmetric-memory copy kernel

@@ -33,6 +33,7 @@ from fa4_a2a import ops  # noqa: F401  (registers torch.ops.fa4_a2a.*)
 from fa4_a2a.baselines import a2a_all_to_all_single_pre
 from fa4_a2a.reference import seq_to_head_shards
 from fa4_a2a.validate import Fa4A2AInputError, check_sequence_sharded
+from xstage.world import make_world
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -154,23 +155,81 @@ def ulysses_attention(
     return outs if not isinstance(q, torch.Tensor) else outs[0]
 
 
-class UlyssesAttention(nn.Module):
-    """Drop-in for yunchang's ``UlyssesAttention`` (BSHD in and out), backed by the fused kernel.
+# yunchang AttnType values (enum .value) that select exact softmax attention: the fused FA4
+# kernel computes the same function. The others (SageAttention's quantized kernels, sparse, NPU)
+# are different numerics or hardware and are refused.
+EXACT_ATTN_TYPES = ("fa", "fa3", "flashinfer", "aiter", "torch_math", "torch_flash", "torch_efficient", "torch_cudnn")
 
-    ``world`` replaces yunchang's ``sequence_process_group`` (an ``xstage.world`` World).  Only the
-    FlashAttention features the fused kernel has are accepted; the others raise.
+_group_worlds: dict = {}
+
+
+def world_for_group(group=None, *, device=None):
+    """The torch-symm World of a ``torch.distributed`` process group (``None``: the default group,
+    as in yunchang), made on first use and cached per (group, rank): one rank per process, its
+    symmetric buffers rendezvous over ``group``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("UlyssesAttention with a process group needs torch.distributed initialised "
+                           "(torchrun + dist.init_process_group('nccl')), as yunchang's does")
+    key = (group, dist.get_rank(group))
+    world = _group_worlds.get(key)
+    if world is None:
+        world = make_world("torch-symm", world_size=dist.get_world_size(group), device=device, group=group)
+        _group_worlds[key] = world
+    return world
+
+
+def _is_world(x) -> bool:
+    return all(hasattr(x, a) for a in ("world_size", "local_ranks", "backend", "alloc"))
+
+
+class UlyssesAttention(nn.Module):
+    """Drop-in for yunchang's ``UlyssesAttention`` (BSHD in and out), backed by the fused kernel:
+    the same constructor and forward signature, so swapping the import is the change.
+
+    ``sequence_process_group``: a ``torch.distributed`` process group (``None``: the default group),
+    as in yunchang -- a torch-symm world is built from it on the first forward and cached -- or an
+    ``xstage.world`` World (also keyword ``world=``; e.g. the single-process loopback world, whose
+    forward takes and returns one tensor per rank). ``attn_type``: ``None`` or a yunchang
+    ``AttnType`` (or its string value) of exact attention (``EXACT_ATTN_TYPES``); the kernel is
+    FlashAttention-4 whichever. Forward features the fused kernel lacks (dropout, windows, softcap,
+    ALiBi, attention probabilities) raise.
+
+    Unlike yunchang, the output is a view of a per-shape workspace, valid until the next call of
+    the same shape (``.clone()`` it to keep it longer): the peers store into it directly.
     """
 
-    def __init__(self, world=None, scatter_idx: int = 2, gather_idx: int = 1, use_sync: bool = False,
-                 attn_type=None, persistent: bool = False):
+    def __init__(self, sequence_process_group=None, scatter_idx: int = 2, gather_idx: int = 1,
+                 use_sync: bool = False, attn_type=None, *, world=None, persistent: bool = False):
         super().__init__()
         if (scatter_idx, gather_idx) != (2, 1):
             raise NotImplementedError("only scatter_idx=2, gather_idx=1 (BSHD) is supported")
-        if world is None:
-            raise ValueError("UlyssesAttention needs an xstage.world World")
-        self.world = world
+        if _is_world(sequence_process_group):
+            if world is not None:
+                raise ValueError("pass an xstage World either positionally or as world=, not both")
+            world, sequence_process_group = sequence_process_group, None
+        elif world is not None and not _is_world(world):
+            raise ValueError(f"world must be an xstage.world World, got {type(world).__name__}")
+        if world is not None and sequence_process_group is not None:
+            raise ValueError("pass a process group or an xstage World, not both")
+        kind = getattr(attn_type, "value", attn_type)
+        if kind is not None and kind not in EXACT_ATTN_TYPES:
+            raise NotImplementedError(f"attn_type {attn_type!r}: the fused kernel computes exact attention "
+                                      f"(FlashAttention-4); accepted: None or one of {EXACT_ATTN_TYPES}")
+        self.spg = sequence_process_group
+        self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
+        self.attn_type = attn_type
+        self._world = world
         self.persistent = persistent
         self.use_sync = use_sync
+
+    @property
+    def world(self):
+        """The xstage World the kernel runs in (built from the process group on first use)."""
+        if self._world is None:
+            self._world = world_for_group(self.spg)
+        return self._world
 
     def forward(self, query, key, value, dropout_p: float = 0.0, softmax_scale=None, causal: bool = False,
                 window_size=(-1, -1), softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False,
@@ -183,6 +242,9 @@ class UlyssesAttention(nn.Module):
             raise NotImplementedError("softcap / alibi are not supported by the fused kernel")
         if return_attn_probs:
             raise NotImplementedError("return_attn_probs is not supported")
+        if args:
+            raise TypeError(f"UlyssesAttention.forward: {len(args)} unexpected extra positional arguments")
+        # deterministic: the forward pass is deterministic either way (no atomics in FA4's forward)
         out = ulysses_attention(query, key, value, self.world, softmax_scale=softmax_scale, causal=causal,
                                 persistent=self.persistent)
         if self.use_sync:

@@ -28,10 +28,11 @@ else
     "$venv/bin/python" -m pip install -q --upgrade pip
     "$venv/bin/python" -c "import torch" 2>/dev/null \
       || "$venv/bin/python" -m pip install -q "torch==${XSTAGE_TORCH:-2.13.0}"
-    "$venv/bin/python" -m pip install -q -e ".[test,plot]"
+    "$venv/bin/python" -m pip install -q -e ".[test,plot,dit]"
     echo "$want" > "$stamp"
   fi
   PY="$venv/bin/python"
+  export XSTAGE_REQUIRE_DIT=1  # the venv has the dit extra: its integration tests must not skip
 fi
 
 hopper_present() {
