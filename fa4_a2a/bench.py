@@ -113,7 +113,7 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- timing
 
 
-class _Sync:
+class WorldSync:
     """What the timing loop needs from the world: a barrier and (multi-process) agreement.
 
     Single process (loopback/host): nothing to agree on; multi-process (torch-symm): every rank
@@ -149,7 +149,7 @@ def _capture(fn):
 
 
 def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int, *, min_replays: int = 3,
-                     cooldown_s: float = 0.0, sync: _Sync = None):
+                     cooldown_s: float = 0.0, sync: WorldSync = None):
     """Per-call time of each fn, interleaved + rotated over ``trials`` (xstage.bench.paired_trials).
 
     Returns (samples_us, replays, clocks_after, clocks_before): dicts name -> list per trial
@@ -157,7 +157,7 @@ def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int,
     [optional barrier + cool-down] -> event -> ``replays`` graph replays -> event -> sync ->
     clock read -> [world barrier: remote visibility once after the replays, Section 5.1].
     """
-    sync = sync or _Sync()
+    sync = sync or WorldSync()
     graphs = {k: _capture(f) for k, f in fns.items()}
     est = {}
     for k, g in graphs.items():  # size each variant's trial from one untimed burst
@@ -286,7 +286,7 @@ def remodel(payload, profile):
 # ----------------------------------------------------------------------------- run
 
 
-def _init_world(args):
+def init_world(args):
     """The world, this process's rank and the torch.distributed module (torch-symm only)."""
     import torch
 
@@ -342,7 +342,7 @@ def variant_fns(world, rank, q, k, v, o_local, dest, table, P):
     }
 
 
-def _reduce_over_ranks(dist, world, samples, clocks):
+def reduce_over_ranks(dist, world, samples, clocks):
     """Multi-process: per-trial max time and min clock over ranks (every rank gets the result)."""
     if dist is None:
         return samples, clocks, None
@@ -363,11 +363,11 @@ def run(args):
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     P, D = args.P, args.head_dim
-    world, rank, dist = _init_world(args)
+    world, rank, dist = init_world(args)
     device = world.device
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     platform = load_platform(args.profile)
-    sync = _Sync(world, dist)
+    sync = WorldSync(world, dist)
     rows = []
     for H in args.heads:
         if H % P:
@@ -390,7 +390,7 @@ def run(args):
         samples, replays, clocks, clocks_before = time_interleaved(
             fns, args.trials, args.target_trial_us, args.max_replays, min_replays=args.min_replays,
             cooldown_s=args.cooldown_s if args.stabilize else 0.0, sync=sync)
-        samples, clocks, per_rank = _reduce_over_ranks(dist, world, samples, clocks)
+        samples, clocks, per_rank = reduce_over_ranks(dist, world, samples, clocks)
         row = {"H": H, "H_local": Hl, "M": M, "P": P, "head_dim": D, "dtype": args.dtype,
                "world": args.world, "stabilized": args.stabilize, "replays": replays,
                "time_over_ranks": "max per trial" if dist is not None else f"rank {rank}",

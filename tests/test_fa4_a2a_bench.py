@@ -75,13 +75,13 @@ def test_multiprocess_sync_agrees_on_replays():
     dist = types.SimpleNamespace(all_reduce=all_reduce, ReduceOp=types.SimpleNamespace(MAX="max"))
     world = types.SimpleNamespace(local_ranks=[3], world_size=8, device=torch.device("cpu"),
                                   barrier=lambda: calls.append("barrier"))
-    sync = bench._Sync(world, dist)
+    sync = bench.WorldSync(world, dist)
     assert sync.multi
     # keys sorted: [a2a_only, fused]; the other ranks want [5, 2]
     assert sync.agree_max({"fused": 3, "a2a_only": 4}) == {"a2a_only": 5, "fused": 3}
     sync.barrier()
     assert calls == ["max", "barrier"]
-    single = bench._Sync(types.SimpleNamespace(local_ranks=list(range(8)), world_size=8), None)
+    single = bench.WorldSync(types.SimpleNamespace(local_ranks=list(range(8)), world_size=8), None)
     assert not single.multi and single.agree_max({"x": 1}) == {"x": 1}
     single.barrier()  # no-op
 
@@ -95,7 +95,7 @@ def test_reduce_over_ranks_takes_max_time_and_min_clock():
 
     dist = types.SimpleNamespace(all_gather_object=all_gather_object)
     world = types.SimpleNamespace(world_size=2)
-    s, c, raw = bench._reduce_over_ranks(dist, world, {"f": [10.0, 20.0]}, {"f": [1700, 1600]})
+    s, c, raw = bench.reduce_over_ranks(dist, world, {"f": [10.0, 20.0]}, {"f": [1700, 1600]})
     assert s == {"f": [12.0, 20.0]} and c == {"f": [1650, None]} and len(raw) == 2
 
 
@@ -138,7 +138,7 @@ def test_time_interleaved_loop_logic(monkeypatch, cooldown):
     world.device = torch.device("cpu")
     fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     samples, replays, clocks, before = bench.time_interleaved(
-        fns, 4, target_us=1.0, max_replays=5, min_replays=2, cooldown_s=cooldown, sync=bench._Sync(world, dist))
+        fns, 4, target_us=1.0, max_replays=5, min_replays=2, cooldown_s=cooldown, sync=bench.WorldSync(world, dist))
     assert replays == {"a": 2, "b": 2}
     assert all(len(samples[k]) == 4 and len(clocks[k]) == 4 for k in fns)
     assert (before is None) == (cooldown == 0) and (before is None or all(len(before[k]) == 4 for k in fns))
