@@ -98,7 +98,8 @@ def _cp(ulysses, ring=1, anything=False, group="G"):
     (dict(cp=_cp(2)), "fused"), (dict(cp=_cp(1)), "local"), (dict(cp=None), "local"),
     (dict(cp=_cp(2, ring=2)), "native"), (dict(cp=_cp(2, anything=True)), "native"), (dict(cp=_cp(3)), "native"),
     (dict(cp=_cp(2), D=96), "native"), (dict(cp=_cp(2), dtype=torch.float32), "native"),
-    (dict(cp=_cp(2), mask=True), "native"), (dict(cp=_cp(2), dropout=0.1), "native")])
+    (dict(cp=_cp(2), mask=True), "native"), (dict(cp=_cp(2), dropout=0.1), "native"),
+    (dict(cp=_cp(2), kv_heads=2), "native")])
 def test_path_selection(case, expect, monkeypatch):
     seen = []
     monkeypatch.setattr(fd, "_on_hopper", lambda t: True)
@@ -111,7 +112,8 @@ def test_path_selection(case, expect, monkeypatch):
     native = AttentionBackendName.NATIVE
     monkeypatch.setitem(_AttentionBackendRegistry._backends, native, lambda q, k, v, **kw: seen.append(("native",)) or q)
     D, dtype = case.get("D", 64), case.get("dtype", BF16)
-    q, k, v = (torch.zeros(1, 8, 4, D, dtype=dtype) for _ in range(3))
+    q = torch.zeros(1, 8, 4, D, dtype=dtype)
+    k, v = (torch.zeros(1, 8, case.get("kv_heads", 4), D, dtype=dtype) for _ in range(2))
     mask = torch.ones(1, 8, dtype=torch.bool) if case.get("mask") else None
     fd.fa4_a2a_attention(q, k, v, attn_mask=mask, dropout_p=case.get("dropout", 0.0), scale=0.1, is_causal=False,
                          _parallel_config=case["cp"])

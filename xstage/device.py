@@ -252,8 +252,10 @@ def globaltimer_after_shared_load(word: cute.Pointer, *, loc=None, ip=None) -> I
     """``%globaltimer`` read once a volatile load of the 32-bit shared-memory ``word`` has
     returned (0 if the word holds 0): a timestamp that cannot run ahead of a preceding
     ``bar.sync``. A warp leaving a named-barrier wait may issue register-only instructions, a plain
-    timer read among them, before the barrier has resolved; a shared-memory load cannot, and the
-    timer read is predicated on the loaded value."""
+    timer read among them, before the barrier has resolved; a shared-memory load cannot. The timer
+    read is predicated on the loaded value (ptxas 13.0 turns that into a compare of the load's
+    result followed by the timer read and a select, so in-order issue still orders it: checked in
+    the SASS of MegaMoESm90's trace build)."""
     from cutlass._mlir.dialects import llvm
 
     return Int64(llvm.inline_asm(

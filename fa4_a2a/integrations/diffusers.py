@@ -98,7 +98,7 @@ def register() -> str:
     return BACKEND
 
 
-def _unsupported(query, key, value, attn_mask, dropout_p, return_lse, enable_gqa, cp) -> Optional[str]:
+def _unsupported(query, key, value, attn_mask, dropout_p, return_lse, cp) -> Optional[str]:
     """Why the fused kernel cannot take this call (None: it can)."""
     if attn_mask is not None:
         return "attention masks are not supported"
@@ -106,8 +106,8 @@ def _unsupported(query, key, value, attn_mask, dropout_p, return_lse, enable_gqa
         return "dropout is not supported"
     if return_lse:
         return "return_lse is not supported"
-    if enable_gqa and query.shape[2] != key.shape[2]:
-        return "grouped-query attention is not supported"
+    if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
+        return "grouped-query attention (fewer key/value heads) is not supported"
     if not _on_hopper(query):
         return "the kernel needs a Hopper GPU (sm_90)"
     if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
@@ -139,7 +139,7 @@ def fa4_a2a_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     cp = getattr(_parallel_config, "context_parallel_config", None) if _parallel_config is not None else None
     if cp is not None and cp.ulysses_degree <= 1 and cp.ring_degree <= 1:
         cp = None
-    reason = _unsupported(query, key, value, attn_mask, dropout_p, return_lse, enable_gqa, cp)
+    reason = _unsupported(query, key, value, attn_mask, dropout_p, return_lse, cp)
     if reason is not None:
         _log_once(reason)
         from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
