@@ -242,8 +242,7 @@ class UlyssesAttention(nn.Module):
             raise NotImplementedError("softcap / alibi are not supported by the fused kernel")
         if return_attn_probs:
             raise NotImplementedError("return_attn_probs is not supported")
-        if args:
-            raise TypeError(f"UlyssesAttention.forward: {len(args)} unexpected extra positional arguments")
+        # *args: accepted and ignored, as yunchang's forward does
         # deterministic: the forward pass is deterministic either way (no atomics in FA4's forward)
         out = ulysses_attention(query, key, value, self.world, softmax_scale=softmax_scale, causal=causal,
                                 persistent=self.persistent)
