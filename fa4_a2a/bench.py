@@ -342,6 +342,20 @@ def variant_fns(world, rank, q, k, v, o_local, dest, table, P):
     }
 
 
+def close_world(world_name: str) -> None:
+    """torch-symm: a last barrier, then the process group ends (once per process)."""
+    if world_name == "torch-symm":
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def output_dir(out: str) -> Path:
+    """Where results go: ``out``, or ``$OUT/out`` when BENCH_TO_OUT is set (remote GPU runs)."""
+    return Path(os.environ.get("OUT", "")) / out if os.environ.get("BENCH_TO_OUT") else Path(out)
+
+
 def reduce_over_ranks(dist, world, samples, clocks):
     """Multi-process: per-trial max time and min clock over ranks (every rank gets the result)."""
     if dist is None:
@@ -581,14 +595,10 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     payload = run(args)
-    if args.world == "torch-symm":
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
+    close_world(args.world)
     if payload["rank"] != 0:
         return 0
-    out = Path(os.environ.get("OUT", "")) / args.out if os.environ.get("BENCH_TO_OUT") else Path(args.out)
+    out = output_dir(args.out)
     stem = out / (args.tag or f"bench_{args.world.replace('+', '_')}{'_stabilized' if args.stabilize else ''}")
     bench.write_json(f"{stem}.json", payload)
     md = table3(payload)

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -279,14 +277,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (Hopper)")
-    payload = run(args)
-    if args.world == "torch-symm":
-        import torch.distributed as dist
+    from fa4_a2a.bench import close_world, output_dir
 
-        dist.barrier()
-        dist.destroy_process_group()
+    payload = run(args)
+    close_world(args.world)
     if payload["rank"] == 0:
-        out = Path(os.environ.get("OUT", "")) / args.out if os.environ.get("BENCH_TO_OUT") else Path(args.out)
-        path = bench.write_result(out, f"dit_block_{args.world.replace('+', '_')}", payload, csv_rows(payload))
+        path = bench.write_result(output_dir(args.out), f"dit_block_{args.world.replace('+', '_')}", payload,
+                                  csv_rows(payload))
         print(f"wrote {path}")
     return 0
