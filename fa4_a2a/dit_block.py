@@ -40,6 +40,7 @@ from fa4_a2a.baselines import a2a_all_to_all_single, a2a_all_to_all_single_pre, 
 from fa4_a2a.reference import attention_fp32, seq_to_head_shards
 from fa4_a2a.ulysses import get_workspace, ulysses_attention
 from xstage import bench
+from xstage.paired import matched_medians
 
 # Attention shapes of public DiT configs: (hidden, heads, head_dim).
 MODELS = {
@@ -199,10 +200,10 @@ def parse_args(argv=None):
 
 
 def summarise(samples: dict, clocks: dict, tol_mhz: float) -> dict:
-    """Paired verdicts against block_stock, plus the attention + A2A share of each block."""
+    """Paired verdicts against block_stock, every variant's median over its trials at the
+    reference clock, and the attention + A2A share of each block (ratio of those medians)."""
     row = bench.paired_verdicts(samples, clocks, BASELINE, tol_mhz)
-    med = {k: v.get("median_us") for k, v in row["variants"].items()}
-    med[BASELINE] = next((v.get("baseline_median_us") for v in row["variants"].values()), None)
+    med = {k: v["median_us"] for k, v in matched_medians(samples, clocks, tol_mhz).items()}
     row["median_us"] = med
     row["attn_share"] = {kind: (med[f"attn_{kind}"] / med[f"block_{kind}"])
                          if med.get(f"attn_{kind}") and med.get(f"block_{kind}") else None
