@@ -319,9 +319,16 @@ def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: in
     """``RowGrid.l2_start`` for ``num_pairs`` pairs (host side): pair g keeps L1 residue class g;
     the L2 classes are assigned so that the dearest L1 classes get the cheapest L2 classes
     (sorted pairing, which minimises the largest sum of two assigned costs). A pair tile costs
-    its WGMMA work: K (L1 H, L2 I) times ``block_m`` rows."""
+    its WGMMA work: K (L1 H, L2 I) times its rows -- 64 for a half tile (the kernel runs a CTA's
+    m-block of <= 64 valid rows as one; here: the pair's fuller member holds <= 64 rows), else
+    ``block_m``."""
     G = num_pairs
-    rows_cost = np.full(grid.num_rows, float(block_m))
+    per_member = pool_rows_per_row(block_m, grid.pair_splits_m)
+    records = np.asarray(grid.row_record, dtype=np.int64).reshape(-1, 4)
+    left = records[:, 3] - records[:, 1] * per_member  # rows of each scheduler row
+    # the fuller member's rows (pair_splits_m: member 0 takes the first block_m of them)
+    most = np.clip(left, 0, block_m) if grid.pair_splits_m else left
+    rows_cost = np.where(most <= 64, 64, block_m).astype(np.float64)
 
     def class_costs(pairs_per_row, k_dim):
         k = np.arange(len(rows_cost) * pairs_per_row)

@@ -172,9 +172,7 @@ class ConsumerMixin:
         free (EMPTY), write the bf16 output into it, arrive on FULL and go to the next tile while
         the epilogue warps store it. The next tile's schedule step (its row-record load) is issued
         one tile ahead, so its latency does not sit between tiles."""
-        thr_mma = tiled_mma.get_slice(tidx)
-        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BLOCK_M, self.block_n, BLOCK_K), sm.sA, sm.sB)
-        frags = (tiled_mma, acc, tCrA, tCrB, thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, self.block_n))))
+        frags = self.consumer_fragments(tiled_mma, tidx, sm)
         g, r, G, c0, c1 = self.schedule_start(ctx)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
@@ -188,21 +186,24 @@ class ConsumerMixin:
             if tile.valid > 0:
                 t0 = self.timestamp()
                 k0 = self.cycle_stamp()
+                # an m-block with <= 64 valid rows (an expert's last) runs as a 64 x BN tile, N split
+                # over the two warpgroups: half the WGMMA work from the same ring stages
+                half = tile.count - tile.m_block * BLOCK_M <= 64
                 t1 = Int64(0)
                 t2 = Int64(0)
                 k2 = Int64(0)
                 t_slot = Int64(0)
                 if tile.phase == PHASE_L1:
-                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, frags, self.hidden // BLOCK_K)
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.hidden // BLOCK_K)
                     t2 = self.timestamp()
                     k2 = self.cycle_stamp()
-                    t_slot = self.hand_off(frags, sm, True, 0)
+                    t_slot = self.hand_off(frags, half, sm, True, 0)
                 else:
-                    state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, frags, self.intermediate // BLOCK_K)
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.intermediate // BLOCK_K)
                     t2 = self.timestamp()
                     k2 = self.cycle_stamp()
                     for part in cutlass.range_constexpr(self.l2_handoffs):
-                        t_part = self.hand_off(frags, sm, False, part)
+                        t_part = self.hand_off(frags, half, sm, False, part)
                         if const_expr(part == 0):
                             t_slot = t_part
                 if const_expr(self.trace):
@@ -212,6 +213,36 @@ class ConsumerMixin:
             c0, c1 = n0, n1
             cur = tile_fields(ahead)
             n0, n1 = Int32(nxt[0]), Int32(nxt[1])
+
+    def consumer_fragments(self, tiled_mma, tidx, sm):
+        """This thread's WGMMA fragments ``(full, half)``, each (tiled_mma, acc, tCrA, tCrB, tCcC):
+        ``full`` for the BLOCK_M x BN tile (one warpgroup per 64 rows), ``half`` for the 64 x BN tile
+        of the ring stages' first 64 A rows (one warpgroup per BN/2 columns). The half tile's
+        accumulator is, at BN = 256, a view of the first half of ``acc``'s registers (its own would
+        not fit the consumers' budget), else its own registers (ptxas serialized every WGMMA when the
+        64 x 64 half tiles of BN = 128 accumulated into such a view: C7511)."""
+        BN = self.block_n
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BLOCK_M, BN, BLOCK_K), sm.sA, sm.sB)
+        full = (tiled_mma, acc, tCrA, tCrB, thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, BN))))
+        tiled_mma_h = sm90_utils.make_tiled_mma(BFloat16, "K", "K", BN // 2, atom_layout_mnk=(1, 2, 1))
+        thr_mma_h = tiled_mma_h.get_slice(tidx)
+        sA_h = cute.local_tile(sm.sA, (64, BLOCK_K, self.stages), (0, 0, 0))
+        acc_h_own, tCrA_h, tCrB_h = sm90_utils.partition_fragment_ABC(thr_mma_h, (64, BN, BLOCK_K), sA_h, sm.sB)
+        acc_h = cute.make_tensor(acc.iterator, acc_h_own.layout) if BN == 256 else acc_h_own
+        half = (tiled_mma_h, acc_h, tCrA_h, tCrB_h, thr_mma_h.partition_C(cute.make_identity_tensor((64, BN))))
+        return full, half
+
+    @cute.jit
+    def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr):
+        """:meth:`mma_tile` with the full or (``half``) the 64-row fragments."""
+        full_f, half_f = frags
+        t1 = Int64(0)
+        if half:
+            state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, half_f, num_k)
+        else:
+            state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, full_f, num_k)
+        return state, t1, ok
 
     @cute.jit
     def mma_tile(self, ab_pipe, state, ok: Boolean, gm, frags, num_k: cutlass.Constexpr):
@@ -238,19 +269,38 @@ class ConsumerMixin:
         return state, t1, ok
 
     @cute.jit
-    def hand_off(self, frags, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
+    def hand_off(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """Wait until the staging tile is free (EMPTY), stage the output (L1: all BN/2 h columns;
         L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL. Returns when the slot
         was free (tracing; else a constant)."""
         cute.arch.barrier(barrier_id=int(self.NamedBarrier.EpilogueEmpty), number_of_threads=self.handoff_threads)
         t_slot = self.barrier_timestamp(sm)
-        _, acc, _, _, tCcC = frags
-        parts = 1 if swiglu_l1 else self.l2_handoffs
-        size = cute.size(acc)
-        self.stage_fragment(acc, tCcC, sm, swiglu_l1, part * (size // parts), (part + 1) * (size // parts),
-                            part * (self.block_n // parts))
+        self.stage_output(frags, half, sm, swiglu_l1, part)
         cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.EpilogueFull), number_of_threads=self.handoff_threads)
         return t_slot
+
+    @cute.jit
+    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
+        """The accumulators of the full or (``half``) the 64-row fragments into the staging tile.
+        L1: all h columns. L2: all BN columns, or with two handoffs columns [part, part + 1) * BN/2:
+        of the full fragment its elements [part, part + 1) * size/2 (each warpgroup holds all BN
+        columns of its 64 rows), of the 64-row fragments warpgroup ``part``'s (each holds BN/2
+        columns of all 64 rows)."""
+        full_f, half_f = frags
+        size = cute.size(full_f[1])
+        parts = 1 if swiglu_l1 else self.l2_handoffs
+        lo = part * (size // parts)
+        hi = (part + 1) * (size // parts)
+        col0 = part * (self.block_n // parts)
+        if half:
+            size_h = cute.size(half_f[1])
+            if const_expr(parts == 1):
+                self.stage_fragment(half_f[1], half_f[4], sm, swiglu_l1, 0, size_h, 0)
+            else:
+                if cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 == part:
+                    self.stage_fragment(half_f[1], half_f[4], sm, False, 0, size_h, col0)
+        else:
+            self.stage_fragment(full_f[1], full_f[4], sm, swiglu_l1, lo, hi, col0)
 
     @cute.jit
     def stage_fragment(self, acc, tCcC, sm, swiglu_l1: cutlass.Constexpr, lo: cutlass.Constexpr,
@@ -261,7 +311,7 @@ class ConsumerMixin:
         stores two column groups (lane l points at row l % 16 of the warp's 16 rows, group l // 16).
         L1: gate/up interleaved by 8 columns, so groups 2 jj (gate) and 2 jj + 1 (up) match:
         h = SwiGLU(gate, up) x routing weight in fp32, h column group jj. L2: elements [lo, hi)
-        rounded to bf16, output column - col0 (each warpgroup holds all BN columns of its rows)."""
+        rounded to bf16, output column - col0."""
         lane = cute.arch.lane_idx()
         row0, _ = tCcC[0]  # this lane's first row: the warp's first row + lane // 4
         row = row0 - lane // 4 + lane % 16  # the row whose 16-byte segment this lane stores

@@ -4,7 +4,7 @@ import re
 import subprocess
 
 import pytest
-from ptx_utils import try_wait_loops
+from ptx_utils import try_wait_loops, window_states
 
 from megamoe_interleave.config import BLOCK_M, MegaMoEConfig, smem_plan
 from megamoe_interleave.scheduler import Schedule
@@ -172,32 +172,28 @@ def test_kernel_ptx(tmp_path, schedule, block_n, stages):
 
 
 def _check_row_metadata_handoff(ptx, empty, full):
-    """The row-metadata handoff in program order: in the epilogue warps' code (between the two
-    setmaxnreg) no shared store lies between an arrive on EMPTY (the metadata is published) and the
-    next wait on FULL (the consumers are done with it); in the consumers' code (after setmaxnreg.inc)
-    every scalar shared load (the routing weights) lies between a wait on EMPTY and the next arrive
-    on FULL. Returns (epilogue stores, consumer loads) checked."""
+    """The row-metadata handoff along every path of the code (ptx_utils.window_states follows the
+    branches: the half-tile staging sits after the full tile's in program text): in the epilogue
+    warps' code (between the two setmaxnreg) no shared store can run between an arrive on EMPTY
+    (the metadata is published) and the next wait on FULL (the consumers are done with it); in
+    the consumers' code (after setmaxnreg.inc) every scalar shared load (the routing weights)
+    runs between a wait on EMPTY and the next arrive on FULL. Returns (epilogue stores, consumer
+    loads) checked."""
     lines = ptx.splitlines()
     dec = next(i for i, ln in enumerate(lines) if "setmaxnreg.dec" in ln)
     inc = next(i for i, ln in enumerate(lines) if "setmaxnreg.inc" in ln)
     stores = loads = 0
-    published = False
-    for ln in lines[dec:inc]:
-        if re.search(rf"bar\.arrive\s+{empty},", ln):
-            published = True
-        elif re.search(rf"bar\.sync\s+{full},", ln):
-            published = False
-        elif re.search(r"\bst\.shared\.(b32|b64|u64|f32)\b", ln):
-            assert not published, f"shared store after publishing the metadata: {ln.strip()}"
+    epilogue = lines[dec:inc]
+    published = window_states(epilogue, rf"bar\.arrive\s+{empty},", rf"bar\.sync\s+{full},", must=False)
+    for ln, pub in zip(epilogue, published):
+        if re.search(r"\bst\.shared\.(b32|b64|u64|f32)\b", ln):
+            assert not pub, f"shared store after publishing the metadata: {ln.strip()}"
             stores += 1
-    inside = False
-    for ln in lines[inc:]:
-        if re.search(rf"bar\.sync\s+{empty},", ln):
-            inside = True
-        elif re.search(rf"bar\.arrive\s+{full},", ln):
-            inside = False
-        elif re.search(r"\bld\.shared\.(b32|f32)\b", ln):
-            assert inside, f"shared load outside the EMPTY..FULL window: {ln.strip()}"
+    consumers = lines[inc:]
+    inside = window_states(consumers, rf"bar\.sync\s+{empty},", rf"bar\.arrive\s+{full},", must=True)
+    for ln, ok in zip(consumers, inside):
+        if re.search(r"\bld\.shared\.(b32|f32)\b", ln):
+            assert ok, f"shared load outside the EMPTY..FULL window: {ln.strip()}"
             loads += 1
     return stores, loads
 

@@ -107,11 +107,18 @@ def test_fused_matches_fp32_and_schedules_bitwise(P, tokens, k, kind, mask):
 
 
 def test_zero_token_experts_and_partial_blocks_present():
+    """The cases exercise both tail kinds of the kernel: last m-blocks of <= 64 rows (run as
+    64-row half tiles) and of 65..127 rows (full tiles with masked rows), and empty experts."""
     from megamoe_interleave.routing import expert_load
 
-    _, _, _, idx, _ = _problem(8, [40, 1, 0, 77, 64, 5, 9, 120], 8, "skewed", 0.1, seed=8 * 7 + 8)
-    load = expert_load(torch.cat(idx).cpu(), E)
-    assert (load % BLOCK_M != 0).any()
+    loads = []
+    for P, tokens, k, kind, mask in CASES:
+        _, _, _, idx, _ = _problem(P, tokens, k, kind, mask, seed=P * 7 + k)
+        loads.append(expert_load(torch.cat(idx).cpu(), E))
+    load = torch.cat(loads)
+    tails = load % BLOCK_M
+    assert (load == 0).any()
+    assert ((tails > 0) & (tails <= 64)).any() and (tails > 64).any()
 
 
 def test_fused_zero_token_expert_explicit():
