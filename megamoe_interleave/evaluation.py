@@ -28,6 +28,7 @@ PAPER = {"geomean": 1.18, "median": 1.17, "max": 1.62, "configs": 84,
          "setting": "8 GPUs (NVLink/NVSwitch), W4A8 and W8A8, seven model shapes, EP = 8"}
 FIGURE8 = "fig8_speedup.png"
 FIGURE10 = "fig10_rs_span.png"
+FINDINGS = "findings.md"  # hand-written notes of a results folder, included in its README
 ROUTING_COLORS = {"balanced": "tab:green", "skewed1": "tab:orange", "skewed2": "tab:red"}
 SCHEDULE_COLORS = {"expert_wave": "tab:red", "interleaved": "tab:blue"}
 
@@ -328,8 +329,10 @@ def _pair(a, b, fmt="{:.2f}"):
 
 def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Path] = None,
            table2_world: str = "loopback+host", table2_routing: str = "skewed1", table2_P: Optional[int] = None,
-           fig10_routing: str = "skewed1", fig10_shapes: Optional[Sequence[str]] = None) -> str:
-    """The README of a sweep folder (markdown)."""
+           fig10_routing: str = "skewed1", fig10_shapes: Optional[Sequence[str]] = None,
+           findings: Optional[str] = None) -> str:
+    """The README of a sweep folder (markdown); ``findings`` (the folder's hand-written
+    ``findings.md``: what the numbers mean, every regression explained) goes after the method."""
     cells = measured_cells(payload)
     allrecs = payload.get("cells", [])
     status = Counter(r.get("status") for r in allrecs)
@@ -345,6 +348,8 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
          f"{payload.get('time_scope', '')}. Worlds: `loopback` = no remote path (the control), "
          "`loopback+host` = the Combine stores over PCIe into pinned host memory (profile `h200-pcie-host`). "
          f"The paper's numbers are for {PAPER['setting']}: a different platform and precision.", ""]
+    if findings:
+        L += [findings.strip(), ""]
 
     # Figure 8 / the headline
     L += ["## Speedup of interleaved over expert_wave (Figure 8 analogue)", ""]
@@ -423,7 +428,7 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
         L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: {r['speedup']:.3f}x "
                  f"({r['verdict']}); mainloop L1 wave / int. {_pair(*r['l1_mainloop_us'])} us, L2 "
                  f"{_pair(*r['l2_mainloop_us'])} us; measured stall wave / int. {_pair(*r['stall_measured_us'])} us. "
-                 "Explanation: _to be written_.")
+                 + ("Explained under Findings." if findings else "Explanation: _to be written_."))
     L.append("")
 
     # overhead, skips, errors
@@ -443,7 +448,8 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
 
 
 def write_report(payload: Mapping, out_dir, **selection) -> dict:
-    """Figures (when matplotlib is there), the tables as CSV and README.md into ``out_dir``;
+    """Figures (when matplotlib is there), the tables as CSV and README.md into ``out_dir``
+    (with ``out_dir``/findings.md in it when that file exists);
     ``selection``: :func:`readme`'s table2_* / fig10_* arguments. Returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -460,7 +466,9 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
         selection.get("table2_P")))
     paths["verdicts_csv"] = xbench.write_csv(out_dir / "verdicts.csv", verdict_rows(cells))
     readme_path = out_dir / "README.md"
-    readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"], **selection))
+    notes = out_dir / FINDINGS
+    readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"],
+                                  findings=notes.read_text() if notes.exists() else None, **selection))
     paths["readme"] = readme_path
     return paths
 

@@ -6,7 +6,8 @@ Algorithm 1 -- the same step functions as the Python reference in :mod:`.schedul
 Warp roles (384 threads; one class, roles as mixins in the style of quack's ``GemmSm90``):
 
 * warps 0-7, two consumer warpgroups -- :class:`~.sm90_mainloop.ConsumerMixin`: WGMMA 128 x BN
-  tiles from the smem ring, output staged in smem (stmatrix).
+  tiles from the smem ring (an m-block of <= 64 valid rows as a 64 x BN half tile, N split over the
+  two warpgroups), output staged in smem (stmatrix).
 * warp 8, TMA producer -- :class:`~.sm90_mainloop.ProducerMixin`: A and B into the ring.
 * warps 9-10, epilogue -- :class:`~.sm90_epilogue.EpilogueMixin`: h stores and publication, the
   Combine remote stores (the seam where the X-Stage lives).

@@ -589,6 +589,15 @@ def test_regressions_and_the_readme(tmp_path):
         assert f"![Figure 8 analogue]({evaluation.FIGURE8})" in (tmp_path / "README.md").read_text()
 
 
+def test_the_folders_findings_go_into_its_readme(tmp_path):
+    payload = _sweep_payload()
+    (tmp_path / evaluation.FINDINGS).write_text("## Findings\n\nThe 0.90x cell: weight locality.\n")
+    evaluation.write_report(payload, tmp_path)
+    text = (tmp_path / "README.md").read_text()
+    assert text.index("## Findings") < text.index("## Speedup of interleaved")
+    assert "_to be written_" not in text and "Explained under Findings." in text
+
+
 def test_figures_are_skipped_with_a_message_without_matplotlib(monkeypatch, tmp_path, capsys):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
