@@ -3,7 +3,8 @@ the analogues of the paper's Figure 8 (speedup of interleaved over expert_wave p
 routing, the loopback control next to the remote Combine over PCIe), Figure 10 (the
 distributions of the Linear-2 tiles' sender-visible remote-store span T_RS per schedule, remote
 vs the loopback control) and Table 2 (per shape: span wave / interleaved, mainloop L2 / L1,
-predicted / measured stall), and a markdown README: geometric mean, median and max speedup per
+predicted / measured stall), the whole kernel against the drain-rate bound
+(:func:`xstage.model.kernel_rate_bounds`), and a markdown README: geometric mean, median and max speedup per
 world next to the paper's 1.18x / 1.17x / 1.62x, the sign-test verdict per cell, and the
 regressions (cells where interleaved is slower) for the author to explain. Figures need
 matplotlib (the ``plot`` extra); without it they are skipped with a message, the tables stay.
@@ -180,6 +181,63 @@ def verdict_rows(cells: Sequence[Mapping]) -> list:
                         p_interleaved_slower=t.get("p_interleaved_slower"),
                         expert_wave_median_us=t.get("expert_wave_median_us"),
                         interleaved_median_us=t.get("interleaved_median_us")))
+    return out
+
+
+# Linear-1 has 2I outputs over K = H, Linear-2 H outputs over K = I: 2/3 of the FLOPs are L1's.
+L1_FLOP_SHARE = 2.0 / 3.0
+
+
+def rate_bound_rows(cells: Sequence[Mapping]) -> list:
+    """Per remote-path cell with its loopback control: the whole-kernel prediction of
+    :func:`xstage.model.kernel_rate_bounds` -- the control's time of each schedule as its
+    uncontended compute (split 2:1 into L1 and L2 by FLOPs), the Combine of all P simulated ranks
+    (they share the one path) over the profile's R -- next to the measured times (us)."""
+    from xstage import model, profiles
+
+    from .shapes import get_shape
+
+    control = {(c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]): rec["timing"]
+               for rec in cells for c in [rec["cell"]] if c["world"] == "loopback"}
+    out = []
+    for rec in cells:
+        c, m = rec["cell"], rec.get("model") or {}
+        lb = control.get((c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]))
+        times = [t.get(f"{s}_median_us") for t in (lb or {}, rec["timing"]) for s in ("expert_wave", "interleaved")]
+        if c["world"] == "loopback" or lb is None or not m.get("platform") or None in times:
+            continue
+        shape = get_shape(c["shape"])
+        volume = c["P"] * c["tokens"] * shape.topk * shape.hidden * 2
+        rate = profiles.load(m["platform"]).R
+        row = dict(c, drain_us=volume / rate * 1e6)
+        for sched, pick in (("expert_wave", 1), ("interleaved", 0)):
+            t_c = lb[f"{sched}_median_us"] * 1e-6
+            pred = model.kernel_rate_bounds(L1_FLOP_SHARE * t_c, (1 - L1_FLOP_SHARE) * t_c, volume, rate)[pick]
+            row[f"{sched}_control_us"] = t_c * 1e6
+            row[f"{sched}_predicted_us"] = pred * 1e6
+            row[f"{sched}_measured_us"] = rec["timing"][f"{sched}_median_us"]
+            row[f"{sched}_measured_over_predicted"] = row[f"{sched}_measured_us"] / row[f"{sched}_predicted_us"]
+        row["speedup_predicted"] = row["expert_wave_predicted_us"] / row["interleaved_predicted_us"]
+        row["speedup_measured"] = rec["timing"]["speedup"]
+        out.append(row)
+    return out
+
+
+def rate_bound_summary(rows: Sequence[Mapping]) -> list:
+    """Per world, P and routing: median (min - max) of measured / predicted per schedule and the
+    geometric mean speedup measured / predicted."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["world"], r["P"], r["routing"]), []).append(r)
+    out = []
+    for (world, P, routing), rs in sorted(groups.items()):
+        row = dict(world=world, P=P, routing=routing, cells=len(rs))
+        for sched in ("expert_wave", "interleaved"):
+            x = [r[f"{sched}_measured_over_predicted"] for r in rs]
+            row[sched] = (statistics.median(x), min(x), max(x))
+        row["speedup_measured"] = geomean([r["speedup_measured"] for r in rs])
+        row["speedup_predicted"] = geomean([r["speedup_predicted"] for r in rs])
+        out.append(row)
     return out
 
 
@@ -409,6 +467,23 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
                  + (f" ({NO_PREDICTION})" if table2_world == "loopback" else ""))
     L.append("")
 
+    # the whole-kernel rate bound
+    rb = rate_bound_rows(cells)
+    if rb:
+        L += ["## The whole kernel against the drain rate (eq. 11 over the kernel)", "",
+              "xstage.model.kernel_rate_bounds: interleaved max(T_L1 + T_L2, V/R), expert_wave "
+              "T_L1 + max(T_L2, V/R); T_L1 + T_L2 = the loopback control's time of that schedule (2:1 by FLOPs), "
+              "V = the Combine bytes of all P simulated ranks (they share the path), R = the world's profile. "
+              "Measured / predicted kernel time, median (min – max), and the geometric-mean speedup "
+              "measured / predicted (`rate_bound.csv` per cell).", ""]
+        L += _table(["world", "P", "routing", "cells", "expert_wave meas. / pred.", "interleaved meas. / pred.",
+                     "speedup meas. / pred."],
+                    [[r["world"], r["P"], r["routing"], r["cells"],
+                      f"{r['expert_wave'][0]:.2f} ({r['expert_wave'][1]:.2f} – {r['expert_wave'][2]:.2f})",
+                      f"{r['interleaved'][0]:.2f} ({r['interleaved'][1]:.2f} – {r['interleaved'][2]:.2f})",
+                      f"{r['speedup_measured']:.3f}x / {r['speedup_predicted']:.3f}x"] for r in rate_bound_summary(rb)])
+        L.append("")
+
     # the sign test per cell
     L += ["## Sign test per cell", "",
           "Paired over the trials at the reference clock; one-sided sign tests at alpha = 0.05 "
@@ -465,6 +540,7 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
         cells, selection.get("table2_world", "loopback+host"), selection.get("table2_routing", "skewed1"),
         selection.get("table2_P")))
     paths["verdicts_csv"] = xbench.write_csv(out_dir / "verdicts.csv", verdict_rows(cells))
+    paths["rate_bound_csv"] = xbench.write_csv(out_dir / "rate_bound.csv", rate_bound_rows(cells))
     readme_path = out_dir / "README.md"
     notes = out_dir / FINDINGS
     readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"],

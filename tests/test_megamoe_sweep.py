@@ -563,6 +563,30 @@ def test_table2_and_figure10_pick_the_largest_cell_per_shape():
     assert evaluation.select_cell(cells, "deepseek-v4-flash", "loopback", "balanced")["cell"]["P"] == 1
 
 
+def test_the_whole_kernel_against_the_drain_rate():
+    """rate_bound_rows: the loopback control's time as compute, the Combine of all P ranks over R."""
+    from xstage import model, profiles
+
+    payload = _sweep_payload()
+    times = {("loopback+host", 8): (30000.0, 20000.0), ("loopback", 8): (9000.0, 8500.0)}
+    for rec in payload["cells"]:
+        c = rec["cell"]
+        if (c["shape"], c["routing"], c["tokens"]) == ("deepseek-v4-flash", "skewed1", 8192):
+            rec["timing"]["expert_wave_median_us"], rec["timing"]["interleaved_median_us"] = times[(c["world"], c["P"])]
+    (row,) = evaluation.rate_bound_rows(evaluation.measured_cells(payload))  # the one cell with a control
+    rate = profiles.load("h200-pcie-host").R
+    volume = 8 * 8192 * 6 * 4096 * 2
+    assert row["drain_us"] == pytest.approx(volume / rate * 1e6)
+    assert row["drain_us"] > 9000  # drain-bound: both predictions involve V/R
+    assert row["interleaved_predicted_us"] == pytest.approx(row["drain_us"])
+    assert row["expert_wave_predicted_us"] == pytest.approx(6000 + max(3000, row["drain_us"]))
+    assert row["interleaved_measured_over_predicted"] == pytest.approx(20000 / row["drain_us"])
+    assert row["speedup_predicted"] == pytest.approx(row["expert_wave_predicted_us"] / row["drain_us"])
+    (summary,) = evaluation.rate_bound_summary([row])
+    assert summary["cells"] == 1 and summary["speedup_measured"] == pytest.approx(1.5)
+    assert model.kernel_rate_bounds(6e-3, 3e-3, volume, rate)[0] == pytest.approx(volume / rate)
+
+
 def test_regressions_and_the_readme(tmp_path):
     payload = _sweep_payload()
     regs = evaluation.regressions(evaluation.measured_cells(payload))

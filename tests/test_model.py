@@ -202,3 +202,16 @@ def test_simulator_input_validation():
         simulate(1e-6, 1e9, 1e6, [-1e6], [0.0])
     with pytest.raises(ValueError):
         simulate(1e-6, 1e9, 1e6, 1e6, 0.0)  # scalars without n
+
+
+def test_kernel_rate_bounds_compute_bound_and_drain_bound():
+    from xstage.model import kernel_rate_bounds
+
+    # no Combine to speak of: both schedules are their compute
+    assert kernel_rate_bounds(2.0, 1.0, 1.0, 1e9) == pytest.approx((3.0, 3.0))
+    # drain-bound (V/R = 5): interleaved drains the whole time, expert-wave only in its L2 waves
+    assert kernel_rate_bounds(2.0, 1.0, 5e9, 1e9) == pytest.approx((5.0, 7.0))
+    # in between (V/R = 2.5): interleaved hides it all, expert-wave not
+    assert kernel_rate_bounds(2.0, 1.0, 2.5e9, 1e9) == pytest.approx((3.0, 4.5))
+    with pytest.raises(ValueError):
+        kernel_rate_bounds(1.0, 1.0, 1.0, 0.0)

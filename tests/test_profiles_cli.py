@@ -118,6 +118,18 @@ def test_cli_plan_megamoe(capsys):
     assert d["n1"] == 32 and d["n2"] == 32
     assert d["d_knee_rows"] == pytest.approx(128 * 148 / 4096)
     assert d["interleaved_overhead_s"] <= d["wave_overhead_s"]
+    # the whole kernel of one rank: 8192 tokens x top-6 rows, 32 experts of 1536 rows = 12 m-blocks each
+    assert d["combine_bytes"] == 8192 * 6 * 4096 * 2
+    m_blocks = 32 * 12
+    assert d["kernel_l1_s"] == pytest.approx(m_blocks * 32 * d["t_l1_mma_s"] / 148)
+    assert d["kernel_l2_s"] == pytest.approx(m_blocks * 32 * d["t_l2_mma_s"] / 148)
+    compute, drain = d["kernel_l1_s"] + d["kernel_l2_s"], d["drain_s"]
+    assert d["kernel_interleaved_s"] == pytest.approx(max(compute, drain))
+    assert d["kernel_wave_s"] == pytest.approx(d["kernel_l1_s"] + max(d["kernel_l2_s"], drain))
+    rc, text, _ = _cli(capsys, "plan", "megamoe", "--platform", "h200-pcie-host", "--hidden", "4096",
+                       "--intermediate", "2048", "--experts", "256", "--topk", "6", "--tokens", "4096",
+                       "--world", "8", "--block-n", "256")
+    assert rc == 0 and "kernel: expert-wave / interleaved" in text and "eq. 11 over the kernel" in text
 
 
 def test_cli_profiles(capsys):

@@ -189,6 +189,12 @@ class MoEPlan:
     interleave_sufficient: bool
     capacity_ok: bool
     d_knee_rows: float
+    combine_bytes: int
+    kernel_l1_s: float
+    kernel_l2_s: float
+    drain_s: float
+    kernel_wave_s: float
+    kernel_interleaved_s: float
     verdict: str
     reasons: list[str] = field(default_factory=list)
 
@@ -260,6 +266,15 @@ def plan_megamoe(
     int_dt = model.interleaved_overhead(v, platform.R, t0, t_l2_mma, t_l1_mma, n1, n2)
     suff, int_ratio = model.interleave_sufficient(v, platform.R, t0, t_l2_mma, t_l1_mma, n1, n2)
     knee = model.d_knee(block_n, k, intermediate)
+    # The whole kernel of one rank (balanced routing): tokens·topk rows in ceil(rows / b_m)
+    # m-blocks per local expert, each n1 L1 and n2 L2 tiles over K SMs; the Combine sends every
+    # row back (model.kernel_rate_bounds).
+    rows_per_expert = tokens * world * topk / experts
+    m_blocks = (experts // world) * math.ceil(rows_per_expert / block_m)
+    t_l1_kernel = m_blocks * n1 * t_l1_mma / k
+    t_l2_kernel = m_blocks * n2 * t_l2_mma / k
+    combine = tokens * topk * hidden * out_bytes
+    t_int_kernel, t_wave_kernel = model.kernel_rate_bounds(t_l1_kernel, t_l2_kernel, combine, platform.R)
 
     reasons = []
     if wave_test.rate_ok:
@@ -276,10 +291,11 @@ def plan_megamoe(
     return MoEPlan(
         platform=platform.name, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
         tokens_per_rank=tokens, world=world, block_m=block_m, block_n=block_n, out_bytes=out_bytes,
-        producers=k, rows_per_expert=tokens * world * topk / experts, n1=n1, n2=n2, tile_volume_bytes=vt,
+        producers=k, rows_per_expert=rows_per_expert, n1=n1, n2=n2, tile_volume_bytes=vt,
         volume_bytes=v, t_iss0_s=t0, t_l1_mma_s=t_l1_mma, t_l2_mma_s=t_l2_mma, mma_source=mma_source,
         recovery_gap_s=g_star, wave_gap_s=t_l2_mma, wave_overhead_s=wave_dt, wave_rate_ratio=wave_test.rate_ratio,
         interleaved_gap_s=g_int, interleaved_overhead_s=int_dt, interleaved_rate_ratio=int_ratio,
-        interleave_sufficient=suff, capacity_ok=wave_test.capacity_ok, d_knee_rows=knee, verdict=verdict,
-        reasons=reasons,
+        interleave_sufficient=suff, capacity_ok=wave_test.capacity_ok, d_knee_rows=knee, combine_bytes=combine,
+        kernel_l1_s=t_l1_kernel, kernel_l2_s=t_l2_kernel, drain_s=combine / platform.R, kernel_wave_s=t_wave_kernel,
+        kernel_interleaved_s=t_int_kernel, verdict=verdict, reasons=reasons,
     )
