@@ -35,3 +35,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_rank_nccl_group():
+    """torch.distributed on one NCCL rank (gpu tests of the process-group paths): initialised
+    here unless it already is, and torn down after, with the cached group worlds."""
+    import torch
+    import torch.distributed as dist
+
+    from fa4_a2a import ulysses
+
+    if not HOPPER:
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield None  # the default group
+    finally:
+        ulysses._group_worlds.clear()
+        if created:
+            dist.destroy_process_group()

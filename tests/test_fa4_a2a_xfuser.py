@@ -144,32 +144,17 @@ def test_ulysses_only_calls_take_the_fused_path(stub_state, hook, xfuser_usp, mo
 
 
 @pytest.mark.gpu
-def test_fused_usp_matches_sdpa_on_a_one_rank_group():
+def test_fused_usp_matches_sdpa_on_a_one_rank_group(one_rank_nccl_group):
     """The real kernel through the hook's layout ([B, H, S, D] in and out) on a one-rank NCCL group,
     against torch SDPA (xfuser's SDPA backend) and fp32."""
-    import torch.distributed as dist
-
-    from fa4_a2a import ulysses as U
     from fa4_a2a.reference import attention_fp32
 
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)):
-        pytest.skip("needs a Hopper GPU")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=torch.device("cuda", torch.cuda.current_device()))
-    try:
-        g = torch.Generator(device="cuda").manual_seed(1)
-        q, k, v = (torch.randn(2, 8, 2048, 128, generator=g, device="cuda", dtype=BF16) for _ in range(3))
-        ours = hook_mod.fused_usp(q, k, v, None)
-        sdpa = F.scaled_dot_product_attention(q, k, v)
-        assert ours.shape == q.shape and ours.is_contiguous()
-        ref, _ = attention_fp32(*(x.transpose(1, 2) for x in (q, k, v)), 128 ** -0.5, False)
-        ref = ref.transpose(1, 2)
-        e_ours, e_sdpa = ((x.float() - ref).abs().max().item() for x in (ours, sdpa))
-        print(f"vs fp32: fused_usp {e_ours:.2e}, sdpa {e_sdpa:.2e}")
-        assert e_ours <= max(2 * e_sdpa, 1e-2)
-    finally:
-        U._group_worlds.clear()
-        if created:
-            dist.destroy_process_group()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 8, 2048, 128, generator=g, device="cuda", dtype=BF16) for _ in range(3))
+    ours = hook_mod.fused_usp(q, k, v, one_rank_nccl_group)
+    sdpa = F.scaled_dot_product_attention(q, k, v)
+    assert ours.shape == q.shape and ours.is_contiguous()
+    ref, _ = attention_fp32(*(x.transpose(1, 2) for x in (q, k, v)), 128 ** -0.5, False)
+    e_ours, e_sdpa = ((x.float() - ref.transpose(1, 2)).abs().max().item() for x in (ours, sdpa))
+    print(f"vs fp32: fused_usp {e_ours:.2e}, sdpa {e_sdpa:.2e}")
+    assert e_ours <= max(2 * e_sdpa, 1e-2)

@@ -123,29 +123,18 @@ def test_process_group_path_one_rank_per_process(P, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_same_output_as_yunchangs_module_on_a_one_rank_group():
+def test_same_output_as_yunchangs_module_on_a_one_rank_group(one_rank_nccl_group):
     """The real kernel: fa4_a2a.UlyssesAttention and yunchang's own (its torch SDPA path; its FA
     path needs flash-attn 2) on the same one-rank NCCL group and inputs, both against fp32."""
-    import torch.distributed as dist
     from fa4_a2a.reference import attention_fp32
 
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)):
-        pytest.skip("needs a Hopper GPU")
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
-                                device_id=torch.device("cuda", torch.cuda.current_device()))
-    try:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(2, 2048, 8, 128, generator=g, device="cuda", dtype=BF16) for _ in range(3))
-        theirs = yunchang.UlyssesAttention(None, attn_type=yunchang.kernels.AttnType.TORCH_FLASH)(q, k, v)
-        ours = fa4_a2a.UlyssesAttention(None)(q, k, v).clone()
-        ref, _ = attention_fp32(q, k, v, 128 ** -0.5, False)
-        e_ours, e_theirs = ((x.float() - ref).abs().max().item() for x in (ours, theirs))
-        d = (ours.float() - theirs.float()).abs().max().item()
-        print(f"vs fp32: fa4_a2a {e_ours:.2e}, yunchang {e_theirs:.2e}; fa4_a2a vs yunchang {d:.2e}")
-        assert e_ours <= max(2 * e_theirs, 1e-2) and d <= 2e-2
-    finally:
-        U._group_worlds.clear()
-        if created:
-            dist.destroy_process_group()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 2048, 8, 128, generator=g, device="cuda", dtype=BF16) for _ in range(3))
+    torch_flash = yunchang.kernels.AttnType.TORCH_FLASH
+    theirs = yunchang.UlyssesAttention(one_rank_nccl_group, attn_type=torch_flash)(q, k, v)
+    ours = fa4_a2a.UlyssesAttention(one_rank_nccl_group)(q, k, v).clone()
+    ref, _ = attention_fp32(q, k, v, 128 ** -0.5, False)
+    e_ours, e_theirs = ((x.float() - ref).abs().max().item() for x in (ours, theirs))
+    d = (ours.float() - theirs.float()).abs().max().item()
+    print(f"vs fp32: fa4_a2a {e_ours:.2e}, yunchang {e_theirs:.2e}; fa4_a2a vs yunchang {d:.2e}")
+    assert e_ours <= max(2 * e_theirs, 1e-2) and d <= 2e-2

@@ -121,8 +121,9 @@ def _fmt_moe(p: planner.MoEPlan) -> str:
         ("D_knee (eq. 16)", f"{p.d_knee_rows:.2f} scheduler rows"),
         ("kernel: L1 + L2 compute, V/R", f"{_us(p.kernel_l1_s)} + {_us(p.kernel_l2_s)}, {_us(p.drain_s)} "
                                          f"({_mib(p.combine_bytes)} Combine)"),
-        ("kernel: expert-wave / interleaved", f"{_us(p.kernel_wave_s)} / {_us(p.kernel_interleaved_s)} "
-                                              f"({p.kernel_wave_s / p.kernel_interleaved_s:.2f}x; eq. 11 over the kernel)"),
+        ("kernel: expert-wave / interleaved",
+         f"{_us(p.kernel_wave_s)} / {_us(p.kernel_interleaved_s)} "
+         f"({p.kernel_wave_s / p.kernel_interleaved_s:.2f}x; eq. 11 over the kernel)"),
         ("verdict", p.verdict),
     ]
     return _table(rows, "MegaMoE design test") + "\n" + "\n".join(f"  - {r}" for r in p.reasons)
