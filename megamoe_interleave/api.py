@@ -402,7 +402,7 @@ class MegaMoE:
         """Every source rank's routing (the host part of Dispatch needs all of them):
         read from the local buffers in one-process worlds, all-gathered in torch-symm."""
         buf, P = self.buffer, self.world.world_size
-        if self.world.backend != "torch-symm":
+        if len(self.world.local_ranks) == P:
             T = buf.num_tokens
             return ([buf.topk_idx.local(s)[: T[s]] for s in range(P)],
                     [buf.topk_weights.local(s)[: T[s]] for s in range(P)])

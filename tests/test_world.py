@@ -282,3 +282,111 @@ def test_remote_placement_puts_only_remote_buffers_in_pinned_memory():
     w.barrier()
     assert torch.equal(dst.host(1), vals.cpu())
 
+
+
+# ----------------------------------------------------------- CPU: nvshmem world
+
+
+class _FakeNvshmem:
+    """Stands in for nvshmem.core + nvshmem.core.interop.torch: CPU tensors as the heap, each
+    peer's copy a separate tensor (its address is what the world must put in the table)."""
+
+    def __init__(self, pe, n_pes, initialized=True, reachable=None):
+        self.pe, self.npes, self.initialized = pe, n_pes, initialized
+        self.reachable = set(range(n_pes)) if reachable is None else reachable
+        self.calls, self.peers = [], {}
+
+    def init_status(self):
+        return types.SimpleNamespace(name="STATUS_IS_INITIALIZED" if self.initialized else "STATUS_NOT_INITIALIZED")
+
+    def get_unique_id(self, empty=False):
+        return "empty-uid" if empty else "uid-of-pe0"
+
+    def init(self, device, uid, rank, nranks, initializer_method):
+        self.calls.append(("init", device, uid, rank, nranks, initializer_method))
+        self.initialized = True
+
+    def my_pe(self):
+        return self.pe
+
+    def n_pes(self):
+        return self.npes
+
+    def tensor(self, shape, dtype):
+        t = torch.empty(shape, dtype=dtype)
+        self.peers[t.data_ptr()] = [t if j == self.pe else torch.empty(shape, dtype=dtype) for j in range(self.npes)]
+        return t
+
+    def get_peer_tensor(self, t, pe):
+        return self.peers[t.data_ptr()][pe] if pe in self.reachable else None
+
+
+def _nv_world(nv, rank=1, P=4, **kw):
+    return W.NvshmemWorld(P, torch.device("cpu"), nvshmem=nv, interop=nv, dist=_fake_dist(rank, P), **kw)
+
+
+def test_nvshmem_world_joins_an_initialized_nvshmem_and_tables_the_peer_pointers():
+    nv = _FakeNvshmem(1, 4)
+    w = _nv_world(nv)
+    assert w.backend == "nvshmem" and w.local_ranks == [1] and nv.calls == []  # joined, not re-initialised
+    buf = w.alloc((64,), torch.bfloat16, remote=True)
+    peers = nv.peers[buf.local(1).data_ptr()]
+    assert buf.addresses(1) == [p.data_ptr() for p in peers] and buf.addresses(1)[1] == buf.local(1).data_ptr()
+    assert buf.peer_table(1).dtype == torch.int64 and buf.peer_table(1).tolist() == buf.addresses(1)
+    w.barrier()
+    assert w._dist.calls == ["barrier"]
+
+
+def test_nvshmem_world_initializes_nvshmem_from_a_broadcast_unique_id():
+    nv, sent = _FakeNvshmem(0, 2, initialized=False), []
+    dist = _fake_dist(0, 2)
+    dist.broadcast_object_list = lambda objs, src, group=None: sent.append((list(objs), src, group))
+    devices = []
+    factory = lambda i: devices.append(i) or types.SimpleNamespace(set_current=lambda: None, index=i)  # noqa: E731
+    W.NvshmemWorld(2, torch.device("cpu"), nvshmem=nv, interop=nv, dist=dist, device_factory=factory)
+    assert sent == [(["uid-of-pe0"], 0, None)] and devices == [0]
+    (call,) = nv.calls
+    assert call[0] == "init" and call[2:] == ("uid-of-pe0", 0, 2, "uid")
+
+
+def test_nvshmem_world_refuses_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="PE 3 is rank 1"):
+        _nv_world(_FakeNvshmem(3, 4))
+    with pytest.raises(ValueError, match="2 PEs"):
+        _nv_world(_FakeNvshmem(1, 2))
+    with pytest.raises(RuntimeError, match="not load/store reachable"):
+        _nv_world(_FakeNvshmem(1, 4, reachable={0, 1})).alloc((16,), torch.float32)
+    with pytest.raises(RuntimeError, match="torch.distributed"):
+        W.NvshmemWorld(2, torch.device("cpu"), nvshmem=_FakeNvshmem(0, 2), interop=_FakeNvshmem(0, 2),
+                       dist=_fake_dist(0, 2, initialized=False))
+    with pytest.raises(TypeError, match="unexpected arguments"):
+        W.make_world("nvshmem", 2, device="cpu", symm_mem=None)
+
+
+def test_nvshmem_world_without_nvshmem4py_says_how_to_install(monkeypatch):
+    real = W.importlib.import_module
+
+    def no_nvshmem(name, *args):
+        if name.startswith("nvshmem"):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(W.importlib, "import_module", no_nvshmem)
+    with pytest.raises(RuntimeError, match=r"xstage\[nvshmem\]"):
+        W.NvshmemWorld(2, torch.device("cpu"), dist=_fake_dist(0, 2))
+
+
+@pytest.mark.gpu
+def test_nvshmem_world_one_pe_runs_the_fused_attention(one_rank_nccl_group):
+    """One PE on the GPU: NVSHMEM initialised by the world, the Ulysses output buffer on its heap,
+    the fused attention storing through the world's peer table, against fp32."""
+    pytest.importorskip("nvshmem.core")
+    from fa4_a2a import ulysses_attention
+    from fa4_a2a.reference import attention_fp32
+
+    w = W.make_world("nvshmem", 1)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, 2048, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = ulysses_attention(q, k, v, w)
+    ref, _ = attention_fp32(q, k, v, 128 ** -0.5, False)
+    assert (out.float() - ref).abs().max().item() <= 1e-2

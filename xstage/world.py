@@ -21,6 +21,11 @@ Three backends provide such tables:
     ``torch.distributed._symmetric_memory.empty`` + ``rendezvous``; the peer
     table holds the peer mappings of *this tensor* (allocation base + the
     tensor's offset inside it, see :func:`symm_peer_addresses`).
+``nvshmem``
+    One PE per process: buffers from NVSHMEM's symmetric heap (nvshmem4py),
+    the peer table from its peer-pointer query (``nvshmem_ptr``), so the
+    kernels run unchanged in a stack that already initialises NVSHMEM
+    (DeepEP-style serving); see :class:`NvshmemWorld`.
 
 Placement per buffer: a kernel's *remote destinations* (MegaMoE's Combine slots, the Ulysses
 outputs) are allocated with ``alloc(..., remote=True)``. ``make_world("loopback", P,
@@ -32,7 +37,7 @@ nothing (no remote path: the control); in ``host`` every buffer is pinned host m
 
 Contract (other packages code against it)::
 
-    world = make_world("loopback" | "host" | "torch-symm", world_size=P, device=None)
+    world = make_world("loopback" | "host" | "torch-symm" | "nvshmem", world_size=P, device=None)
     world.world_size, world.backend, world.local_ranks, world.device, world.placement
     world.barrier()
     buf = world.alloc(shape, dtype, remote=False)   # SymmetricTensor
@@ -42,6 +47,7 @@ Contract (other packages code against it)::
 """
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -57,13 +63,14 @@ __all__ = [
     "LoopbackWorld",
     "HostWorld",
     "TorchSymmWorld",
+    "NvshmemWorld",
     "SymmetricTensor",
     "make_world",
     "symm_peer_addresses",
     "check_peer_table",
 ]
 
-BACKENDS = ("loopback", "host", "torch-symm")
+BACKENDS = ("loopback", "host", "torch-symm", "nvshmem")
 REMOTE_PLACEMENTS = ("device", "host")  # loopback: where alloc(..., remote=True) puts a buffer
 WORLDS = BACKENDS + ("loopback+host",)  # names make_world takes: "loopback+host" = loopback, remote="host"
 
@@ -454,11 +461,98 @@ class TorchSymmWorld(World):
         return SymmetricTensor(self, shape, dtype, {self.rank: t}, {self.rank: addrs}, keepalive=[hdl])
 
 
+def _nvshmem_initialized(core) -> bool:
+    """NVSHMEM is up (nvshmem4py's init_status: IS_INITIALIZED or one of the MPG states)."""
+    name = getattr(core.init_status(), "name", str(core.init_status()))
+    return name.endswith("IS_INITIALIZED") or name.endswith("MPG")
+
+
+class NvshmemWorld(World):
+    """One PE per process: buffers from NVSHMEM's symmetric heap (nvshmem4py's torch interop),
+    peer tables from its peer-pointer query (``get_peer_tensor``, i.e. ``nvshmem_ptr``).
+
+    Joins an NVSHMEM that the stack has initialised (the PE must equal the process's rank in
+    ``group``); otherwise initialises it with a unique id broadcast over ``group``. torch.distributed
+    must be initialised either way: the kernels' host side uses it (the pre-attention A2A, the
+    MegaMoE routing exchange). Every peer must be reachable by loads and stores (one node: NVLink
+    or PCIe P2P). A peer without a mapping (another node) raises at ``alloc``: inter-node would
+    need device-side puts (``nvshmem_putmem_nbi``) in the kernels' store seam instead of st.global.
+    ``nvshmem`` (``nvshmem.core``), ``interop`` (``nvshmem.core.interop.torch``), ``dist`` and
+    ``device_factory`` (``cuda.core.Device``) are injectable for tests.
+    """
+
+    backend = "nvshmem"
+
+    def __init__(self, world_size: int, device: torch.device, group=None, nvshmem=None, interop=None, dist=None,
+                 device_factory=None):
+        if dist is None:
+            import torch.distributed as dist  # noqa: F811
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("nvshmem world needs an initialized torch.distributed process group "
+                               "(the kernels' host side exchanges over it): dist.init_process_group('nccl') first")
+        actual = dist.get_world_size(group)
+        if actual != world_size:
+            raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
+        if nvshmem is None or interop is None:
+            try:
+                nvshmem = nvshmem or importlib.import_module("nvshmem.core")
+                interop = interop or importlib.import_module("nvshmem.core.interop.torch")
+            except ImportError as e:
+                raise RuntimeError("the nvshmem world needs nvshmem4py: pip install 'xstage[nvshmem]'") from e
+        super().__init__(world_size, device)
+        self._dist, self._nv, self._interop, self.group = dist, nvshmem, interop, group
+        self.rank = dist.get_rank(group)
+        if not _nvshmem_initialized(nvshmem):
+            self._init_nvshmem(device_factory)
+        pe, n_pes = nvshmem.my_pe(), nvshmem.n_pes()
+        if n_pes != world_size:
+            raise ValueError(f"NVSHMEM has {n_pes} PEs, the world {world_size} ranks")
+        if pe != self.rank:
+            raise RuntimeError(f"NVSHMEM PE {pe} is rank {self.rank} of the process group: the world needs PE = rank")
+
+    def _init_nvshmem(self, device_factory) -> None:
+        """UID bootstrap: rank 0's unique id broadcast over the group, then nvshmem init."""
+        if device_factory is None:
+            from cuda.core import Device as device_factory  # nvshmem4py's dependency
+        uid = [self._nv.get_unique_id() if self.rank == 0 else self._nv.get_unique_id(empty=True)]
+        src = 0 if self.group is None else self._dist.get_global_rank(self.group, 0)
+        self._dist.broadcast_object_list(uid, src=src, group=self.group)
+        dev = device_factory(self.device.index or 0)
+        dev.set_current()
+        self._nv.init(device=dev, uid=uid[0], rank=self.rank, nranks=self.world_size, initializer_method="uid")
+
+    @property
+    def local_ranks(self) -> List[int]:
+        return [self.rank]
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._dist.barrier(group=self.group)
+
+    def alloc(self, shape: ShapeLike, dtype: torch.dtype, remote: bool = False) -> SymmetricTensor:
+        shape = _normalize_shape(shape)
+        dtype = _check_dtype(dtype)
+        t = self._interop.tensor(shape, dtype=dtype)
+        addrs = []
+        for j in range(self.world_size):
+            peer = self._interop.get_peer_tensor(t, j)
+            if peer is None or peer.data_ptr() == 0:
+                raise RuntimeError(f"PE {j} is not load/store reachable from PE {self.rank} (another node?): the "
+                                   "kernels store through peer pointers; inter-node needs device-side puts")
+            if peer.data_ptr() % ADDRESS_ALIGN:
+                raise ValueError(f"peer {j} address 0x{peer.data_ptr():x} is not {ADDRESS_ALIGN}-byte aligned")
+            addrs.append(peer.data_ptr())
+        if addrs[self.rank] != t.data_ptr():
+            raise RuntimeError("NVSHMEM's own-PE pointer differs from the tensor's address")
+        return SymmetricTensor(self, shape, dtype, {self.rank: t}, {self.rank: addrs}, keepalive=[t])
+
+
 def _resolve_device(device, backend: str) -> torch.device:
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError(f"backend {backend!r} needs a CUDA device (none visible)")
-        if backend == "torch-symm" and "LOCAL_RANK" in os.environ:
+        if backend in ("torch-symm", "nvshmem") and "LOCAL_RANK" in os.environ:
             return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         return torch.device("cuda", torch.cuda.current_device())
     dev = torch.device(device)
@@ -477,12 +571,12 @@ def _resolve_device(device, backend: str) -> torch.device:
 def make_world(backend: str, world_size: int = 1, device=None, **kwargs) -> World:
     """Create a peer-memory world.
 
-    backend: ``"loopback"`` | ``"host"`` | ``"torch-symm"`` (see module doc), or ``"loopback+host"``
+    backend: ``"loopback"`` | ``"host"`` | ``"torch-symm"`` | ``"nvshmem"`` (see module doc), or ``"loopback+host"``
     for ``"loopback"`` with ``remote="host"``.
     world_size: number of ranks P (>= 1).  device: a CUDA device (default: the
     current one).  ``loopback`` also accepts ``device="cpu"`` for host-side
     tests of the addressing (tables on the CPU; nothing can be launched).
-    ``torch-symm`` accepts ``group=`` (default: the world group); ``loopback`` accepts
+    ``torch-symm`` and ``nvshmem`` accept ``group=`` (default: the world group); ``loopback`` accepts
     ``remote="host"`` (remote destinations in pinned host memory, see the module docstring).
     """
     if backend == "loopback+host":
@@ -493,7 +587,8 @@ def make_world(backend: str, world_size: int = 1, device=None, **kwargs) -> Worl
         raise TypeError(f"world_size must be an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    allowed = {"loopback": {"remote"}, "host": set(), "torch-symm": {"group", "dist", "symm_mem"}}[backend]
+    allowed = {"loopback": {"remote"}, "host": set(), "torch-symm": {"group", "dist", "symm_mem"},
+               "nvshmem": {"group", "nvshmem", "interop", "dist", "device_factory"}}[backend]
     if set(kwargs) - allowed:
         raise TypeError(f"unexpected arguments for backend {backend!r}: {sorted(set(kwargs) - allowed)}")
     dev = _resolve_device(device, backend)
@@ -503,4 +598,6 @@ def make_world(backend: str, world_size: int = 1, device=None, **kwargs) -> Worl
         return HostWorld(world_size, dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if backend == "nvshmem":
+        return NvshmemWorld(world_size, dev, **kwargs)
     return TorchSymmWorld(world_size, dev, **kwargs)
