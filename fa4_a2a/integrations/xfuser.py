@@ -22,8 +22,7 @@ another head_dim or dtype, no Hopper GPU.
 xfuser's USP takes and returns [B, H, S_local, D]; the fused path transposes to the kernel's
 [B, S_local, H, D] and back and returns a new tensor, as xfuser's USP does (the kernel's output is
 a reused workspace). Tested against xfuser 0.7.0 (the ``dit`` extra): signature, selection and
-the patching on the CPU; the fused path itself is the kernel :func:`fa4_a2a.ulysses_attention`
-runs in the other integrations.
+the patching on the CPU; :func:`fused_usp` on an H200 (one-rank group, against SDPA and fp32).
 """
 from __future__ import annotations
 
