@@ -388,7 +388,7 @@ def _pair(a, b, fmt="{:.2f}"):
 def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Path] = None,
            table2_world: str = "loopback+host", table2_routing: str = "skewed1", table2_P: Optional[int] = None,
            fig10_routing: str = "skewed1", fig10_shapes: Optional[Sequence[str]] = None,
-           findings: Optional[str] = None) -> str:
+           findings: Optional[str] = None, source: str = Path(DEFAULT_OUT).name) -> str:
     """The README of a sweep folder (markdown); ``findings`` (the folder's hand-written
     ``findings.md``: what the numbers mean, every regression explained) goes after the method."""
     cells = measured_cells(payload)
@@ -396,7 +396,7 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
     status = Counter(r.get("status") for r in allrecs)
     runs = payload.get("runs", [])
     L = ["# MegaMoE X-Stage evaluation (one GPU, simulated ranks)", "",
-         f"From `sweep.json`: {len(allrecs)} cells ({status.get('ok', 0)} measured, {status.get('skipped', 0)} "
+         f"From `{source}`: {len(allrecs)} cells ({status.get('ok', 0)} measured, {status.get('skipped', 0)} "
          f"skipped, {status.get('error', 0)} failed), {len(runs)} run(s): "
          + "; ".join(f"{(r.get('provenance') or {}).get('date_utc')} on {(r.get('provenance') or {}).get('gpu')}, "
                      f"commit {(r.get('provenance') or {}).get('commit')}" for r in runs) + ".", "",
@@ -566,7 +566,8 @@ def main(argv=None) -> dict:
     payload = load_sweep(args.sweep)
     out = Path(args.out) if args.out else Path(args.sweep).parent
     paths = write_report(payload, out, table2_world=args.table2_world, table2_routing=args.table2_routing,
-                         table2_P=args.table2_P, fig10_routing=args.fig10_routing, fig10_shapes=args.fig10_shapes)
+                         table2_P=args.table2_P, fig10_routing=args.fig10_routing, fig10_shapes=args.fig10_shapes,
+                         source=Path(args.sweep).name)
     for name, p in paths.items():
         if p is not None:
             print(f"{name}: {p}")

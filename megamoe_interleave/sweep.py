@@ -57,6 +57,7 @@ import argparse
 import dataclasses
 import gc
 import itertools
+import gzip
 import json
 import os
 import statistics
@@ -76,7 +77,7 @@ from .scheduler import PHASE_L1, PHASE_L2, SCHEDULES
 from .shapes import SHAPES, get_shape
 
 SCHEMA = "megamoe-xstage-sweep/1"
-DEFAULT_OUT = "results/h200/megamoe/xstage/sweep.json"
+DEFAULT_OUT = "results/h200/megamoe/xstage/sweep.json.gz"
 
 # routing label -> (make_routing kind, Zipf strength; None: not used)
 ROUTINGS = {"balanced": ("balanced", None), "skewed1": ("skewed", 1.0), "skewed2": ("skewed", 2.0)}
@@ -513,21 +514,33 @@ def new_payload(meta: Optional[Mapping] = None) -> dict:
 
 
 def load_sweep(path) -> dict:
-    """A sweep JSON (:func:`run_sweep`'s output)."""
-    data = json.loads(Path(path).read_text())
+    """A sweep JSON (:func:`run_sweep`'s output; ``.json.gz``: gzip-compressed, as committed)."""
+    path = Path(path)
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    data = json.loads(raw)
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} file (schema {data.get('schema')!r})")
     return data
 
 
+def sweep_csv_path(path) -> Path:
+    """The CSV next to a sweep JSON: ``sweep.json`` / ``sweep.json.gz`` -> ``sweep.csv``."""
+    path = Path(path)
+    stem = path.name[: -len(".gz")] if path.suffix == ".gz" else path.name
+    return path.with_name(Path(stem).with_suffix(".csv").name)
+
+
 def write_sweep(path, payload: Mapping) -> Path:
-    """The JSON (with provenance; written to a temporary file, then renamed: a run killed while
-    writing leaves the previous file) and the CSV (:func:`flat_row` per cell) next to it."""
+    """The JSON (with provenance; gzip-compressed when the name ends in ``.gz``; written to a
+    temporary file, then renamed: a run killed while writing leaves the previous file) and the
+    CSV (:func:`flat_row` per cell) next to it."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     xbench.write_json(tmp, dict(payload))
+    if path.suffix == ".gz":
+        tmp.write_bytes(gzip.compress(tmp.read_bytes(), mtime=0))
     os.replace(tmp, path)
-    xbench.write_csv(path.with_suffix(".csv"), [flat_row(r) for r in payload["cells"]])
+    xbench.write_csv(sweep_csv_path(path), [flat_row(r) for r in payload["cells"]])
     return path
 
 
@@ -735,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip cells whose pinned host memory (loopback+host Combine slots) exceeds this")
     ap.add_argument("--weight-rng", choices=("cuda", "cpu"), default="cuda",
                     help="generator of the weights (cpu: the bench's numbers, minutes for the big shapes)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help="the sweep JSON (the CSV is written next to it)")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="the sweep JSON, gzip-compressed if it ends in .gz (the CSV is written next to it)")
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                     help="skip the cells the JSON already holds")
     ap.add_argument("--stop-on-error", action="store_true", help="stop at the first cell that fails")

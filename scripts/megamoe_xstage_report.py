@@ -3,7 +3,7 @@
 the Figure 8, Figure 10 and Table 2 analogues next to the paper's numbers. The command line of
 :mod:`megamoe_interleave.evaluation` (``--help``).
 
-    python scripts/megamoe_xstage_report.py --sweep results/h200/megamoe/xstage/sweep.json
+    python scripts/megamoe_xstage_report.py --sweep results/h200/megamoe/xstage/sweep.json.gz
 """
 from megamoe_interleave.evaluation import main
 

@@ -613,6 +613,14 @@ def test_regressions_and_the_readme(tmp_path):
         assert f"![Figure 8 analogue]({evaluation.FIGURE8})" in (tmp_path / "README.md").read_text()
 
 
+def test_a_compressed_sweep_round_trips_with_its_csv(tmp_path):
+    payload = _sweep_payload()
+    path = S.write_sweep(tmp_path / "sweep.json.gz", payload)
+    assert path.read_bytes()[:2] == b"\x1f\x8b" and (tmp_path / "sweep.csv").exists()
+    assert S.load_sweep(path)["cells"] == payload["cells"]
+    assert S.sweep_csv_path(tmp_path / "sweep.json") == tmp_path / "sweep.csv"
+
+
 def test_the_folders_findings_go_into_its_readme(tmp_path):
     payload = _sweep_payload()
     (tmp_path / evaluation.FINDINGS).write_text("## Findings\n\nThe 0.90x cell: weight locality.\n")
