@@ -29,6 +29,7 @@ PAPER = {"geomean": 1.18, "median": 1.17, "max": 1.62, "configs": 84,
          "setting": "8 GPUs (NVLink/NVSwitch), W4A8 and W8A8, seven model shapes, EP = 8"}
 FIGURE8 = "fig8_speedup.png"
 FIGURE10 = "fig10_rs_span.png"
+RATE_FIGURE = "rate_bound.png"
 FINDINGS = "findings.md"  # hand-written notes of a results folder, included in its README
 ROUTING_COLORS = {"balanced": "tab:green", "skewed1": "tab:orange", "skewed2": "tab:red"}
 SCHEDULE_COLORS = {"expert_wave": "tab:red", "interleaved": "tab:blue"}
@@ -297,6 +298,37 @@ def _legend(fig, axes, **kw) -> None:
         axes[-1].legend(list(entries.values()), list(entries), **kw)
 
 
+def draw_rate_bound(rows: Sequence[Mapping], path) -> Optional[Path]:
+    """Measured against predicted kernel time (:func:`rate_bound_rows`), one panel per P, both
+    schedules, log-log, the line measured = predicted."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return None
+    from matplotlib import ticker
+
+    Ps = sorted({r["P"] for r in rows})
+    fig, axes = plt.subplots(1, len(Ps), figsize=(4.5 * len(Ps), 4.2), squeeze=False)
+    for ax, P in zip(axes[0], Ps):
+        sel = [r for r in rows if r["P"] == P]
+        for sched, color in SCHEDULE_COLORS.items():
+            ax.scatter([r[f"{sched}_predicted_us"] / 1e3 for r in sel], [r[f"{sched}_measured_us"] / 1e3 for r in sel],
+                       s=14, color=color, label=sched)
+        lo = min(min(r[f"{s}_predicted_us"], r[f"{s}_measured_us"]) for r in sel for s in SCHEDULE_COLORS) / 1e3
+        hi = max(max(r[f"{s}_predicted_us"], r[f"{s}_measured_us"]) for r in sel for s in SCHEDULE_COLORS) / 1e3
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="predicted kernel time (ms)", ylabel="measured (ms)",
+               title=f"{sel[0]['world']}, P = {P}")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 x 10^n
+            axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_locator(ticker.LogLocator(subs=(2.0, 5.0)))
+            axis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    _legend(fig, axes[0], loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
 def draw_figure8(rows: Sequence[Mapping], path) -> Optional[Path]:
     """Figure 8 analogue: per world a panel, per shape a group of bars (one per routing: the
     geometric mean over P and tokens), every cell's speedup as a dot; the line at 1."""
@@ -388,7 +420,8 @@ def _pair(a, b, fmt="{:.2f}"):
 def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Path] = None,
            table2_world: str = "loopback+host", table2_routing: str = "skewed1", table2_P: Optional[int] = None,
            fig10_routing: str = "skewed1", fig10_shapes: Optional[Sequence[str]] = None,
-           findings: Optional[str] = None, source: str = Path(DEFAULT_OUT).name) -> str:
+           findings: Optional[str] = None, source: str = Path(DEFAULT_OUT).name,
+           rate_fig: Optional[Path] = None) -> str:
     """The README of a sweep folder (markdown); ``findings`` (the folder's hand-written
     ``findings.md``: what the numbers mean, every regression explained) goes after the method."""
     cells = measured_cells(payload)
@@ -482,7 +515,7 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
                       f"{r['expert_wave'][0]:.2f} ({r['expert_wave'][1]:.2f} – {r['expert_wave'][2]:.2f})",
                       f"{r['interleaved'][0]:.2f} ({r['interleaved'][1]:.2f} – {r['interleaved'][2]:.2f})",
                       f"{r['speedup_measured']:.3f}x / {r['speedup_predicted']:.3f}x"] for r in rate_bound_summary(rb)])
-        L.append("")
+        L += ["", f"![measured against predicted]({rate_fig.name})" if rate_fig else "(Figure not drawn.)", ""]
 
     # the sign test per cell
     L += ["## Sign test per cell", "",
@@ -531,7 +564,8 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
     cells = measured_cells(payload)
     f10_rows = figure10_rows(cells, selection.get("fig10_shapes"), selection.get("fig10_routing", "skewed1"))
     paths = {"fig8": draw_figure8(figure8_rows(cells), out_dir / FIGURE8),
-             "fig10": draw_figure10(f10_rows, out_dir / FIGURE10)}
+             "fig10": draw_figure10(f10_rows, out_dir / FIGURE10),
+             "rate_fig": draw_rate_bound(rate_bound_rows(cells), out_dir / RATE_FIGURE)}
     paths["fig8_csv"] = xbench.write_csv(out_dir / "fig8_speedup.csv",
                                          [{k: v for k, v in r.items() if k != "speedups"} for r in figure8_rows(cells)])
     paths["fig10_csv"] = xbench.write_csv(out_dir / "fig10_rs_span.csv",
@@ -543,7 +577,7 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
     paths["rate_bound_csv"] = xbench.write_csv(out_dir / "rate_bound.csv", rate_bound_rows(cells))
     readme_path = out_dir / "README.md"
     notes = out_dir / FINDINGS
-    readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"],
+    readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"], rate_fig=paths["rate_fig"],
                                   findings=notes.read_text() if notes.exists() else None, **selection))
     paths["readme"] = readme_path
     return paths

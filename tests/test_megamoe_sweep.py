@@ -563,7 +563,7 @@ def test_table2_and_figure10_pick_the_largest_cell_per_shape():
     assert evaluation.select_cell(cells, "deepseek-v4-flash", "loopback", "balanced")["cell"]["P"] == 1
 
 
-def test_the_whole_kernel_against_the_drain_rate():
+def test_the_whole_kernel_against_the_drain_rate(tmp_path):
     """rate_bound_rows: the loopback control's time as compute, the Combine of all P ranks over R."""
     from xstage import model, profiles
 
@@ -585,6 +585,8 @@ def test_the_whole_kernel_against_the_drain_rate():
     (summary,) = evaluation.rate_bound_summary([row])
     assert summary["cells"] == 1 and summary["speedup_measured"] == pytest.approx(1.5)
     assert model.kernel_rate_bounds(6e-3, 3e-3, volume, rate)[0] == pytest.approx(volume / rate)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert evaluation.draw_rate_bound([row], tmp_path / evaluation.RATE_FIGURE).stat().st_size > 0
 
 
 def test_regressions_and_the_readme(tmp_path):
