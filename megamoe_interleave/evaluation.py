@@ -242,6 +242,43 @@ def rate_bound_summary(rows: Sequence[Mapping]) -> list:
     return out
 
 
+def planner_verdicts(cells: Sequence[Mapping]) -> list:
+    """Per remote-path cell with its loopback control: the planner's verdict fed with the cell's own
+    (contended) expert_wave mainloops, as the sweep recorded it, and re-run with the control's
+    (uncontended) mainloops (:func:`sweep.cell_model`), next to the measured speedup."""
+    from .shapes import get_shape
+    from .sweep import Cell, cell_model
+
+    control = {(c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]): rec
+               for rec in cells for c in [rec["cell"]] if c["world"] == "loopback"}
+    out = []
+    for rec in cells:
+        c, m = rec["cell"], rec.get("model") or {}
+        lb = control.get((c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]))
+        lb_trace = _trace(lb, "expert_wave") if lb else {}
+        if (c["world"] == "loopback" or not m.get("platform") or None in (m.get("block_n"), m.get("verdict"))
+                or not lb_trace.get("l1_mainloop_ns")):
+            continue
+        clean = cell_model(Cell.from_dict(c), get_shape(c["shape"]), m["block_n"], m.get("lead_rows"), lb_trace)
+        out.append(dict(c, speedup=rec["timing"]["speedup"], verdict_contended=m["verdict"],
+                        verdict_uncontended=clean["verdict"], l2_mainloop_contended_us=m["t_l2_mma_us"],
+                        l2_mainloop_uncontended_us=clean["t_l2_mma_us"]))
+    return out
+
+
+def planner_verdict_summary(rows: Sequence[Mapping]) -> list:
+    """Per planner verdict and mainloop input: cells and the speedups measured there."""
+    out = []
+    for inputs in ("contended", "uncontended"):
+        groups = {}
+        for r in rows:
+            groups.setdefault(r[f"verdict_{inputs}"], []).append(r["speedup"])
+        for verdict, sp in sorted(groups.items()):
+            out.append(dict(mainloops=inputs, verdict=verdict, cells=len(sp), median=statistics.median(sp),
+                            min=min(sp), max=max(sp)))
+    return out
+
+
 def regressions(cells: Sequence[Mapping]) -> list:
     """The cells where interleaved is slower (speedup < 1), slowest first, with what the author
     needs to explain them: the verdict, the mainloop medians of both schedules (interleaving
@@ -517,6 +554,18 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
                       f"{r['speedup_measured']:.3f}x / {r['speedup_predicted']:.3f}x"] for r in rate_bound_summary(rb)])
         L += ["", f"![measured against predicted]({rate_fig.name})" if rate_fig else "(Figure not drawn.)", ""]
 
+    # the planner's verdict, contended against uncontended mainloops
+    pv = planner_verdicts(cells)
+    if pv:
+        L += ["## The planner's verdict and its mainloop inputs", "",
+              "`xstage plan megamoe` (eq. 10-14) per remote-path cell, fed with that cell's expert_wave trace "
+              "mainloops (contended: stretched by the drain) and with its loopback control's (uncontended); "
+              "the speedups measured in the cells of each verdict (`planner_verdicts.csv` per cell).", ""]
+        L += _table(["mainloops", "verdict", "cells", "speedup median", "min", "max"],
+                    [[r["mainloops"], r["verdict"], r["cells"], f"{r['median']:.3f}x", f"{r['min']:.3f}x",
+                      f"{r['max']:.3f}x"] for r in planner_verdict_summary(pv)])
+        L.append("")
+
     # the sign test per cell
     L += ["## Sign test per cell", "",
           "Paired over the trials at the reference clock; one-sided sign tests at alpha = 0.05 "
@@ -575,6 +624,7 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
         selection.get("table2_P")))
     paths["verdicts_csv"] = xbench.write_csv(out_dir / "verdicts.csv", verdict_rows(cells))
     paths["rate_bound_csv"] = xbench.write_csv(out_dir / "rate_bound.csv", rate_bound_rows(cells))
+    paths["planner_verdicts_csv"] = xbench.write_csv(out_dir / "planner_verdicts.csv", planner_verdicts(cells))
     readme_path = out_dir / "README.md"
     notes = out_dir / FINDINGS
     readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"], rate_fig=paths["rate_fig"],

@@ -589,6 +589,21 @@ def test_the_whole_kernel_against_the_drain_rate(tmp_path):
         assert evaluation.draw_rate_bound([row], tmp_path / evaluation.RATE_FIGURE).stat().st_size > 0
 
 
+def test_the_planner_verdict_with_the_controls_mainloops():
+    payload = _sweep_payload()
+    for rec in payload["cells"]:
+        if rec["cell"]["world"] == "loopback+host":
+            rec["model"].update(block_n=256, lead_rows=9, verdict="expert-wave already backpressure-free",
+                                t_l2_mma_us=150.0)
+    rows = evaluation.planner_verdicts(evaluation.measured_cells(payload))
+    (row,) = rows  # the one remote cell with a loopback control (DeepSeek-V4-Flash skewed1 8192, P = 8)
+    assert row["verdict_contended"] == "expert-wave already backpressure-free"
+    assert row["l2_mainloop_uncontended_us"] == pytest.approx(5.0)  # the control's trace: 5000 ns
+    assert row["verdict_uncontended"].startswith("interleave")  # a 5 us gap cannot hide a 132-tile burst
+    summary = evaluation.planner_verdict_summary(rows)
+    assert [(r["mainloops"], r["cells"]) for r in summary] == [("contended", 1), ("uncontended", 1)]
+
+
 def test_regressions_and_the_readme(tmp_path):
     payload = _sweep_payload()
     regs = evaluation.regressions(evaluation.measured_cells(payload))
