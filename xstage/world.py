@@ -403,7 +403,33 @@ def _alloc_pinned(world: World, shape: Tuple[int, ...], dtype: torch.dtype) -> S
     return SymmetricTensor(world, shape, dtype, locals_, {r: list(addrs) for r in world.local_ranks}, keep, host)
 
 
-class TorchSymmWorld(World):
+class _ProcessGroupWorld(World):
+    """One rank per process over a torch.distributed group: the group's rank is the local rank,
+    and ``barrier`` syncs the device and the group. Subclasses allocate."""
+
+    def __init__(self, world_size: int, device: torch.device, group, dist, why: str):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{self.backend} world needs an initialized torch.distributed process group "
+                               f"({why}): call dist.init_process_group('nccl') first")
+        actual = dist.get_world_size(group)
+        if actual != world_size:
+            raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
+        super().__init__(world_size, device)
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+
+    @property
+    def local_ranks(self) -> List[int]:
+        return [self.rank]
+
+    def barrier(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._dist.barrier(group=self.group)
+
+
+class TorchSymmWorld(_ProcessGroupWorld):
     """One rank per process: torch.distributed + torch symmetric memory.
 
     ``dist``/``symm_mem`` are injectable for tests (defaults:
@@ -417,28 +443,8 @@ class TorchSymmWorld(World):
             import torch.distributed as dist  # noqa: F811
         if symm_mem is None:
             import torch.distributed._symmetric_memory as symm_mem  # noqa: F811
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch-symm world needs an initialized torch.distributed process group "
-                "(run under torchrun and call dist.init_process_group('nccl') first)"
-            )
-        actual = dist.get_world_size(group)
-        if actual != world_size:
-            raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
-        super().__init__(world_size, device)
-        self._dist = dist
+        super().__init__(world_size, device, group, dist, "run under torchrun")
         self._symm = symm_mem
-        self.group = group
-        self.rank = dist.get_rank(group)
-
-    @property
-    def local_ranks(self) -> List[int]:
-        return [self.rank]
-
-    def barrier(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._dist.barrier(group=self.group)
 
     def _group_arg(self):
         if self.group is not None:
@@ -467,7 +473,7 @@ def _nvshmem_initialized(core) -> bool:
     return name.endswith("IS_INITIALIZED") or name.endswith("MPG")
 
 
-class NvshmemWorld(World):
+class NvshmemWorld(_ProcessGroupWorld):
     """One PE per process: buffers from NVSHMEM's symmetric heap (nvshmem4py's torch interop),
     peer tables from its peer-pointer query (``get_peer_tensor``, i.e. ``nvshmem_ptr``).
 
@@ -487,21 +493,14 @@ class NvshmemWorld(World):
                  device_factory=None):
         if dist is None:
             import torch.distributed as dist  # noqa: F811
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("nvshmem world needs an initialized torch.distributed process group "
-                               "(the kernels' host side exchanges over it): dist.init_process_group('nccl') first")
-        actual = dist.get_world_size(group)
-        if actual != world_size:
-            raise ValueError(f"world_size={world_size} but the process group has {actual} ranks")
+        super().__init__(world_size, device, group, dist, "the kernels' host side exchanges over it")
         if nvshmem is None or interop is None:
             try:
                 nvshmem = nvshmem or importlib.import_module("nvshmem.core")
                 interop = interop or importlib.import_module("nvshmem.core.interop.torch")
             except ImportError as e:
                 raise RuntimeError("the nvshmem world needs nvshmem4py: pip install 'xstage[nvshmem]'") from e
-        super().__init__(world_size, device)
-        self._dist, self._nv, self._interop, self.group = dist, nvshmem, interop, group
-        self.rank = dist.get_rank(group)
+        self._nv, self._interop = nvshmem, interop
         if not _nvshmem_initialized(nvshmem):
             self._init_nvshmem(device_factory)
         pe, n_pes = nvshmem.my_pe(), nvshmem.n_pes()
@@ -520,15 +519,6 @@ class NvshmemWorld(World):
         dev = device_factory(self.device.index or 0)
         dev.set_current()
         self._nv.init(device=dev, uid=uid[0], rank=self.rank, nranks=self.world_size, initializer_method="uid")
-
-    @property
-    def local_ranks(self) -> List[int]:
-        return [self.rank]
-
-    def barrier(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self._dist.barrier(group=self.group)
 
     def alloc(self, shape: ShapeLike, dtype: torch.dtype, remote: bool = False) -> SymmetricTensor:
         shape = _normalize_shape(shape)
