@@ -62,6 +62,7 @@ from pathlib import Path
 
 from xstage import bench
 from xstage.paired import acceptance, matched_medians, paired_stats, reference_clock
+from xstage.world import single_process
 
 VARIANTS = ("stock", "fa_only", "fa_only_pers", "a2a_only", "serial", "a2a_symm", "serial_symm", "fused",
             "fused_pers", "fused_pers_dq")
@@ -123,7 +124,7 @@ class WorldSync:
 
     def __init__(self, world=None, dist=None):
         self.world = world
-        self.multi = world is not None and len(world.local_ranks) < world.world_size
+        self.multi = world is not None and not single_process(world)
         self.dist = dist
 
     def barrier(self):
@@ -319,7 +320,7 @@ def variant_fns(world, rank, q, k, v, o_local, dest, table, P):
     from flash_attn.cute import flash_attn_func
 
     out = dest.local(rank)
-    if len(world.local_ranks) == world.world_size:
+    if single_process(world):
         dests = [dest.local(j) for j in range(P)]
         a2a_torch = lambda: a2a_copy(o_local, dests, rank)  # noqa: E731
     else:

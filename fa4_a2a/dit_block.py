@@ -42,6 +42,7 @@ from fa4_a2a.reference import attention_fp32, seq_to_head_shards
 from fa4_a2a.ulysses import get_workspace, ulysses_attention
 from xstage import bench
 from xstage.paired import matched_medians
+from xstage.world import single_process
 
 # Attention shapes of public DiT configs: (hidden, heads, head_dim).
 MODELS = {
@@ -85,10 +86,6 @@ def project_out(o: torch.Tensor, blk: BlockWeights) -> torch.Tensor:
     return F.linear(o.flatten(2), blk.wo)
 
 
-def _single_process(world) -> bool:
-    return len(world.local_ranks) == world.world_size
-
-
 class StockUlysses:
     """yunchang's Ulysses attention with an FA4 backend, as separate steps: pre-A2A, FA4 into a
     local [B, S, H/P, D] buffer, post-A2A. Buffers made once per shape (graph-capturable)."""
@@ -98,18 +95,18 @@ class StockUlysses:
         P = world.world_size
         self.world = world
         self.o_local = [torch.empty(B, C * P, H // P, D, device=world.device, dtype=dtype) for _ in world.local_ranks]
-        self.dest = world.alloc((B, C, H, D), dtype, remote=True) if _single_process(world) else None
+        self.dest = world.alloc((B, C, H, D), dtype, remote=True) if single_process(world) else None
 
     def __call__(self, qs, ks, vs, softmax_scale=None):
         world = self.world
-        if _single_process(world):
+        if single_process(world):
             qh, kh, vh = seq_to_head_shards(qs), seq_to_head_shards(ks), seq_to_head_shards(vs)
         else:
             group = getattr(world, "group", None)
             qh, kh, vh = ([a2a_all_to_all_single_pre(x[0], group)] for x in (qs, ks, vs))
         for i in range(len(world.local_ranks)):
             interface.attention_local(qh[i], kh[i], vh[i], self.o_local[i], softmax_scale=softmax_scale)
-        if _single_process(world):
+        if single_process(world):
             dests = [self.dest.local(j) for j in range(world.world_size)]
             for i, r in enumerate(world.local_ranks):
                 a2a_copy(self.o_local[i], dests, r)
@@ -128,7 +125,7 @@ class DiTBlock:
     def attention(self, qs, ks, vs, fused: bool):
         if fused:
             # single-process worlds take every rank's tensors, multi-process ones this rank's
-            per_rank = (qs, ks, vs) if _single_process(self.world) else (qs[0], ks[0], vs[0])
+            per_rank = (qs, ks, vs) if single_process(self.world) else (qs[0], ks[0], vs[0])
             out = ulysses_attention(*per_rank, self.world)
             return out if isinstance(out, list) else [out]
         return self.stock(qs, ks, vs)
@@ -165,7 +162,7 @@ def check(world, blk: BlockWeights, seq: int, dtype, *, batch: int = 1, seed: in
     out = {}
     for name, fused in (("block_stock", False), ("block_fused", True)):
         ys = model.block(xs, fused)
-        if not _single_process(world):
+        if not single_process(world):
             world.barrier()
         err = max((y.float() - ref[r]).abs().max().item() for y, r in zip(ys, world.local_ranks))
         scale = max(ref[r].abs().max().item() for r in world.local_ranks)
@@ -218,16 +215,15 @@ def run(args) -> dict:
     world, rank, dist = init_world(args)
     sync = WorldSync(world, dist)
     P, rows, checks = args.P, [], {}
-    for name in args.models:
-        hidden, heads, head_dim = MODELS[name]
-        blk = make_weights(hidden, heads, head_dim, device=world.device, dtype=dtype)
+    weights = {name: make_weights(*MODELS[name], device=world.device, dtype=dtype) for name in args.models}
+    for name, blk in weights.items():
         checks[name] = check(world, blk, args.check_seq, dtype)
         if not all(c["ok"] for c in checks[name].values()):
             raise SystemExit(f"{name}: block check failed: {checks[name]}")
     points = [(n, S) for n in args.models for S in args.seqs]
     for name, S in bench.progress(points, desc="dit block", enabled=None if rank == 0 else False):
         hidden, heads, head_dim = MODELS[name]
-        blk = make_weights(hidden, heads, head_dim, device=world.device, dtype=dtype)
+        blk = weights[name]
         C = S // P
         g = torch.Generator(device=world.device).manual_seed(S + rank)
         xs = [torch.randn(1, C, hidden, generator=g, device=world.device).to(dtype) for _ in world.local_ranks]

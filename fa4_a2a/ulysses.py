@@ -33,7 +33,7 @@ from fa4_a2a import ops  # noqa: F401  (registers torch.ops.fa4_a2a.*)
 from fa4_a2a.baselines import a2a_all_to_all_single_pre
 from fa4_a2a.reference import seq_to_head_shards
 from fa4_a2a.validate import Fa4A2AInputError, check_sequence_sharded
-from xstage.world import make_world
+from xstage.world import make_world, single_process
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
 
@@ -118,7 +118,7 @@ def ulysses_attention(
     ``barrier`` (multi-process worlds): call ``world.barrier()`` after the launch so that the
     returned output is complete; skipped automatically under CUDA-graph capture.
     """
-    if not all(hasattr(world, a) for a in ("world_size", "local_ranks", "backend", "alloc")):
+    if not _is_world(world):
         raise Fa4A2AInputError(
             f"world must be an xstage.world World (from xstage.world.make_world), got {type(world).__name__}"
         )
@@ -135,7 +135,7 @@ def ulysses_attention(
         raise Fa4A2AInputError(f"workspace is for {ws.shape} {ws.dtype}, inputs are {(B, C, H, D)} {qs[0].dtype}")
 
     # Pre-attention All-to-All: sequence shards -> head shards [B, S, H/P, D].
-    if len(world.local_ranks) == P:
+    if single_process(world):
         qh, kh, vh = seq_to_head_shards(qs), seq_to_head_shards(ks), seq_to_head_shards(vs)
     else:
         if len(qs) != 1:
@@ -149,7 +149,7 @@ def ulysses_attention(
         _launch_fused(qh[i], kh[i], vh[i], ws.out(r), ws.tables[r], P, scale, causal, persistent)
     # Multi-process: the peers' stores into our buffer must be complete before we return it.
     # Single-process worlds: stream order already completes every rank's launch.
-    if len(world.local_ranks) < P and barrier and not _capturing():
+    if not single_process(world) and barrier and not _capturing():
         world.barrier()
     outs = [ws.out(r) for r in world.local_ranks]
     return outs if not isinstance(q, torch.Tensor) else outs[0]

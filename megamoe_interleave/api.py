@@ -41,7 +41,7 @@ from . import quant, reference, torch_backend
 from .config import BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
 from .shapes import MoEShape
-from xstage.world import make_world  # noqa: F401  (re-export for callers)
+from xstage.world import make_world, single_process  # noqa: F401  (make_world: re-export for callers)
 
 INTERLEAVE_GRANULARITY = INTERLEAVE
 BACKENDS = ("torch", "fused")
@@ -280,11 +280,6 @@ class MegaMoE:
         last traced call's tensors."""
         self.config = dataclasses.replace(self.config, trace=bool(enabled))
 
-    def _single_process(self) -> bool:
-        """Every rank lives in this process (loopback / host worlds): all ranks' work is
-        ordered by the one CUDA stream, so no host-side barrier is needed between phases."""
-        return len(self.world.local_ranks) == self.world.world_size
-
     def stage_inputs(self, xs, idxs, ws, x_scales=None) -> None:
         """Validate every rank's inputs, copy them into its symmetric buffers, schedule the
         Combine poison and synchronize the world (sources publish before anyone pulls).
@@ -339,7 +334,7 @@ class MegaMoE:
             buf.num_tokens[r] = xr.shape[0]
             self._masked[r] = b is not None and b[0] < 0
         self._poison_pending = self.poison_combine
-        if not self._single_process():
+        if not single_process(self.world):
             self._flush_poison()
             # Sources must have published x (and everyone poisoned) before any rank pulls
             # x or stores into a peer's combine (kernel Dispatch / Combine).
@@ -402,7 +397,7 @@ class MegaMoE:
         """Every source rank's routing (the host part of Dispatch needs all of them):
         read from the local buffers in one-process worlds, all-gathered in torch-symm."""
         buf, P = self.buffer, self.world.world_size
-        if len(self.world.local_ranks) == P:
+        if single_process(self.world):
             T = buf.num_tokens
             return ([buf.topk_idx.local(s)[: T[s]] for s in range(P)],
                     [buf.topk_weights.local(s)[: T[s]] for s in range(P)])
@@ -519,7 +514,7 @@ class MegaMoE:
                 self.buffer.counters[d][1:2].zero_()  # stream-ordered after this call's kernel
                 self._barrier_base[d] = 0
         buf = self.buffer
-        single = self._single_process()
+        single = single_process(self.world)
         # Single process: the reductions are stream-ordered after every rank's kernel, so they
         # are queued before the error read-back (no idle gap); on error their output is dropped.
         ys = [self.reduce_rank(r) for r in ranks] if single else None

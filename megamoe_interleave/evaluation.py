@@ -189,6 +189,15 @@ def verdict_rows(cells: Sequence[Mapping]) -> list:
 L1_FLOP_SHARE = 2.0 / 3.0
 
 
+def _controls(cells: Sequence[Mapping]) -> dict:
+    """The loopback cells by (shape, routing, tokens, P, precision): each remote cell's control."""
+    return {_control_key(rec["cell"]): rec for rec in cells if rec["cell"]["world"] == "loopback"}
+
+
+def _control_key(c: Mapping) -> tuple:
+    return c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]
+
+
 def rate_bound_rows(cells: Sequence[Mapping]) -> list:
     """Per remote-path cell with its loopback control: the whole-kernel prediction of
     :func:`xstage.model.kernel_rate_bounds` -- the control's time of each schedule as its
@@ -198,12 +207,11 @@ def rate_bound_rows(cells: Sequence[Mapping]) -> list:
 
     from .shapes import get_shape
 
-    control = {(c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]): rec["timing"]
-               for rec in cells for c in [rec["cell"]] if c["world"] == "loopback"}
+    control = _controls(cells)
     out = []
     for rec in cells:
         c, m = rec["cell"], rec.get("model") or {}
-        lb = control.get((c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]))
+        lb = (control.get(_control_key(c)) or {}).get("timing")
         times = [t.get(f"{s}_median_us") for t in (lb or {}, rec["timing"]) for s in ("expert_wave", "interleaved")]
         if c["world"] == "loopback" or lb is None or not m.get("platform") or None in times:
             continue
@@ -249,12 +257,11 @@ def planner_verdicts(cells: Sequence[Mapping]) -> list:
     from .shapes import get_shape
     from .sweep import Cell, cell_model
 
-    control = {(c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]): rec
-               for rec in cells for c in [rec["cell"]] if c["world"] == "loopback"}
+    control = _controls(cells)
     out = []
     for rec in cells:
         c, m = rec["cell"], rec.get("model") or {}
-        lb = control.get((c["shape"], c["routing"], c["tokens"], c["P"], c["precision"]))
+        lb = control.get(_control_key(c))
         lb_trace = _trace(lb, "expert_wave") if lb else {}
         if (c["world"] == "loopback" or not m.get("platform") or None in (m.get("block_n"), m.get("verdict"))
                 or not lb_trace.get("l1_mainloop_ns")):
@@ -612,9 +619,10 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = measured_cells(payload)
     f10_rows = figure10_rows(cells, selection.get("fig10_shapes"), selection.get("fig10_routing", "skewed1"))
+    rate_rows = rate_bound_rows(cells)
     paths = {"fig8": draw_figure8(figure8_rows(cells), out_dir / FIGURE8),
              "fig10": draw_figure10(f10_rows, out_dir / FIGURE10),
-             "rate_fig": draw_rate_bound(rate_bound_rows(cells), out_dir / RATE_FIGURE)}
+             "rate_fig": draw_rate_bound(rate_rows, out_dir / RATE_FIGURE)}
     paths["fig8_csv"] = xbench.write_csv(out_dir / "fig8_speedup.csv",
                                          [{k: v for k, v in r.items() if k != "speedups"} for r in figure8_rows(cells)])
     paths["fig10_csv"] = xbench.write_csv(out_dir / "fig10_rs_span.csv",
@@ -623,7 +631,7 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
         cells, selection.get("table2_world", "loopback+host"), selection.get("table2_routing", "skewed1"),
         selection.get("table2_P")))
     paths["verdicts_csv"] = xbench.write_csv(out_dir / "verdicts.csv", verdict_rows(cells))
-    paths["rate_bound_csv"] = xbench.write_csv(out_dir / "rate_bound.csv", rate_bound_rows(cells))
+    paths["rate_bound_csv"] = xbench.write_csv(out_dir / "rate_bound.csv", rate_rows)
     paths["planner_verdicts_csv"] = xbench.write_csv(out_dir / "planner_verdicts.csv", planner_verdicts(cells))
     readme_path = out_dir / "README.md"
     notes = out_dir / FINDINGS

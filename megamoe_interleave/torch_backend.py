@@ -11,13 +11,15 @@ Combine stores BF16 into the same slots: bit for bit :func:`reference.reference_
 """
 from __future__ import annotations
 
+from xstage.world import single_process
+
 from . import reference
 
 
 def run_dataflow(moe) -> None:
     """Dispatch + L1 + SwiGLU x routing weight + L2 + Combine of every rank of ``moe``'s world."""
     world, buf = moe.world, moe.buffer
-    if len(world.local_ranks) < world.world_size:
+    if not single_process(world):
         raise NotImplementedError("backend='torch' runs the data flow in one process (loopback / host worlds)")
     P, T = world.world_size, buf.num_tokens
     xs = [buf.x.local(s)[: T[s]] for s in range(P)]

@@ -66,6 +66,7 @@ __all__ = [
     "NvshmemWorld",
     "SymmetricTensor",
     "make_world",
+    "single_process",
     "symm_peer_addresses",
     "check_peer_table",
 ]
@@ -536,6 +537,12 @@ class NvshmemWorld(_ProcessGroupWorld):
         if addrs[self.rank] != t.data_ptr():
             raise RuntimeError("NVSHMEM's own-PE pointer differs from the tensor's address")
         return SymmetricTensor(self, shape, dtype, {self.rank: t}, {self.rank: addrs}, keepalive=[t])
+
+
+def single_process(world) -> bool:
+    """Every rank of ``world`` lives in this process (loopback, host): one stream orders all ranks'
+    work, and no cross-process exchange or barrier is needed."""
+    return len(world.local_ranks) == world.world_size
 
 
 def _resolve_device(device, backend: str) -> torch.device:

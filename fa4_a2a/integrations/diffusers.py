@@ -28,13 +28,12 @@ from typing import Optional
 import torch
 
 from fa4_a2a import interface
+from fa4_a2a.integrations._common import kernel_reason, on_hopper as _on_hopper
 from fa4_a2a.ulysses import ulysses_attention, world_for_group
 
 BACKEND = "xstage_fa4_a2a"
 MIN_VERSION = (0, 36)
 TESTED_VERSION = (0, 42, 1)
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
 
 logger = logging.getLogger(__name__)
 _logged: set = set()
@@ -108,12 +107,9 @@ def _unsupported(query, key, value, attn_mask, dropout_p, return_lse, cp) -> Opt
         return "return_lse is not supported"
     if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
         return "grouped-query attention (fewer key/value heads) is not supported"
-    if not _on_hopper(query):
-        return "the kernel needs a Hopper GPU (sm_90)"
-    if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
-        return f"dtype {query.dtype} (bf16 or fp16 only)"
-    if query.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {query.shape[-1]} (64 or 128 only)"
+    reason = kernel_reason(query, key, value, _on_hopper(query))
+    if reason is not None:
+        return reason
     if key.shape[1] != query.shape[1]:
         return "different query and key lengths"
     if cp is not None:
@@ -124,10 +120,6 @@ def _unsupported(query, key, value, attn_mask, dropout_p, return_lse, cp) -> Opt
         if query.shape[2] % cp.ulysses_degree:
             return f"{query.shape[2]} heads not divisible by ulysses_degree {cp.ulysses_degree}"
     return None
-
-
-def _on_hopper(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) == (9, 0)
 
 
 def fa4_a2a_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -37,12 +37,11 @@ from typing import Callable, Optional
 
 import torch
 
+from fa4_a2a.integrations._common import kernel_reason, on_hopper as _on_hopper
 from fa4_a2a.ulysses import ulysses_attention, world_for_group
 
 USP_MODULE = "xfuser.model_executor.layers.usp"
 TESTED_VERSION = "0.7.0"
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
 # xfuser AttentionBackendType names that compute exact softmax attention (what the fused FA4
 # kernel computes); the others are quantized, sparse or other hardware and are left to xfuser.
 EXACT_BACKENDS = ("SDPA", "SDPA_MATH", "SDPA_EFFICIENT", "SDPA_FLASH", "FLASH", "CUDNN", "FLASH_3", "FLASH_4",
@@ -100,19 +99,12 @@ def unsupported_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         return f"attention backend {call.backend} (not exact softmax attention)"
     if query.dim() != 4 or key.shape != query.shape or value.shape != query.shape:
         return "query, key and value of different shapes"
-    if not (on_hopper if on_hopper is not None else _on_hopper(query)):
-        return "the kernel needs a Hopper GPU (sm_90)"
-    if query.dtype not in DTYPES or not (query.dtype == key.dtype == value.dtype):
-        return f"dtype {query.dtype} (bf16 or fp16 only)"
-    if query.shape[-1] not in HEAD_DIMS:
-        return f"head_dim {query.shape[-1]} (64 or 128 only)"
+    reason = kernel_reason(query, key, value, on_hopper if on_hopper is not None else _on_hopper(query))
+    if reason is not None:
+        return reason
     if query.shape[1] % call.ulysses_degree:
         return f"{query.shape[1]} heads not divisible by ulysses_degree {call.ulysses_degree}"
     return None
-
-
-def _on_hopper(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.get_device_capability(t.device) == (9, 0)
 
 
 def fused_usp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group, *,
