@@ -439,8 +439,9 @@ class MegaMoE:
 
     def launch_arguments(self, d: int):
         """Host planning for rank ``d``: (num_ctas, tensor args, scalar args w/o barrier_base
-        and num_ctas) of :class:`kernel_sm90.MegaMoESm90`. Works on any device (CPU tests
-        check the arguments against the kernel's signature).
+        and num_ctas) of :class:`kernel_sm90.MegaMoESm90`; the last tensor (``mPlan``) holds
+        (num_rows, n_pool). Works on any device (CPU tests check the arguments against the
+        kernel's signature).
 
         ``pool_x`` / ``h`` are views of per-rank scratch reused across calls; the trace
         tensor (``trace=True``) is fresh per call so ``last_trace`` survives the next call."""
@@ -464,12 +465,12 @@ class MegaMoE:
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
         # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
         records = itertools.chain.from_iterable(grid.row_record or [(0, 0, 0, 0)])
-        parts = [list(records), schedule_table(self.schedule, grid)]
+        parts = [list(records), schedule_table(self.schedule, grid), [grid.num_rows, n_pool]]
         lens = [len(p) for p in parts]
         host = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(parts), dtype=np.int32, count=sum(lens)))
         if dev.type == "cuda":
             host = host.pin_memory()  # caching host allocator: safe to reuse once the copy is done
-        records, sched_table = host.to(dev, non_blocking=True).split(lens)
+        records, sched_table, plan = host.to(dev, non_blocking=True).split(lens)
         records = records.view(-1, 4)
         if self.config.trace:
             # Tiles per CTA <= ceil(all pair tiles / pairs) (+1 for safety).
@@ -481,11 +482,11 @@ class MegaMoE:
                 1, 1, len(TRACE_FIELDS))  # unused by the kernel
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
                    self.w1[d], self.w2[d], records, sched_table, buf.counters[d],
-                   trace)
+                   trace, plan)
         from .config import check_launch_arguments
 
         check_launch_arguments(self.hidden, self.intermediate, tensors)
-        return num_ctas, tensors, (grid.num_rows, n_pool, buf.max_tokens, self.topk)
+        return num_ctas, tensors, (buf.max_tokens, self.topk)
 
     def _run_fused(self) -> List[torch.Tensor]:
         """Plan, launch every local rank's kernel, reduce; returns y per local rank."""

@@ -240,7 +240,7 @@ class MegaMoEConfig:
         return dataclasses.replace(self, **out)
 
 
-NUM_SCALAR_ARGS = 6  # num_rows, num_pool, max_tokens, topk, barrier_base, num_ctas
+NUM_SCALAR_ARGS = 4  # max_tokens, topk, barrier_base, num_ctas
 
 
 def tensor_argument_spec(hidden: int, intermediate: int):
@@ -260,6 +260,7 @@ def tensor_argument_spec(hidden: int, intermediate: int):
         ("mScheduleTable", "int32", ("n_s",)),
         ("mCounters", "int32", ("n_c",)),
         ("mTrace", "int64", ("n_tc", "n_tt", len(TRACE_FIELDS))),
+        ("mPlan", "int32", (2,)),  # num_rows, n_pool (on the device: a device-side plan can write them)
     ]
 
 

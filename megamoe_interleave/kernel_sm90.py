@@ -175,8 +175,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
     def __call__(self, mPeerX: cute.Tensor, mPeerCombine: cute.Tensor, mPoolSrc: cute.Tensor,
                  mPoolWeight: cute.Tensor, mPoolX: cute.Tensor, mH: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor,
                  mRowRecord: cute.Tensor, mScheduleTable: cute.Tensor, mCounters: cute.Tensor, mTrace: cute.Tensor,
-                 num_rows: Int32, num_pool: Int32, max_tokens: Int32, topk: Int32, barrier_base: Int32,
-                 num_ctas: Int32, stream):
+                 mPlan: cute.Tensor, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32, stream):
         """Launch (shapes: :func:`.config.tensor_argument_spec`)."""
         self.tiled_mma = sm90_utils.make_tiled_mma(BFloat16, "K", "K", self.block_n, atom_layout_mnk=(2, 1, 1))
         self.sA_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K),
@@ -201,7 +200,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.shared_storage = SharedStorage
         self.kernel(
             mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-            mScheduleTable, mCounters, mTrace, num_rows, num_pool,
+            mScheduleTable, mCounters, mTrace, mPlan,
             max_tokens, topk, barrier_base, self.tiled_mma, self.sA_layout, self.sB_layout, self.sC_layout,
             *self.make_tma_atoms(mPoolX, mH, mW1, mW2),
         ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -242,14 +241,18 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
 
     @cute.kernel
     def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-               mScheduleTable, mCounters, mTrace, num_rows: Int32, num_pool: Int32, max_tokens: Int32, topk: Int32,
-               barrier_base: Int32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               mScheduleTable, mCounters, mTrace, mPlan, max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
                tma_b2, mB2):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
         tidx, cta, nctas = Int32(tidx), Int32(cta), Int32(nctas)
+        # The plan's sizes come from device memory (written by the host's upload or a device-side
+        # planner), so a launch needs no host-side knowledge of the routing.
+        # Warp-uniform: ptxas keeps it out of the consumers' 208 registers (a plain load serialized
+        # the interleaved builds' WGMMAs, C7511).
+        num_rows = cute.arch.make_warp_uniform(Int32(mPlan[0]))
         timeout = Int64(self.timeout_ns)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         sm = SharedTensors(

@@ -422,20 +422,11 @@ def test_default_builds_sass_pipelined(tmp_path, schedule, P):
     _check_sass_pipelined(tmp_path, MegaMoEConfig(schedule).resolve(DSV4, P, 8192, 132))
 
 
-# expert_wave with the bulk Dispatch unwindowed at P = 8: ptxas serializes every WGMMA of this
-# build (32 waits for 32 HGMMAs; the tag mma-kinds-before-redesign gives the same with its default
-# half tiles, and 4 waits for 16 without them). Not a shipped default (those window at W = 5, and
-# pass); strict, so a toolchain or code change that fixes it flips this test.
-_EW_UNWINDOWED_BULK = pytest.param(
-    "expert_wave", dict(stages=3, dispatch_copy="bulk", dispatch_window=0),
-    marks=pytest.mark.xfail(strict=True, reason="ptxas serializes the WGMMAs of this non-default build"))
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule,variant", [
     (s, v) for s in SCHEDULES for v in (dict(block_n=128, stages=4), dict(stages=3, dispatch_copy="lsu"))]
-    + [("interleaved", dict(stages=3, dispatch_copy="bulk", dispatch_window=0)), _EW_UNWINDOWED_BULK,
-       ("expert_wave", dict(stages=3, dispatch_copy="bulk", dispatch_window=6))])
+    + [(s, dict(stages=3, dispatch_copy="bulk", dispatch_window=0)) for s in SCHEDULES]
+    + [("expert_wave", dict(stages=3, dispatch_copy="bulk", dispatch_window=6))])
 def test_other_builds_sass_pipelined(tmp_path, schedule, variant):
     _check_sass_pipelined(tmp_path, MegaMoEConfig(schedule, **variant).resolve(DSV4, 8, 8192, 132))
 

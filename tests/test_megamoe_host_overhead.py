@@ -178,7 +178,8 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
     for d, (num_ctas, tensors, scalars) in enumerate(first):
         perm, grid = moe.plan_rank(d)
         assert moe.plan_rank(d)[0] is perm  # cached for the staged inputs
-        n_pool = scalars[1]
+        num_rows, n_pool = tensors[12].tolist()
+        assert num_rows == grid.num_rows
         assert tensors[4].shape == (n_pool + BLOCK_M, H) and tensors[5].shape == (n_pool + BLOCK_M, I)
         tok_off = [0] + torch.cumsum(perm.counts, 0).tolist()
         want = [(e, r - grid.expert_row_offset[e], tok_off[e], tok_off[e + 1] - tok_off[e])
@@ -200,9 +201,10 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
     moe.stage_inputs(xs2, idx2, ws2)
     for d in range(P):
         _, tensors, scalars = moe.launch_arguments(d)
-        assert tensors[4].shape[0] == scalars[1] + BLOCK_M and tensors[4].is_contiguous()
+        n_pool = int(tensors[12][1])
+        assert tensors[4].shape[0] == n_pool + BLOCK_M and tensors[4].is_contiguous()
         last = tensors[8][-1]  # the last expert with tokens ends the pool
-        assert int(last[2] + last[3]) == scalars[1] == permute_for_rank(idx2, ws2, d, E // P).src_rank.numel()
+        assert int(last[2] + last[3]) == n_pool == permute_for_rank(idx2, ws2, d, E // P).src_rank.numel()
 
 
 def test_bad_expert_id_rejected_with_one_readback():

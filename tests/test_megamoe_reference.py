@@ -211,7 +211,8 @@ def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
         check_launch_arguments(H, I, tensors)
         names = [n for n, _, _ in tensor_argument_spec(H, I)]
         t = dict(zip(names, tensors))
-        num_rows, n_pool = scalars[0], scalars[1]
+        num_rows, n_pool = t["mPlan"].tolist()
+        assert scalars == (128, k)  # max_tokens, topk
         assert t["mPoolX"].shape[0] >= n_pool + BLOCK_M  # padded M tiles
         assert t["mCounters"].numel() >= 2 + num_rows
         last = t["mRowRecord"][-1]  # (expert, block, first pool row, tokens): the last expert with tokens
