@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from . import quant, reference, torch_backend
-from .config import BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig
+from .config import BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
+from .device_plan import plan_on_device, plan_sizes
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
 from .shapes import MoEShape
 from xstage.world import make_world, single_process  # noqa: F401  (make_world: re-export for callers)
@@ -102,10 +103,19 @@ class MegaMoEBuffer:
         self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if w8a8 else None
         self.topk_idx = world.alloc((T, topk), torch.int64)
         self.topk_weights = world.alloc((T, topk), torch.float32)
-        self.combine = world.alloc((topk, T, hidden), dtype, remote=True)  # the Combine stores' destinations
+        # The Combine stores' destinations: [k, T, H] slots (combine_slots) plus one spare row, the
+        # target of the device-side path's zero fill of masked picks' slots (index_fill_ with a static
+        # index: every live pick that is not masked points at the spare row).
+        self.combine = world.alloc((topk * T + 1, hidden), dtype, remote=True)
         self.counters = {r: torch.zeros(num_counters, dtype=torch.int32, device=world.device)
                          for r in world.local_ranks}
         self.num_tokens = [0] * world.world_size
+
+    def combine_slots(self, r: int) -> torch.Tensor:
+        """Rank ``r``'s Combine slots ``[k, T, H]``: ``[pick, token]`` receives that pick's weighted
+        expert output (the kernel's stores; ``max_tokens`` is the pick stride)."""
+        k, T = self.topk, self.max_tokens
+        return self.combine.local(r)[: k * T].view(k, T, self.hidden)
 
 
 class MegaMoE:
@@ -167,12 +177,15 @@ class MegaMoE:
             raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank}: the fused kernel indexes the dispatched "
                              f"rows in 16-byte chunks with int32 ({self._max_pool_rows} rows x {hidden // 8} chunks "
                              f">= 2^31); lower max_tokens_per_rank")
-        # Worst-case scheduler rows of one rank: every pick of every source lands here, plus one
-        # partial row per local expert.
-        max_rows = -(-P * max_tokens_per_rank * min(topk, self.experts_per_rank) // (2 * BLOCK_M)) \
-            + self.experts_per_rank
+        # The device-side plan's launch: a fixed grid (the host cannot see the routing) and its static
+        # sizes; its worst-case scheduler rows also size the counter workspace of both paths.
+        self.device_ctas = max(2, num_sms - num_sms % 2)
+        self.device_plan_sizes = plan_sizes(P, max_tokens_per_rank, topk, self.experts_per_rank, block_m=BLOCK_M,
+                                            schedule=self.schedule, num_pairs=self.device_ctas // 2,
+                                            experts_per_wave=self.config.experts_per_wave)
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
-                                    num_counters=2 + 2 * max_rows, precision=self.config.precision)
+                                    num_counters=2 + 2 * self.device_plan_sizes.max_rows,
+                                    precision=self.config.precision)
         self.poison_combine = poison_combine
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
@@ -290,6 +303,26 @@ class MegaMoE:
         range of all ranks is checked with one device sync. In multi-process worlds the
         poison is written here, before the world barrier; in single-process worlds stream
         order suffices, so it is deferred to just before the launch (see ``_flush_poison``)."""
+        self._check_inputs(xs, idxs, ws, x_scales)
+        self._generation += 1  # the buffers change: any cached plan is stale
+        staged_idx = self._copy_inputs(xs, idxs, ws, x_scales)
+        # Expert ids in range before any launch: one read-back for every local rank.
+        buf, ranks = self.buffer, self.world.local_ranks
+        bounds = reference.routing_bounds(staged_idx)
+        for b in bounds:
+            reference.check_expert_range(b, self.num_experts)
+        for r, xr, b in zip(ranks, xs, bounds):
+            buf.num_tokens[r] = xr.shape[0]
+            self._masked[r] = b is not None and b[0] < 0
+        self._poison_pending = self.poison_combine
+        if not single_process(self.world):
+            self._flush_poison()
+            # Sources must have published x (and everyone poisoned) before any rank pulls
+            # x or stores into a peer's combine (kernel Dispatch / Combine).
+            self.world.barrier()
+
+    def _check_inputs(self, xs, idxs, ws, x_scales) -> None:
+        """Every check of the staged inputs that needs no device read (count, dtypes, shapes)."""
         ranks = self.world.local_ranks
         if not (len(xs) == len(idxs) == len(ws) == len(ranks)):
             raise ValueError(f"need one input per local rank ({len(ranks)}), got {len(xs)}/{len(idxs)}/{len(ws)}")
@@ -313,7 +346,12 @@ class MegaMoE:
                                  f"{x_scales[i].dtype} {tuple(x_scales[i].shape)}")
             if xr.shape[0] > buf.max_tokens:
                 raise ValueError(f"{xr.shape[0]} tokens > max_tokens_per_rank {buf.max_tokens}")
-        self._generation += 1  # the buffers change: any cached plan is stale
+
+    def _copy_inputs(self, xs, idxs, ws, x_scales) -> List[torch.Tensor]:
+        """Copy each rank's inputs into its symmetric buffers (skipping inputs that are those
+        buffers' leading rows; W8A8 quantizes bf16 x); returns the staged topk_idx views."""
+        buf, ranks = self.buffer, self.world.local_ranks
+        w8a8 = self.config.precision == "w8a8"
         staged_idx = []
         for i, (r, xr, ir, wr) in enumerate(zip(ranks, xs, idxs, ws)):
             T = xr.shape[0]
@@ -326,19 +364,7 @@ class MegaMoE:
                 if not _same_memory(dst, src):
                     dst.copy_(src)
             staged_idx.append(buf.topk_idx.local(r)[:T])
-        # Expert ids in range before any launch: one read-back for every local rank.
-        bounds = reference.routing_bounds(staged_idx)
-        for b in bounds:
-            reference.check_expert_range(b, self.num_experts)
-        for r, xr, b in zip(ranks, xs, bounds):
-            buf.num_tokens[r] = xr.shape[0]
-            self._masked[r] = b is not None and b[0] < 0
-        self._poison_pending = self.poison_combine
-        if not single_process(self.world):
-            self._flush_poison()
-            # Sources must have published x (and everyone poisoned) before any rank pulls
-            # x or stores into a peer's combine (kernel Dispatch / Combine).
-            self.world.barrier()
+        return staged_idx
 
     def _flush_poison(self) -> None:
         """NaN into the combine slots the reduction reads (``[:, :T]`` per local rank), once
@@ -346,7 +372,7 @@ class MegaMoE:
         if not self._poison_pending:
             return
         for r in self.world.local_ranks:
-            self.buffer.combine.local(r)[:, : self.buffer.num_tokens[r]].fill_(float("nan"))
+            self.buffer.combine_slots(r)[:, : self.buffer.num_tokens[r]].fill_(float("nan"))
         self._poison_pending = False
 
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
@@ -483,8 +509,6 @@ class MegaMoE:
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
                    self.w1[d], self.w2[d], records, sched_table, buf.counters[d],
                    trace, plan)
-        from .config import check_launch_arguments
-
         check_launch_arguments(self.hidden, self.intermediate, tensors)
         return num_ctas, tensors, (buf.max_tokens, self.topk)
 
@@ -494,8 +518,6 @@ class MegaMoE:
         if dev.type != "cuda":
             raise RuntimeError("backend='fused' needs a CUDA device")
         kernel = self._kernel()
-        if not hasattr(self, "_barrier_base"):
-            self._barrier_base = {r: 0 for r in self.world.local_ranks}
         ranks = self.world.local_ranks
         self.plan_rank(ranks[0])  # every local rank's plan: the one planning sync
         self._flush_poison()  # queued now: the fill overlaps the host work below
@@ -504,16 +526,12 @@ class MegaMoE:
             num_ctas, tensors, scalars = self.launch_arguments(d)
             launches.append((d, num_ctas, tensors + scalars))
         # ... then every rank's kernel back to back, timed with CUDA events (kernel-only time).
+        self._zero_barrier_counters()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for d, num_ctas, args in launches:
-            kernel(*args, self._barrier_base[d], num_ctas)
-            self._barrier_base[d] += 2 * num_ctas
+        for _, num_ctas, args in launches:
+            kernel(*args, 0, num_ctas)  # barrier_base 0: the counter was zeroed above
         end.record()
-        for d, _, args in launches:
-            if self._barrier_base[d] > 2 ** 30:  # keep the int32 barrier counter far from overflow
-                self.buffer.counters[d][1:2].zero_()  # stream-ordered after this call's kernel
-                self._barrier_base[d] = 0
         buf = self.buffer
         single = single_process(self.world)
         # Single process: the reductions are stream-ordered after every rank's kernel, so they
@@ -522,25 +540,146 @@ class MegaMoE:
         words = buf.counters[ranks[0]][:1] if len(ranks) == 1 else torch.cat([buf.counters[d][:1] for d in ranks])
         errors = words.tolist()  # the one post-launch sync (waits for kernels and reductions)
         self.last_kernel_us = start.elapsed_time(end) * 1e3
-        from xstage.device import raise_on_device_error
-
-        for d, code in zip(ranks, errors):
-            if code != 0:
-                # The counter state is unusable after a timeout: reset it, then raise.
-                for r in ranks:
-                    buf.counters[r].zero_()
-                    self._barrier_base[r] = 0
-                raise_on_device_error(code, f"MegaMoESm90 rank {d}")
+        self._raise_device_errors(errors)
         if not single:
             self.world.barrier()  # every peer's Combine stores into our slots are complete
             ys = [self.reduce_rank(r) for r in ranks]
         return ys
 
+    def _zero_barrier_counters(self) -> None:
+        """The grid-barrier counter of every local rank to 0 before its launch, which then passes
+        barrier_base 0: one small memset per rank and call, and nothing the host must remember
+        between calls (a captured graph replays the same arguments)."""
+        for r in self.world.local_ranks:
+            self.buffer.counters[r][1:2].zero_()
+
+    def _raise_device_errors(self, errors: Sequence[int]) -> None:
+        """DeviceError for the first non-zero error word of ``errors`` (one per local rank); the
+        counter state is unusable after a timeout, so every rank's workspace is reset first."""
+        from xstage.device import raise_on_device_error
+
+        for d, code in zip(self.world.local_ranks, errors):
+            if code != 0:
+                for r in self.world.local_ranks:
+                    self.buffer.counters[r].zero_()
+                raise_on_device_error(code, f"MegaMoESm90 rank {d}")
+
+    def check(self) -> None:
+        """Raise the device errors of the calls since the last check (:meth:`enqueue`, graph
+        replays): a timed-out wait in the kernel, an expert id out of range found by the device-side
+        plan (:data:`xstage.device.ERR_ROUTING`). Reads every local rank's error word: one device
+        sync, so call it outside the hot path (after a step, in a debug mode)."""
+        ranks = self.world.local_ranks
+        self._raise_device_errors(torch.cat([self.buffer.counters[d][:1] for d in ranks]).tolist())
+
+    # -- the device-side plan: no host sync, CUDA-graph capturable ----------------------
+    def enqueue(self, x, topk_idx, topk_weights) -> List[torch.Tensor]:
+        """:meth:`forward` without a host sync: stage the inputs, plan every rank on the device
+        (:func:`~megamoe_interleave.device_plan.plan_on_device`), launch the fused kernels on a
+        fixed grid of ``device_ctas`` CTAs, reduce. Only enqueues work on the current stream, so
+        it can be captured in a CUDA graph (:meth:`capture`). Input checks that need no device
+        read run first; an expert id out of range and a timed-out wait go to the error word, raised
+        by :meth:`check`. Returns y per local rank (valid once the stream reaches it).
+
+        Single-process worlds (loopback, loopback+host, host), bf16, ``trace`` off."""
+        if self.backend != "fused":
+            raise ValueError("enqueue() launches the fused kernel: backend='fused' only")
+        if not single_process(self.world):
+            raise NotImplementedError("the device-side plan reads every source's routing in one process; "
+                                      "multi-process worlds (torch-symm, nvshmem) use forward()")
+        if self.config.precision != "bf16" or self.config.trace:
+            raise NotImplementedError("enqueue() runs the bf16 kernel without the per-tile trace")
+        if self.world.device.type != "cuda":
+            raise RuntimeError("backend='fused' needs a CUDA device")
+        xs, idxs, ws = self._as_rank_list(x), self._as_rank_list(topk_idx), self._as_rank_list(topk_weights)
+        self._check_inputs(xs, idxs, ws, None)
+        self._copy_inputs(xs, idxs, ws, None)
+        buf, ranks = self.buffer, self.world.local_ranks
+        counts = tuple(xr.shape[0] for xr in xs)
+        for r, T in zip(ranks, counts):
+            buf.num_tokens[r] = T
+        self._generation += 1  # the host plan cache (forward / rerun) no longer matches the buffers
+        P = self.world.world_size
+        idx_all = torch.stack([buf.topk_idx.local(s) for s in range(P)])
+        w_all = torch.stack([buf.topk_weights.local(s) for s in range(P)])
+        num_tokens = self._device_token_counts(counts)
+        self._prepare_combine_slots(idx_all, num_tokens)
+        kernel = self._kernel()
+        args = [self.device_launch_arguments(d, idx_all, w_all, num_tokens) for d in ranks]
+        self._zero_barrier_counters()
+        for a in args:
+            kernel(*a, buf.max_tokens, self.topk, 0, self.device_ctas)
+        return [self.buffer.combine_slots(r)[:, :T].sum(0, dtype=torch.float32).to(buf.dtype)
+                for r, T in zip(ranks, counts)]  # masked slots were zeroed: no mask
+
+    def _device_token_counts(self, counts) -> torch.Tensor:
+        """int64 [P] tokens per rank on the device, one tensor per distinct ``counts`` (kept, so
+        a captured graph's copy stays valid and repeated calls need no upload)."""
+        cache = self.__dict__.setdefault("_token_counts", {})
+        if counts not in cache:
+            host = torch.tensor(counts, dtype=torch.int64)
+            cache[counts] = host.pin_memory().to(self.world.device, non_blocking=True)
+        return cache[counts]
+
+    def _prepare_combine_slots(self, idx_all: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Before the kernels: poison every read slot (``poison_combine``), zero the slots of masked
+        picks (the kernel never writes them; the reduction then needs no mask) and OR
+        ERR_ROUTING into every rank's error word if a live pick's expert id is out of [-1, E)."""
+        from xstage.device import ERR_ROUTING
+
+        buf, k, Tm = self.buffer, self.topk, self.buffer.max_tokens
+        live = torch.arange(Tm, device=idx_all.device)[None, :, None] < num_tokens[:, None, None]
+        bad = (live & ((idx_all < -1) | (idx_all >= self.num_experts))).any()
+        code = bad.to(torch.int32) * ERR_ROUTING
+        slot = (torch.arange(k, device=idx_all.device) * Tm)[None, :] + torch.arange(Tm, device=idx_all.device)[:, None]
+        for r in self.world.local_ranks:
+            T = buf.num_tokens[r]
+            if self.poison_combine:
+                buf.combine_slots(r)[:, :T].fill_(float("nan"))
+            unwritten = (idx_all[r, :T] < 0) | (idx_all[r, :T] >= self.num_experts)
+            rows = torch.where(unwritten, slot[:T], k * Tm).reshape(-1)  # k * Tm: the spare row
+            buf.combine.local(r).index_fill_(0, rows, 0.0)
+            buf.counters[r][:1].bitwise_or_(code)
+
+    def device_launch_arguments(self, d: int, idx_all: torch.Tensor, w_all: torch.Tensor,
+                                num_tokens: torch.Tensor):
+        """The kernel's tensor arguments for rank ``d`` from the device-side plan of every source's
+        routing (``idx_all`` / ``w_all`` [P, max_tokens, k], ``num_tokens`` [P], on the device):
+        static shapes, ``pool_x`` / ``h`` scratch of the worst case kept per rank (never regrown,
+        so a captured graph's pointers stay valid). Works on any device (CPU tests)."""
+        buf, sizes = self.buffer, self.device_plan_sizes
+        plan = plan_on_device(idx_all, w_all, num_tokens, d, experts_per_rank=self.experts_per_rank, block_m=BLOCK_M,
+                              schedule=self.schedule, num_pairs=self.device_ctas // 2,
+                              pairs_l1=2 * self.intermediate // self.block_n, pairs_l2=self.hidden // self.block_n,
+                              hidden=self.hidden, intermediate=self.intermediate,
+                              experts_per_wave=self.config.experts_per_wave)
+        scratch = self.__dict__.setdefault("_device_scratch", {})
+        if d not in scratch:
+            n_pad = sizes.max_pool + BLOCK_M
+            dev = self.world.device
+            scratch[d] = (torch.empty(n_pad, self.hidden, dtype=buf.dtype, device=dev),
+                          torch.empty(n_pad, self.intermediate, dtype=buf.dtype, device=dev),
+                          torch.zeros(1, 1, len(TRACE_FIELDS), dtype=torch.int64, device=dev))  # trace: unused
+        pool_x, h, no_trace = scratch[d]
+        sizes_on_device = torch.stack([plan.num_rows, plan.n_pool])  # mPlan
+        tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), plan.pool_src, plan.pool_weight, pool_x, h, self.w1[d], self.w2[d], plan.row_record, plan.schedule_table, buf.counters[d],
+                   no_trace, sizes_on_device)
+        check_launch_arguments(self.hidden, self.intermediate, tensors)
+        return tensors
+
+    def capture(self, num_tokens, *, warmup: int = 1):
+        """A CUDA graph of the whole layer (input staging, device-side plan, kernels, reduction) for
+        ``num_tokens`` tokens per local rank (an int: every rank): see
+        :class:`~megamoe_interleave.graph.MegaMoEGraph`."""
+        from .graph import MegaMoEGraph
+
+        return MegaMoEGraph(self, num_tokens, warmup=warmup)
+
     def reduce_rank(self, r: int) -> torch.Tensor:
         """y of local rank ``r``: the weighted top-k sum of its Combine slots (the last step of
         ``forward``; valid once every rank's Combine stores are visible)."""
         T = self.buffer.num_tokens[r]
-        combine = self.buffer.combine.local(r)[:, :T]
+        combine = self.buffer.combine_slots(r)[:, :T]
         idx = self.buffer.topk_idx.local(r)[:T]
         return reference.weighted_combine(combine, idx, any_masked=self._masked.get(r, True))
 

@@ -42,7 +42,7 @@ def run_dataflow(moe) -> None:
                                                    moe.w2[d].transpose(1, 2))
         for s in range(P):
             sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]
-            buf.combine.local(s)[perm.src_pick[sel].to(dev), perm.src_token[sel].to(dev)] = out[sel.to(dev)]
+            buf.combine_slots(s)[perm.src_pick[sel].to(dev), perm.src_token[sel].to(dev)] = out[sel.to(dev)]
 
 
 def gate_up_w1_t(w1_il):

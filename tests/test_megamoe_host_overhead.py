@@ -110,7 +110,7 @@ def test_torch_backend_poison_flag_and_zero_copy_staging(poison):
     moe.stage_inputs(xs, idx, w)
     moe._flush_poison()
     for r, x in enumerate(xs):
-        c = moe.buffer.combine.local(r)
+        c = moe.buffer.combine_slots(r)
         assert bool(c[:, : x.shape[0]].isnan().all()) == poison
         assert bool((c[:, x.shape[0]:] == 7.0).all())
     # Inputs that already live in the symmetric buffers are used in place (no copy).

@@ -66,6 +66,7 @@ __all__ = [
     "ERR_SPIN_TIMEOUT",
     "ERR_BARRIER_TIMEOUT",
     "ERR_MBARRIER_TIMEOUT",
+    "ERR_ROUTING",
     "peer_address",
     "store_v4",
     "store_v4_to_peer",
@@ -100,6 +101,7 @@ STORE_CACHE_HINTS = (None, "cs", "no_allocate")
 ERR_SPIN_TIMEOUT = 1
 ERR_BARRIER_TIMEOUT = 2
 ERR_MBARRIER_TIMEOUT = 4
+ERR_ROUTING = 8  # set by torch ops before a launch (MegaMoE's device-side plan), not by a spin
 
 
 class DeviceError(RuntimeError):
@@ -110,6 +112,7 @@ _ERROR_NAMES = {
     ERR_SPIN_TIMEOUT: "bounded spin-wait timed out (a flag never reached its target)",
     ERR_BARRIER_TIMEOUT: "grid barrier timed out (CTAs not co-resident, or a producer stalled)",
     ERR_MBARRIER_TIMEOUT: "shared-memory mbarrier wait timed out (a pipeline stage was never filled or released)",
+    ERR_ROUTING: "an expert id outside [-1, num_experts) in topk_idx (the pick was dropped; its output is invalid)",
 }
 
 

@@ -1,0 +1,155 @@
+"""The MegaMoE layer as a serving stack runs it: one CUDA-graph replay of
+:meth:`MegaMoE.capture` (staging, device-side plan, kernels, reduction) against the fused kernels'
+own time, the eager calls, and the two grouped GEMMs alone / the unfused torch pipeline, paired
+and clock-matched; small batches (decode-like) as first-class points. The library part of
+``scripts/bench_megamoe_graph.py``.
+
+Per (shape, routing, P, tokens per rank), in one paired run (:func:`xstage.bench.paired_trials`,
+baseline "fused kernels"):
+
+* ``graph replay``: ``layer.replay()`` between two CUDA events (the whole layer, every rank);
+* ``fused kernels``: the fused kernels of every rank alone (``MegaMoE.rerun``'s
+  ``last_kernel_us``: events around the back-to-back launches, host-planned);
+* ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`megamoe_interleave.bench`.
+
+Outside the paired run: the eager ``enqueue`` and ``forward`` (CUDA events around one call:
+``forward`` includes its host planning and syncs), and a profiler trace of one replay whose CUDA
+runtime calls are recorded (a replay must be one ``cudaGraphLaunch``, no synchronisation).
+Before timing, the replay's y is checked bitwise against ``forward``'s and against the unfused
+pipeline (:func:`bench.check_against`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from xstage import bench, timing
+
+from .bench import build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from .reference import unfused_pipeline
+from .shapes import get_shape
+
+BASELINE = "fused kernels"
+SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that would block the host
+
+
+def replay_runtime_calls(layer) -> list:
+    """The CUDA runtime calls of one ``layer.replay()`` under torch.profiler: [(name, count)]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        layer.replay()
+    torch.cuda.synchronize()
+    names = {}
+    for e in prof.events():
+        if e.name.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CPU:
+            names[e.name] = names.get(e.name, 0) + 1
+    return sorted(names.items())
+
+
+def run_case(shape, kind, P, tokens, args) -> dict:
+    """One case: {"paired": the paired row, "eager_us": {...}, "replay_runtime_calls": [...],
+    "checks": {...}}."""
+    w1, w2, xs, idx, wts = make_problem(shape, kind, P, tokens, args.strength)
+    (w1_t, w2_t), gemms_only = grouped_gemms(shape, P, w1, w2, idx, wts)
+    refs = unfused_pipeline(xs, idx, wts, w1_t, w2_t)
+    moe = build_moe(shape, P, tokens, None, w1, w2, world=args.world, poison_combine=False)
+    layer = moe.capture(tokens)
+    for r in range(P):
+        layer.x[r].copy_(xs[r]), layer.topk_idx[r].copy_(idx[r]), layer.topk_weights[r].copy_(wts[r])
+    ys = [y.clone() for y in layer.replay()]
+    layer.check()
+    check_against(ys, refs, "graph replay")
+    eager = moe.forward(xs, idx, wts)  # the host-planned call (and the plan rerun() repeats)
+    bitwise = all(torch.equal(a, b) for a, b in zip(ys, eager))
+    if not bitwise:
+        raise RuntimeError(f"{shape.name} P={P} T={tokens}: graph replay y != forward y")
+    del refs, eager
+    calls = replay_runtime_calls(layer)
+    blocking = [n for n, _ in calls if any(s in n for s in SYNC_CALLS)]
+    fns = {BASELINE: kernel_time_call(moe, rerun=True), "graph replay": bench.event_timed(layer.replay),
+           "grouped_mm x2 only": bench.event_timed(gemms_only),
+           "unfused torch pipeline": bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t))}
+    fns[BASELINE]()  # warm-up of the rerun path
+    samples, clocks = bench.paired_trials(fns, args.trials, args.cooldown_s)
+    case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
+    paired_row = dict(case, **bench.paired_verdicts(samples, clocks, BASELINE, args.clock_tol_mhz))
+    bench.print_paired(paired_row, label=f"{shape.name}, P={P}, T={tokens}")
+    eager_us = {}
+    for name, fn in (("eager enqueue", lambda: moe.enqueue(layer.x, layer.topk_idx, layer.topk_weights)),
+                     ("eager forward", lambda: moe.forward(xs, idx, wts))):
+        eager_us[name] = timing.bench(fn, warmup=1, iters=1, trials=args.trials).median_us
+    layer.check()
+    print(f"  eager enqueue {eager_us['eager enqueue']:.1f} us, eager forward {eager_us['eager forward']:.1f} us; "
+          f"replay runtime calls: {calls}", flush=True)
+    return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls,
+                checks=dict(replay_equals_forward_bitwise=bitwise, replay_blocking_calls=blocking,
+                            device_ctas=moe.device_ctas))
+
+
+def summary_rows(results) -> list:
+    """One row per case: medians of every variant at the reference clock, the layer's overhead
+    over the kernels (graph replay / fused kernels) and against the baselines."""
+    rows = []
+    for res in results:
+        p = res["paired"]
+        v = p["variants"]
+        med = {k: x.get("median_us") for k, x in v.items()}
+        row = {k: p[k] for k in ("shape", "routing", "world", "P", "tokens_per_rank")}
+        row.update(fused_kernels_us=v["graph replay"].get("baseline_median_us"), graph_replay_us=med["graph replay"],
+                   replay_over_kernels=v["graph replay"].get("median_ratio"),
+                   grouped_mm_us=med["grouped_mm x2 only"], unfused_us=med["unfused torch pipeline"],
+                   eager_enqueue_us=round(res["eager_us"]["eager enqueue"], 1),
+                   eager_forward_us=round(res["eager_us"]["eager forward"], 1),
+                   n_matched=v["graph replay"]["n_matched"],
+                   replay_blocking_calls=";".join(res["checks"]["replay_blocking_calls"]) or "none")
+        if med["graph replay"] and med["grouped_mm x2 only"]:
+            row["replay_over_grouped_mm"] = round(med["graph replay"] / med["grouped_mm x2 only"], 4)
+            row["replay_over_unfused"] = round(med["graph replay"] / med["unfused torch pipeline"], 4)
+        rows.append(row)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
+    ap.add_argument("--routing", nargs="+", default=["balanced"])
+    ap.add_argument("--strength", type=float, default=1.0)
+    ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 8192])
+    ap.add_argument("--world", default="loopback")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--cooldown-s", type=float, default=0.0)
+    ap.add_argument("--clock-tol-mhz", type=float, default=30.0)
+    ap.add_argument("--out", default="results/h200/megamoe/graph")
+    ap.add_argument("--tag", default="")
+    return ap
+
+
+def main(argv=None):
+    """bench_megamoe_graph{tag}.json (everything, with provenance), .csv (the summary rows) and
+    _paired.csv under ``--out``."""
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    cases = [(get_shape(s), kind, P, T) for s in args.shape for kind in args.routing for P in args.P
+             for T in args.tokens]
+    results = []
+    for case in bench.progress(cases, desc="graph cases"):
+        results.append(run_case(*case, args))
+        torch.cuda.empty_cache()
+    stem = f"bench_megamoe_graph{args.tag}"
+    bench.write_csv(os.path.join(args.out, f"{stem}_paired.csv"), bench.paired_table([r["paired"] for r in results]))
+    rows = summary_rows(results)
+    bench.write_result(args.out, stem, {"args": vars(args), "cases": results, "summary": rows}, rows)
+    for row in rows:
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

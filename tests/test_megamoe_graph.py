@@ -1,0 +1,215 @@
+"""MegaMoE without host syncs: the device-side plan's launch arguments and Combine-slot preparation
+on the CPU; on a GPU, ``enqueue`` under torch's sync debug mode, a captured graph replayed 100 times
+with fresh routing against eager ``forward`` (bitwise) and the fp32 reference, and ``check()``."""
+import dataclasses
+
+import pytest
+import torch
+
+from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
+from megamoe_interleave.config import BLOCK_M, check_launch_arguments, tensor_argument_spec
+from megamoe_interleave.routing import make_routing
+from megamoe_interleave.scheduler import balanced_l2_start, schedule_table
+
+E, H, I = 16, 256, 128
+
+
+def _routing(tokens, k, mask, seed, kind="skewed"):
+    routes = [make_routing(kind, t, E, k, seed=seed * 31 + r, mask_ratio=mask, strength=2.0)
+              for r, t in enumerate(tokens)]
+    return [r[0] for r in routes], [r[1] for r in routes]
+
+
+def _weights(seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    return w1.to(device), w2.to(device)
+
+
+def _moe(P, k, schedule, *, world="loopback", device="cpu", max_tokens=256, **kw):
+    return MegaMoE(make_world(world, world_size=P, device=device), E, H, I, k, max_tokens,
+                   MegaMoEConfig(schedule, **kw), backend="fused")
+
+
+def _stacked(moe):
+    buf, P = moe.buffer, moe.world.world_size
+    return (torch.stack([buf.topk_idx.local(s) for s in range(P)]),
+            torch.stack([buf.topk_weights.local(s) for s in range(P)]),
+            torch.tensor(buf.num_tokens, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
+def test_device_launch_arguments_are_the_host_plans(schedule):
+    """Same pool, weights, row records and sizes as the host planner (the schedule table at the
+    fixed grid's pair count), in the kernel's signature, on the CPU."""
+    P, k, tokens = 4, 6, [200, 0, 77, 256]
+    w1, w2 = _weights(0)
+    idx, w = _routing(tokens, k, 0.1, seed=1)
+    moe = _moe(P, k, schedule)
+    moe.load_weights(w1, w2)
+    moe.stage_inputs([torch.randn(t, H).bfloat16() for t in tokens], idx, w)
+    names = [n for n, _, _ in tensor_argument_spec(H, I)]
+    for d in range(P):
+        dev = dict(zip(names, moe.device_launch_arguments(d, *_stacked(moe))))
+        _, host_tensors, _ = moe.launch_arguments(d)
+        host = dict(zip(names, host_tensors))
+        perm, grid = moe.plan_rank(d)
+        n = perm.src_rank.numel()
+        assert dev["mPlan"].tolist() == host["mPlan"].tolist() == [grid.num_rows, n]
+        assert torch.equal(dev["mPoolSrc"][:n], host["mPoolSrc"][:n]) and not dev["mPoolSrc"][n:].any()
+        assert torch.equal(dev["mPoolWeight"][:n], host["mPoolWeight"][:n])
+        assert torch.equal(dev["mRowRecord"][: grid.num_rows], host["mRowRecord"][: grid.num_rows])
+        fixed = grid
+        if moe.schedule.balance_l2:
+            fixed = dataclasses.replace(grid, l2_start=balanced_l2_start(
+                grid, moe.device_ctas // 2, block_m=BLOCK_M, hidden=H, intermediate=I))
+        assert dev["mScheduleTable"].tolist() == list(schedule_table(moe.schedule, fixed))
+        assert dev["mPoolX"].shape[0] == moe.device_plan_sizes.max_pool + BLOCK_M
+        assert dev["mCounters"].numel() >= 2 + 2 * moe.device_plan_sizes.max_rows
+        check_launch_arguments(H, I, tuple(dev.values()))
+    # The worst-case scratch is kept: a second plan reuses the same pointers (graph replays).
+    again = moe.device_launch_arguments(P - 1, *_stacked(moe))
+    assert again[4].data_ptr() == dev["mPoolX"].data_ptr() and again[5].data_ptr() == dev["mH"].data_ptr()
+
+
+def test_combine_slot_preparation_zeroes_masked_picks_and_flags_bad_ids():
+    """Poison on the read slots, zeros on masked picks' slots (so the plain sum equals the masked
+    reduction bitwise), the spare row untouched as a target only, ERR_ROUTING for a live
+    out-of-range id and none for a stale one past num_tokens."""
+    from megamoe_interleave.reference import weighted_combine
+    from xstage.device import ERR_ROUTING
+
+    P, k, tokens = 2, 4, [50, 31]
+    w1, w2 = _weights(1)
+    idx, w = _routing(tokens, k, 0.3, seed=2)
+    moe = _moe(P, k, "interleaved")
+    moe.load_weights(w1, w2)
+    moe.stage_inputs([torch.randn(t, H).bfloat16() for t in tokens], idx, w)
+    buf = moe.buffer
+    for r in range(P):
+        buf.combine.local(r).normal_()
+    values = [buf.combine_slots(r).clone() for r in range(P)]
+    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    for r, T in enumerate(tokens):
+        slots = buf.combine_slots(r)
+        masked = (idx[r] < 0).t()
+        assert bool(slots[:, :T].isnan()[~masked].all())  # poisoned: every written slot
+        assert not slots[:, :T][masked].any()  # zeroed: every masked one
+        assert torch.equal(slots[:, T:], values[r][:, T:])
+        assert int(buf.counters[r][0]) == 0
+    # The plain sum of prepared slots is the masked reduction of the same values, bit for bit.
+    moe.poison_combine = False
+    for r in range(P):
+        buf.combine_slots(r).copy_(values[r])
+    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    for r, T in enumerate(tokens):
+        want = weighted_combine(values[r][:, :T], idx[r], any_masked=True)
+        assert torch.equal(buf.combine_slots(r)[:, :T].sum(0, dtype=torch.float32).bfloat16(), want)
+    # A live id out of range sets the error word of every rank; a stale one past T does not.
+    buf.topk_idx.local(1)[tokens[1]:] = E + 3
+    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    assert [int(buf.counters[r][0]) for r in range(P)] == [0, 0]
+    buf.topk_idx.local(1)[3, 1] = E
+    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    assert [int(buf.counters[r][0]) for r in range(P)] == [ERR_ROUTING] * 2
+    with pytest.raises(RuntimeError, match="expert id outside"):
+        moe.check()
+    assert [int(buf.counters[r][0]) for r in range(P)] == [0, 0]  # check() resets after raising
+
+
+def test_enqueue_and_capture_refuse_what_they_cannot_run():
+    w1, w2 = _weights(2)
+    moe = _moe(1, 2, "interleaved", trace=True)
+    moe.load_weights(w1, w2)
+    x, (idx,), (w,) = torch.randn(8, H).bfloat16(), *_routing([8], 2, 0.0, seed=3)
+    with pytest.raises(NotImplementedError, match="trace"):
+        moe.enqueue(x, idx, w)
+    torch_moe = MegaMoE(make_world("loopback", world_size=1, device="cpu"), E, H, I, 2, 16, backend="torch")
+    with pytest.raises(ValueError, match="fused"):
+        torch_moe.enqueue(x, idx, w)
+    with pytest.raises(ValueError, match="CUDA"):
+        torch_moe.capture(8)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+def _fresh_inputs(g, layer, k, step):
+    """New tokens and routing written in place into the graph's inputs: skewed or balanced,
+    masked picks on some steps, one rank's routing sent to a few experts (zero-token experts)."""
+    out = []
+    for r, (x, idx, w) in enumerate(zip(layer.x, layer.topk_idx, layer.topk_weights)):
+        T = x.shape[0]
+        new_idx, new_w = make_routing("skewed" if step % 2 else "balanced", T, E, k, seed=step * 97 + r,
+                                      mask_ratio=0.2 if step % 3 == 0 else 0.0, strength=2.0)
+        if step % 5 == 0:
+            new_idx = torch.where(new_idx >= 0, new_idx % 3, new_idx)  # experts 3.. get no token
+        x.copy_(torch.randn(T, H, generator=g).bfloat16())
+        idx.copy_(new_idx)
+        w.copy_(new_w)
+        out.append((x.clone(), new_idx.cuda(), new_w.cuda()))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P,world,schedule", [(1, "loopback", "interleaved"), (2, "loopback", "expert_wave"),
+                                              (4, "loopback", "interleaved"), (8, "loopback", "interleaved"),
+                                              (2, "host", "interleaved")])
+def test_graph_replays_equal_eager_forward_and_reference(P, world, schedule):
+    """100 replays, fresh routing each: y bitwise equal to eager forward (host-planned launch) of
+    the same inputs, every 10th also against the fp32 reference; no device error."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    k = 4
+    w1, w2 = _weights(3, "cuda")
+    eager = _moe(P, k, schedule, world=world, device="cuda")
+    eager.load_weights(w1, w2)
+    moe = _moe(P, k, schedule, world=world, device="cuda")
+    moe.load_weights(w1, w2)
+    tokens = [200, 37, 256, 1, 129, 64, 255, 100][:P]
+    layer = moe.capture(tokens)
+    g = torch.Generator().manual_seed(4)
+    for step in range(100):
+        inputs = _fresh_inputs(g, layer, k, step)
+        ys = [y.clone() for y in layer.replay()]
+        xs, idx, w = (list(v) for v in zip(*inputs))
+        want = eager.forward(xs, idx, w)
+        for r, (a, b) in enumerate(zip(ys, want)):
+            assert torch.equal(a, b), f"step {step}, rank {r}: replay != eager forward"
+        if step % 10 == 0:
+            for y, ref in zip(ys, reference_moe_fp32(xs, idx, w, w1, w2)):
+                assert torch.isfinite(y).all()
+                assert (y.float() - ref).abs().max().item() <= 0.02 + 0.02 * ref.abs().max().item()
+    layer.check()
+
+
+@pytest.mark.gpu
+def test_enqueue_needs_no_host_sync_and_check_raises_bad_ids():
+    """enqueue under torch's sync debug mode ("error"), y equal to forward's; an out-of-range id
+    raises at check(), not at the call."""
+    k, tokens = 4, [256, 90]
+    w1, w2 = _weights(5, "cuda")
+    moe = _moe(2, k, "interleaved", device="cuda")
+    moe.load_weights(w1, w2)
+    idx, w = _routing(tokens, k, 0.1, seed=6)
+    idx, w = [i.cuda() for i in idx], [v.cuda() for v in w]
+    xs = [torch.randn(t, H, device="cuda").bfloat16() for t in tokens]
+    want = [y.clone() for y in moe.forward(xs, idx, w)]
+    moe.enqueue(xs, idx, w)  # first call: compile, scratch, token-count upload
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ys = moe.enqueue(xs, idx, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(ys, want):
+        assert torch.equal(a, b)
+    moe.check()
+    bad = [i.clone() for i in idx]
+    bad[1][5, 0] = E
+    moe.enqueue(xs, bad, w)  # no raise here: nothing is read back
+    with pytest.raises(RuntimeError, match="expert id outside"):
+        moe.check()
+    for a, b in zip(moe.enqueue(xs, idx, w), want):  # clean again after check()
+        assert torch.equal(a, b)
+    moe.check()
