@@ -103,9 +103,8 @@ class MegaMoEBuffer:
         self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if w8a8 else None
         self.topk_idx = world.alloc((T, topk), torch.int64)
         self.topk_weights = world.alloc((T, topk), torch.float32)
-        # The Combine stores' destinations: [k, T, H] slots (combine_slots) plus one spare row, the
-        # target of the device-side path's zero fill of masked picks' slots (index_fill_ with a static
-        # index: every live pick that is not masked points at the spare row).
+        # The Combine stores' destinations: [k, T, H] slots (combine_slots) plus one padding row,
+        # where the reduction's masked picks point (reference.topk_reduce: never read).
         self.combine = world.alloc((topk * T + 1, hidden), dtype, remote=True)
         self.counters = {r: torch.zeros(num_counters, dtype=torch.int32, device=world.device)
                          for r in world.local_ranks}
@@ -192,7 +191,6 @@ class MegaMoE:
         self._scratch = {}  # rank -> {name: flat device tensor}, reused across calls (see _scratch_rows)
         self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
         self._plans = (-1, {})  # (generation, {rank: (Permutation, RowGrid)})
-        self._masked = {}  # rank -> whether any pick of its staged routing is -1
         self._poison_pending = False
         self.w1 = {}
         self.w2 = {}
@@ -311,9 +309,8 @@ class MegaMoE:
         bounds = reference.routing_bounds(staged_idx)
         for b in bounds:
             reference.check_expert_range(b, self.num_experts)
-        for r, xr, b in zip(ranks, xs, bounds):
+        for r, xr in zip(ranks, xs):
             buf.num_tokens[r] = xr.shape[0]
-            self._masked[r] = b is not None and b[0] < 0
         self._poison_pending = self.poison_combine
         if not single_process(self.world):
             self._flush_poison()
@@ -609,8 +606,7 @@ class MegaMoE:
         self._zero_barrier_counters()
         for a in args:
             kernel(*a, buf.max_tokens, self.topk, 0, self.device_ctas)
-        return [self.buffer.combine_slots(r)[:, :T].sum(0, dtype=torch.float32).to(buf.dtype)
-                for r, T in zip(ranks, counts)]  # masked slots were zeroed: no mask
+        return [self.reduce_rank(r) for r in ranks]
 
     def _device_token_counts(self, counts) -> torch.Tensor:
         """int64 [P] tokens per rank on the device, one tensor per distinct ``counts`` (kept, so
@@ -622,23 +618,18 @@ class MegaMoE:
         return cache[counts]
 
     def _prepare_combine_slots(self, idx_all: torch.Tensor, num_tokens: torch.Tensor) -> None:
-        """Before the kernels: poison every read slot (``poison_combine``), zero the slots of masked
-        picks (the kernel never writes them; the reduction then needs no mask) and OR
-        ERR_ROUTING into every rank's error word if a live pick's expert id is out of [-1, E)."""
+        """Before the kernels: poison every read slot (``poison_combine``) and OR ERR_ROUTING into
+        every rank's error word if a live pick's expert id is outside [-1, E) (such a pick is
+        dropped by the plan and skipped by the reduction, like a masked one)."""
         from xstage.device import ERR_ROUTING
 
-        buf, k, Tm = self.buffer, self.topk, self.buffer.max_tokens
-        live = torch.arange(Tm, device=idx_all.device)[None, :, None] < num_tokens[:, None, None]
+        buf = self.buffer
+        live = torch.arange(buf.max_tokens, device=idx_all.device)[None, :, None] < num_tokens[:, None, None]
         bad = (live & ((idx_all < -1) | (idx_all >= self.num_experts))).any()
         code = bad.to(torch.int32) * ERR_ROUTING
-        slot = (torch.arange(k, device=idx_all.device) * Tm)[None, :] + torch.arange(Tm, device=idx_all.device)[:, None]
         for r in self.world.local_ranks:
-            T = buf.num_tokens[r]
             if self.poison_combine:
-                buf.combine_slots(r)[:, :T].fill_(float("nan"))
-            unwritten = (idx_all[r, :T] < 0) | (idx_all[r, :T] >= self.num_experts)
-            rows = torch.where(unwritten, slot[:T], k * Tm).reshape(-1)  # k * Tm: the spare row
-            buf.combine.local(r).index_fill_(0, rows, 0.0)
+                buf.combine_slots(r)[:, : buf.num_tokens[r]].fill_(float("nan"))
             buf.counters[r][:1].bitwise_or_(code)
 
     def device_launch_arguments(self, d: int, idx_all: torch.Tensor, w_all: torch.Tensor,
@@ -677,11 +668,12 @@ class MegaMoE:
 
     def reduce_rank(self, r: int) -> torch.Tensor:
         """y of local rank ``r``: the weighted top-k sum of its Combine slots (the last step of
-        ``forward``; valid once every rank's Combine stores are visible)."""
-        T = self.buffer.num_tokens[r]
-        combine = self.buffer.combine_slots(r)[:, :T]
-        idx = self.buffer.topk_idx.local(r)[:T]
-        return reference.weighted_combine(combine, idx, any_masked=self._masked.get(r, True))
+        ``forward``; valid once every rank's Combine stores are visible): one
+        :func:`reference.topk_reduce` over the slots, masked picks skipped unread."""
+        buf = self.buffer
+        T = buf.num_tokens[r]
+        rows = reference.slot_rows(buf.topk_idx.local(r)[:T], buf.max_tokens, self.num_experts)
+        return reference.topk_reduce(buf.combine.local(r), rows)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

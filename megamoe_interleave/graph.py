@@ -12,8 +12,8 @@
     layer.check()                                        # device errors of the replays (one sync)
 
 What is captured is :meth:`MegaMoE.enqueue` on the symmetric buffers' leading rows (so its input
-copies are skipped): the Combine-slot preparation (poison when ``poison_combine``, masked picks'
-slots zeroed, the expert-id range check into the error word), the device-side plan of every rank,
+copies are skipped): the Combine-slot preparation (poison when ``poison_combine``, the expert-id
+range check into the error word), the device-side plan of every rank,
 the fused kernels on the fixed grid, the top-k reduction. Nothing is read back; the outputs are
 overwritten by the next replay (clone what must outlive it).
 """
@@ -32,7 +32,7 @@ class MegaMoEGraph:
 
     ``x`` / ``topk_idx`` / ``topk_weights``: per local rank, the tensors a replay reads (views of
     the layer's symmetric buffers; write new values in place). They start as a valid dummy problem
-    (zero tokens, expert ids spread over every expert, zero weights) for the warm-up and capture.
+    (zero activations, expert ids spread over every expert, zero weights) for the warm-up and capture.
     ``warmup``: eager calls on a side stream before the capture (compile, allocator).
     ``capture_error_mode``: :class:`torch.cuda.graph`'s."""
 

@@ -13,8 +13,9 @@ baseline "fused kernels"):
 * ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`megamoe_interleave.bench`.
 
 Outside the paired run: the eager ``enqueue`` and ``forward`` (CUDA events around one call:
-``forward`` includes its host planning and syncs), and a profiler trace of one replay whose CUDA
-runtime calls are recorded (a replay must be one ``cudaGraphLaunch``, no synchronisation).
+``forward`` includes its host planning and syncs), ``enqueue``'s host time alone, and a profiler
+trace of one replay: its CUDA runtime calls (a replay must be one ``cudaGraphLaunch``, no
+synchronisation) and its kernels' device times.
 Before timing, the replay's y is checked bitwise against ``forward``'s and against the unfused
 pipeline (:func:`bench.check_against`).
 """
@@ -36,19 +37,38 @@ BASELINE = "fused kernels"
 SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that would block the host
 
 
-def replay_runtime_calls(layer) -> list:
-    """The CUDA runtime calls of one ``layer.replay()`` under torch.profiler: [(name, count)]."""
+def replay_profile(layer) -> dict:
+    """One ``layer.replay()`` under torch.profiler: its CUDA runtime calls [(name, count)] and its
+    device kernels [(name, count, total us)], dearest first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         layer.replay()
-    torch.cuda.synchronize()
-    names = {}
+        torch.cuda.synchronize()
+    calls, kernels = {}, {}
     for e in prof.events():
-        if e.name.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CPU:
-            names[e.name] = names.get(e.name, 0) + 1
-    return sorted(names.items())
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            calls[e.name] = calls.get(e.name, 0) + 1
+        elif e.device_type == torch.autograd.DeviceType.CUDA:
+            n, us = kernels.get(e.name[:80], (0, 0.0))
+            kernels[e.name[:80]] = (n + 1, us + e.time_range.elapsed_us())
+    return dict(runtime_calls=sorted(calls.items()),
+                kernels=sorted(((k, n, round(us, 1)) for k, (n, us) in kernels.items()), key=lambda x: -x[2]))
+
+
+def host_enqueue_us(fn, trials: int) -> float:
+    """Median host time of ``fn()`` (enqueue only, no synchronisation inside the timed span)."""
+    import time
+
+    out = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(out)[len(out) // 2]
 
 
 def run_case(shape, kind, P, tokens, args) -> dict:
@@ -69,7 +89,8 @@ def run_case(shape, kind, P, tokens, args) -> dict:
     if not bitwise:
         raise RuntimeError(f"{shape.name} P={P} T={tokens}: graph replay y != forward y")
     del refs, eager
-    calls = replay_runtime_calls(layer)
+    prof = replay_profile(layer)
+    calls = [c for c in prof["runtime_calls"] if c[0] != "cudaDeviceSynchronize"]  # the profile's own sync
     blocking = [n for n, _ in calls if any(s in n for s in SYNC_CALLS)]
     fns = {BASELINE: kernel_time_call(moe, rerun=True), "graph replay": bench.event_timed(layer.replay),
            "grouped_mm x2 only": bench.event_timed(gemms_only),
@@ -83,10 +104,13 @@ def run_case(shape, kind, P, tokens, args) -> dict:
     for name, fn in (("eager enqueue", lambda: moe.enqueue(layer.x, layer.topk_idx, layer.topk_weights)),
                      ("eager forward", lambda: moe.forward(xs, idx, wts))):
         eager_us[name] = timing.bench(fn, warmup=1, iters=1, trials=args.trials).median_us
+    eager_us["enqueue host"] = host_enqueue_us(lambda: moe.enqueue(layer.x, layer.topk_idx, layer.topk_weights),
+                                               args.trials)
     layer.check()
-    print(f"  eager enqueue {eager_us['eager enqueue']:.1f} us, eager forward {eager_us['eager forward']:.1f} us; "
-          f"replay runtime calls: {calls}", flush=True)
-    return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls,
+    print(f"  eager enqueue {eager_us['eager enqueue']:.1f} us (host {eager_us['enqueue host']:.1f} us), eager forward "
+          f"{eager_us['eager forward']:.1f} us; replay runtime calls: {calls}; kernels: {prof['kernels'][:8]}",
+          flush=True)
+    return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls, replay_kernels=prof["kernels"],
                 checks=dict(replay_equals_forward_bitwise=bitwise, replay_blocking_calls=blocking,
                             device_ctas=moe.device_ctas))
 
@@ -105,6 +129,7 @@ def summary_rows(results) -> list:
                    grouped_mm_us=med["grouped_mm x2 only"], unfused_us=med["unfused torch pipeline"],
                    eager_enqueue_us=round(res["eager_us"]["eager enqueue"], 1),
                    eager_forward_us=round(res["eager_us"]["eager forward"], 1),
+                   enqueue_host_us=round(res["eager_us"]["enqueue host"], 1),
                    n_matched=v["graph replay"]["n_matched"],
                    replay_blocking_calls=";".join(res["checks"]["replay_blocking_calls"]) or "none")
         if med["graph replay"] and med["grouped_mm x2 only"]:

@@ -193,19 +193,32 @@ def unfused_expert_compute(
     return grouped_mm(a, w2_t, counts)
 
 
-def weighted_combine(combine: torch.Tensor, topk_idx: torch.Tensor, *, any_masked: Optional[bool] = None) -> torch.Tensor:
-    """``y[t] = sum over valid picks j of combine[j, t]`` (fp32 accumulate, bf16 out);
-    ``combine`` [k, T, H] holds the already weighted expert outputs.
+def slot_rows(topk_idx: torch.Tensor, stride: int, num_experts: Optional[int] = None) -> torch.Tensor:
+    """[T, k] int64 rows of a flat ``[k * stride + 1, H]`` slot buffer for :func:`topk_reduce`:
+    ``j * stride + t`` for pick j of token t, the last row (``k * stride``, the padding row) for a
+    masked pick (-1) and, with ``num_experts``, for an id outside [0, num_experts)."""
+    T, k = topk_idx.shape
+    dev = topk_idx.device
+    valid = topk_idx >= 0 if num_experts is None else (topk_idx >= 0) & (topk_idx < num_experts)
+    rows = torch.arange(k, device=dev)[None, :] * stride + torch.arange(T, device=dev)[:, None]
+    return torch.where(valid, rows, k * stride)
 
-    ``any_masked=False`` (the caller knows no pick is -1, e.g. from
-    :func:`routing_bounds`) skips the mask: one read of ``combine``. Otherwise masked
-    slots are excluded with where(), not a multiply: they are never written and may hold
-    poison (NaN) or stale data. Both accumulate in fp32 without an fp32 copy of ``combine``."""
+
+def topk_reduce(slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``y[t] = sum over j of slots[rows[t, j]]`` (bf16 out), skipping the padding row
+    (``slots.shape[0] - 1``: masked picks; never read, so it may hold poison), in pick order with
+    fp32 accumulation: one ``embedding_bag``, which reads every valid slot once -- no mask pass and
+    no fp32 copy -- and needs no host sync (the device-side path's reduction)."""
+    return torch.nn.functional.embedding_bag(rows, slots, mode="sum", padding_idx=slots.shape[0] - 1)
+
+
+def weighted_combine(combine: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """``y[t] = sum over valid picks j of combine[j, t]`` (fp32 accumulate in pick order, bf16 out;
+    :func:`topk_reduce`); ``combine`` [k, T, H] holds the already weighted expert outputs. Masked
+    slots (-1) are never read: they may hold poison (NaN) or stale data."""
     k, T, H = combine.shape
-    if any_masked is False:
-        return combine.sum(0, dtype=torch.float32).to(combine.dtype)
-    valid = (topk_idx[:T] >= 0).t()[:, :, None]  # [k, T, 1]
-    return torch.where(valid, combine, 0.0).sum(0, dtype=torch.float32).to(combine.dtype)
+    flat = torch.cat([combine.reshape(k * T, H), combine.new_zeros(1, H)])
+    return topk_reduce(flat, slot_rows(topk_idx[:T], T))
 
 
 def unfused_pipeline(

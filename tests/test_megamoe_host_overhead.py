@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megamoe_interleave.api import MegaMoE, make_world
 from megamoe_interleave.config import BLOCK_M, MegaMoEConfig
 from megamoe_interleave.reference import (
-    Permutation, permute_for_rank, permute_ranks, reference_moe_fp32, routing_bounds, weighted_combine,
+    Permutation, permute_for_rank, permute_ranks, reference_moe_fp32, routing_bounds, slot_rows, topk_reduce,
+    weighted_combine,
 )
 from megamoe_interleave.routing import make_routing
 from megamoe_interleave.scheduler import balanced_l2_start
@@ -64,7 +65,9 @@ def test_routing_bounds_one_readback():
 
 
 @pytest.mark.parametrize("mask", [0.0, 0.25])
-def test_weighted_combine_fast_paths_match_fp64(mask):
+def test_weighted_combine_skips_masked_slots_and_matches_fp64(mask):
+    """Masked slots hold poison and are never read; the sum is in pick order with fp32
+    accumulation (bit for bit a sequential fp32 loop over the picks, rounded once)."""
     g = torch.Generator().manual_seed(5)
     k, T, H = 4, 33, 64
     combine = torch.randn(k, T, H, generator=g).bfloat16()
@@ -72,11 +75,25 @@ def test_weighted_combine_fast_paths_match_fp64(mask):
     valid = (idx >= 0).t()[:, :, None]
     want = torch.where(valid, combine.double(), 0.0).sum(0)
     poisoned = torch.where(valid, combine, float("nan"))  # masked slots hold poison
-    any_masked = bool((idx < 0).any())
-    for flag in (None, True) + ((False,) if not any_masked else ()):
-        y = weighted_combine(poisoned, idx, any_masked=flag)
-        assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
-        torch.testing.assert_close(y.double(), want, atol=0.02, rtol=0.01)
+    y = weighted_combine(poisoned, idx)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+    torch.testing.assert_close(y.double(), want, atol=0.02, rtol=0.01)
+    acc = torch.zeros(T, H)
+    for j in range(k):
+        acc = acc + torch.where(valid[j], combine[j].float(), 0.0)
+    assert torch.equal(y, acc.bfloat16())
+    # The flat-buffer form the layer uses: rows of a [k * stride + 1, H] buffer, last row = padding.
+    stride = T + 5
+    flat = torch.full((k * stride + 1, H), float("nan")).bfloat16()
+    flat[: k * stride].view(k, stride, H)[:, :T] = combine
+    bad = idx.clone()
+    bad[0, 0] = 16  # out of range: skipped like a masked pick when num_experts is given
+    rows = slot_rows(bad, stride, num_experts=16)
+    assert rows[0, 0] == k * stride
+    want_rows = torch.where(((bad >= 0) & (bad < 16)).t()[:, :, None], combine.float(), 0.0)
+    got = topk_reduce(flat, rows)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.double(), want_rows.sum(0).double(), atol=0.02, rtol=0.01)
 
 
 def _problem(P, tokens, E=16, H=128, I=64, k=2, mask=0.0, seed=0):
