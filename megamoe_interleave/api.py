@@ -39,7 +39,7 @@ import torch
 
 from . import quant, reference, torch_backend
 from .config import BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
-from .device_plan import plan_on_device, plan_sizes
+from .device_plan import DevicePlan, plan_all_ranks, plan_sizes
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
 from .shapes import MoEShape
 from xstage.world import make_world, single_process  # noqa: F401  (make_world: re-export for callers)
@@ -602,7 +602,8 @@ class MegaMoE:
         num_tokens = self._device_token_counts(counts)
         self._prepare_combine_slots(idx_all, num_tokens)
         kernel = self._kernel()
-        args = [self.device_launch_arguments(d, idx_all, w_all, num_tokens) for d in ranks]
+        plans = self.device_plans(idx_all, w_all, num_tokens)
+        args = [self.device_launch_arguments(d, plans) for d in ranks]
         self._zero_barrier_counters()
         for a in args:
             kernel(*a, buf.max_tokens, self.topk, 0, self.device_ctas)
@@ -632,18 +633,21 @@ class MegaMoE:
                 buf.combine_slots(r)[:, : buf.num_tokens[r]].fill_(float("nan"))
             buf.counters[r][:1].bitwise_or_(code)
 
-    def device_launch_arguments(self, d: int, idx_all: torch.Tensor, w_all: torch.Tensor,
-                                num_tokens: torch.Tensor):
-        """The kernel's tensor arguments for rank ``d`` from the device-side plan of every source's
-        routing (``idx_all`` / ``w_all`` [P, max_tokens, k], ``num_tokens`` [P], on the device):
-        static shapes, ``pool_x`` / ``h`` scratch of the worst case kept per rank (never regrown,
-        so a captured graph's pointers stay valid). Works on any device (CPU tests)."""
-        buf, sizes = self.buffer, self.device_plan_sizes
-        plan = plan_on_device(idx_all, w_all, num_tokens, d, experts_per_rank=self.experts_per_rank, block_m=BLOCK_M,
+    def device_plans(self, idx_all: torch.Tensor, w_all: torch.Tensor, num_tokens: torch.Tensor) -> DevicePlan:
+        """Every rank's device-side plan (:func:`~megamoe_interleave.device_plan.plan_all_ranks`)
+        from every source's routing, ``idx_all`` / ``w_all`` [P, max_tokens, k] and ``num_tokens``
+        [P] on the device, for the fixed grid of ``device_ctas`` CTAs."""
+        return plan_all_ranks(idx_all, w_all, num_tokens, experts_per_rank=self.experts_per_rank, block_m=BLOCK_M,
                               schedule=self.schedule, num_pairs=self.device_ctas // 2,
                               pairs_l1=2 * self.intermediate // self.block_n, pairs_l2=self.hidden // self.block_n,
                               hidden=self.hidden, intermediate=self.intermediate,
                               experts_per_wave=self.config.experts_per_wave)
+
+    def device_launch_arguments(self, d: int, plans: DevicePlan):
+        """The kernel's tensor arguments for rank ``d`` from :meth:`device_plans`: static shapes,
+        ``pool_x`` / ``h`` scratch of the worst case kept per rank (never regrown, so a captured
+        graph's pointers stay valid). Works on any device (CPU tests)."""
+        buf, sizes = self.buffer, self.device_plan_sizes
         scratch = self.__dict__.setdefault("_device_scratch", {})
         if d not in scratch:
             n_pad = sizes.max_pool + BLOCK_M
@@ -652,9 +656,9 @@ class MegaMoE:
                           torch.empty(n_pad, self.intermediate, dtype=buf.dtype, device=dev),
                           torch.zeros(1, 1, len(TRACE_FIELDS), dtype=torch.int64, device=dev))  # trace: unused
         pool_x, h, no_trace = scratch[d]
-        sizes_on_device = torch.stack([plan.num_rows, plan.n_pool])  # mPlan
-        tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), plan.pool_src, plan.pool_weight, pool_x, h, self.w1[d], self.w2[d], plan.row_record, plan.schedule_table, buf.counters[d],
-                   no_trace, sizes_on_device)
+        tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), plans.pool_src[d], plans.pool_weight[d], pool_x, h,
+                   self.w1[d], self.w2[d], plans.row_record[d], plans.schedule_table[d], buf.counters[d], no_trace,
+                   torch.stack([plans.num_rows[d], plans.n_pool[d]]))  # mPlan
         check_launch_arguments(self.hidden, self.intermediate, tensors)
         return tensors
 

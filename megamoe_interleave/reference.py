@@ -194,21 +194,27 @@ def unfused_expert_compute(
 
 
 def slot_rows(topk_idx: torch.Tensor, stride: int, num_experts: Optional[int] = None) -> torch.Tensor:
-    """[T, k] int64 rows of a flat ``[k * stride + 1, H]`` slot buffer for :func:`topk_reduce`:
+    """[T, k] int32 rows of a flat ``[k * stride + 1, H]`` slot buffer for :func:`topk_reduce`:
     ``j * stride + t`` for pick j of token t, the last row (``k * stride``, the padding row) for a
     masked pick (-1) and, with ``num_experts``, for an id outside [0, num_experts)."""
     T, k = topk_idx.shape
     dev = topk_idx.device
     valid = topk_idx >= 0 if num_experts is None else (topk_idx >= 0) & (topk_idx < num_experts)
-    rows = torch.arange(k, device=dev)[None, :] * stride + torch.arange(T, device=dev)[:, None]
+    rows = torch.arange(k, device=dev, dtype=torch.int32)[None, :] * stride \
+        + torch.arange(T, device=dev, dtype=torch.int32)[:, None]
     return torch.where(valid, rows, k * stride)
 
 
 def topk_reduce(slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``y[t] = sum over j of slots[rows[t, j]]`` (bf16 out), skipping the padding row
     (``slots.shape[0] - 1``: masked picks; never read, so it may hold poison), in pick order with
-    fp32 accumulation: one ``embedding_bag``, which reads every valid slot once -- no mask pass and
-    no fp32 copy -- and needs no host sync (the device-side path's reduction)."""
+    fp32 accumulation: each valid slot read once -- no mask pass, no fp32 copy, no host sync. On a
+    CUDA device the CuTe DSL kernel of :mod:`~megamoe_interleave.topk_reduce`, elsewhere
+    ``embedding_bag`` (the same order and rounding, so the same bits)."""
+    if slots.is_cuda and slots.numel() < 2 ** 31:  # the kernel indexes elements with int32
+        from .topk_reduce import topk_reduce_cuda
+
+        return topk_reduce_cuda(slots, rows)
     return torch.nn.functional.embedding_bag(rows, slots, mode="sum", padding_idx=slots.shape[0] - 1)
 
 

@@ -50,8 +50,9 @@ def test_device_launch_arguments_are_the_host_plans(schedule):
     moe.load_weights(w1, w2)
     moe.stage_inputs([torch.randn(t, H).bfloat16() for t in tokens], idx, w)
     names = [n for n, _, _ in tensor_argument_spec(H, I)]
+    plans = moe.device_plans(*_stacked(moe))
     for d in range(P):
-        dev = dict(zip(names, moe.device_launch_arguments(d, *_stacked(moe))))
+        dev = dict(zip(names, moe.device_launch_arguments(d, plans)))
         _, host_tensors, _ = moe.launch_arguments(d)
         host = dict(zip(names, host_tensors))
         perm, grid = moe.plan_rank(d)
@@ -69,7 +70,7 @@ def test_device_launch_arguments_are_the_host_plans(schedule):
         assert dev["mCounters"].numel() >= 2 + 2 * moe.device_plan_sizes.max_rows
         check_launch_arguments(H, I, tuple(dev.values()))
     # The worst-case scratch is kept: a second plan reuses the same pointers (graph replays).
-    again = moe.device_launch_arguments(P - 1, *_stacked(moe))
+    again = moe.device_launch_arguments(P - 1, moe.device_plans(*_stacked(moe)))
     assert again[4].data_ptr() == dev["mPoolX"].data_ptr() and again[5].data_ptr() == dev["mH"].data_ptr()
 
 
@@ -119,7 +120,39 @@ def test_enqueue_and_capture_refuse_what_they_cannot_run():
         torch_moe.capture(8)
 
 
+def test_topk_reduce_kernel_compiles_to_16_byte_accesses():
+    """The reduction kernel reads each slot and writes y with 16-byte vector accesses (sm_90a PTX)."""
+    from megamoe_interleave.topk_reduce import compile_topk_reduce
+
+    ptx = compile_topk_reduce(4096, keep_ptx=True).ptx
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    assert "st.global.b16" not in ptx and "ld.global.b16" not in ptx
+    with pytest.raises(ValueError, match="multiple of 8"):
+        compile_topk_reduce(100)
+
+
 # ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,H", [(1, 1, 8), (300, 6, 4096), (77, 8, 7168), (0, 4, 256)])
+def test_topk_reduce_kernel_equals_embedding_bag_bitwise(T, k, H):
+    """The CUDA kernel against embedding_bag (the CPU path's) on the same GPU data: NaN in the
+    padding row and in masked slots (never read), out-of-range ids skipped, bit for bit."""
+    from megamoe_interleave.reference import slot_rows, topk_reduce
+
+    g = torch.Generator(device="cuda").manual_seed(T + k)
+    stride = T + 3
+    slots = torch.randn(k * stride + 1, H, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(-1, E + 1, (T, k), device="cuda", generator=g)
+    valid = ((idx >= 0) & (idx < E)).t()
+    slots[: k * stride].view(k, stride, H)[:, :T][~valid] = float("nan")
+    slots[-1] = float("nan")
+    rows = slot_rows(idx, stride, num_experts=E)
+    got = topk_reduce(slots, rows)
+    want = torch.nn.functional.embedding_bag(rows, slots, mode="sum", padding_idx=slots.shape[0] - 1)
+    assert got.shape == (T, H) and torch.isfinite(got.float()).all()
+    assert torch.equal(got, want)
 
 def _fresh_inputs(g, layer, k, step):
     """New tokens and routing written in place into the graph's inputs: skewed or balanced,
