@@ -139,6 +139,62 @@ def summary_rows(results) -> list:
     return rows
 
 
+def kernel_shares(res) -> dict:
+    """The replay's device kernels (profiler) split into the fused kernels, the top-k reduction and
+    everything else (the device-side plan, staging, memsets): us each, and the replay's median
+    over their sum (what is left is the gaps between the graph's nodes)."""
+    ks = res["replay_kernels"]
+    fused = sum(us for name, _, us in ks if "MegaMoESm90" in name)
+    reduce = sum(us for name, _, us in ks if "TopkReduce" in name)
+    total = sum(us for _, _, us in ks)
+    replay = res["paired"]["variants"]["graph replay"].get("median_us")
+    return dict(nodes=sum(n for _, n, _ in ks), fused_us=round(fused, 1), reduce_us=round(reduce, 1),
+                plan_and_rest_us=round(total - fused - reduce, 1), kernels_sum_us=round(total, 1),
+                replay_over_kernels_sum=round(replay / total, 4) if replay else None)
+
+
+def report(json_paths, out_dir) -> list:
+    """Summary rows (:func:`summary_rows` + :func:`kernel_shares`) of the cases in ``json_paths``
+    (this bench's result files), as ``out_dir/summary.csv`` and ``out_dir/graph_layer.png``
+    (layer time per case against the fused kernels and the baselines); returns the rows."""
+    import json
+
+    from .evaluation import _pyplot
+
+    cases = []
+    for path in json_paths:
+        with open(path) as f:
+            cases += [c for c in json.load(f)["cases"] if c["paired"]["variants"]["graph replay"]["n_matched"]]
+    rows = [dict(row, **kernel_shares(res)) for row, res in zip(summary_rows(cases), cases)]
+    rows.sort(key=lambda r: (r["P"], r["tokens_per_rank"]))
+    bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
+    plt = _pyplot()
+    if plt is not None and rows:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"P={r['P']}\nT={r['tokens_per_rank']}" for r in rows]
+        series = [("fused kernels", "fused_kernels_us"), ("graph replay (layer)", "graph_replay_us"),
+                  ("grouped_mm x2 only", "grouped_mm_us"), ("unfused torch pipeline", "unfused_us")]
+        width = 0.2
+        for i, (name, key) in enumerate(series):
+            ax.bar([x + (i - 1.5) * width for x in range(len(rows))],
+                   [r[key] / r["fused_kernels_us"] for r in rows], width, label=name)
+        ax.axhline(1.03, color="k", lw=0.8, ls="--", label="fused kernels + 3 %")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_ylabel("time / fused kernels (paired medians)")
+        ax.set_yscale("log")
+        from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+        ax.yaxis.set_major_locator(FixedLocator([1, 1.1, 1.25, 1.5, 2, 3, 5, 8]))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_title("MegaMoE layer as one CUDA-graph replay, DeepSeek-V4-Flash, loopback, H200")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "graph_layer.png"), dpi=130)
+        plt.close(fig)
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
@@ -152,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock-tol-mhz", type=float, default=30.0)
     ap.add_argument("--out", default="results/h200/megamoe/graph")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help="no GPU run: summary.csv and graph_layer.png in --out from these result files")
     return ap
 
 
@@ -159,6 +217,10 @@ def main(argv=None):
     """bench_megamoe_graph{tag}.json (everything, with provenance), .csv (the summary rows) and
     _paired.csv under ``--out``."""
     args = build_parser().parse_args(argv)
+    if args.report:
+        for row in report(args.report, args.out):
+            print(row)
+        return
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
