@@ -137,9 +137,11 @@ class MegaMoE:
     it on; benchmarks may turn it off: one k x T x H bf16 fill per rank per call). Masked picks (-1)
     are excluded from the reduction either way.
 
-    Host work per fused call (single-process worlds): two device->host reads before the launch
-    (expert-id bounds, per-expert counts of every local rank from one sort), one upload of the
-    scheduler tables per rank, one read of the error words after the launch.
+    Host work per fused ``forward`` (single-process worlds): two device->host reads before the
+    launch (expert-id bounds, per-expert counts of every local rank from one sort), one upload of
+    the scheduler tables per rank, one read of the error words after the launch. :meth:`enqueue`
+    plans on the device instead (no host sync; errors via :meth:`check`) and :meth:`capture`
+    records it as one CUDA graph (:mod:`~megamoe_interleave.graph`).
     """
 
     def __init__(self, world, num_experts: int, hidden: int, intermediate: int, topk: int,
@@ -572,7 +574,7 @@ class MegaMoE:
     # -- the device-side plan: no host sync, CUDA-graph capturable ----------------------
     def enqueue(self, x, topk_idx, topk_weights) -> List[torch.Tensor]:
         """:meth:`forward` without a host sync: stage the inputs, plan every rank on the device
-        (:func:`~megamoe_interleave.device_plan.plan_on_device`), launch the fused kernels on a
+        (:func:`~megamoe_interleave.device_plan.plan_all_ranks`), launch the fused kernels on a
         fixed grid of ``device_ctas`` CTAs, reduce. Only enqueues work on the current stream, so
         it can be captured in a CUDA graph (:meth:`capture`). Input checks that need no device
         read run first; an expert id out of range and a timed-out wait go to the error word, raised
