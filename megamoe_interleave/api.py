@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import quant, reference, torch_backend
-from .config import BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
+from .config import AUTO, BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
 from .device_plan import DevicePlan, plan_all_ranks, plan_sizes
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
 from .shapes import MoEShape
@@ -121,7 +121,8 @@ class MegaMoE:
     """Expert-parallel MoE layer over ``world`` (``num_experts / P`` experts per rank).
 
     ``config``: a :class:`~megamoe_interleave.config.MegaMoEConfig` (schedule "interleaved",
-    paper Algorithm 1, or "expert_wave"; tiles, ring depth, Dispatch, trace, wait bound); its
+    paper Algorithm 1, "expert_wave", or "auto": chosen by the model for the world's remote path,
+    :attr:`schedule_choice` says what and why; tiles, ring depth, Dispatch, trace, wait bound); its
     ``None`` fields are resolved once for this layer's shape (:meth:`MegaMoEConfig.resolve`) and
     :attr:`config` holds the result. ``backend``: "fused" (the CuTe DSL kernel; CUDA) or "torch"
     (the same data flow with torch ops, any device, single-process worlds); None = "fused" on a
@@ -160,7 +161,11 @@ class MegaMoE:
             num_sms = torch.cuda.get_device_properties(world.device).multi_processor_count \
                 if world.device.type == "cuda" else 132
         shape = MoEShape("MegaMoE", hidden, intermediate, num_experts, topk, "caller")
-        self.config = (config or MegaMoEConfig()).resolve(shape, P, max_tokens_per_rank, num_sms)
+        config = config or MegaMoEConfig()
+        # schedule="auto": the model picks the schedule for this world's remote path (host arithmetic).
+        config, self.schedule_choice = config.choose_schedule(shape, P, max_tokens_per_rank, num_sms,
+                                                              _remote_path(world) if config.schedule == AUTO else None)
+        self.config = config.resolve(shape, P, max_tokens_per_rank, num_sms)
         self.schedule = self.config.schedule_spec()
         if backend == "fused" and self.config.precision == "w8a8":
             raise NotImplementedError("the W8A8 fused kernel is not built yet; use backend='torch'")
@@ -680,6 +685,19 @@ class MegaMoE:
         T = buf.num_tokens[r]
         rows = reference.slot_rows(buf.topk_idx.local(r)[:T], buf.max_tokens, self.num_experts)
         return reference.topk_reduce(buf.combine.local(r), rows)
+
+
+def _remote_path(world):
+    """The calibrated platform of ``world``'s remote stores (xstage.profiles.PROFILE_OF_PLACEMENT),
+    or None where it has none (loopback)."""
+    from xstage import profiles
+
+    placement = getattr(world, "placement", None)
+    if placement not in profiles.PROFILE_OF_PLACEMENT:
+        raise ValueError(f"schedule='auto' needs a world with a known remote path; placement {placement!r} is not "
+                         f"one of {sorted(profiles.PROFILE_OF_PLACEMENT)}")
+    name = profiles.PROFILE_OF_PLACEMENT[placement]
+    return profiles.load(name) if name else None
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 BLOCK_NS = (256, 128, 64)  # supported N tiles, widest first
 QUANT_BLOCK = 128  # W8A8: FP8 scale granularity along K (1x128 activations, 128x128 weights; quant.py)
 PRECISIONS = ("bf16", "w8a8")
+AUTO = "auto"  # MegaMoEConfig.schedule: chosen per world by the model (choose_schedule)
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 INTERLEAVE = 8  # gate/up interleave granularity of w1 (api.transform_weights)
 DISPATCH_COPIES = ("lsu", "bulk")
@@ -107,7 +108,7 @@ class MegaMoEConfig:
     constructor is kept at ten parameters. Only ``backend="torch"`` runs "w8a8" so far.
     """
 
-    schedule: str = "interleaved"  # "interleaved" (paper Algorithm 1) or "expert_wave"
+    schedule: str = "interleaved"  # "interleaved" (paper Algorithm 1), "expert_wave", or "auto" (choose_schedule)
     lead: Optional[int] = None  # interleaved: lead D in scheduler rows (>= 1)
     experts_per_wave: Optional[int] = None  # expert_wave: local experts per wave
     block_n: Optional[int] = None  # N tile: 256, 128 or 64 (M is BLOCK_M)
@@ -120,8 +121,13 @@ class MegaMoEConfig:
     precision: str = "bf16"  # "bf16" or "w8a8" (see the class docstring)
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule not in SCHEDULES + (AUTO,):
+            raise ValueError(f"schedule must be one of {SCHEDULES + (AUTO,)}, got {self.schedule!r}")
+        if self.schedule == AUTO:
+            for name in ("lead", "experts_per_wave", "l2_columns"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} belongs to a fixed schedule; schedule='auto' takes the chosen "
+                                     "schedule's defaults")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         ew = self.schedule == "expert_wave"
@@ -142,6 +148,26 @@ class MegaMoEConfig:
             raise ValueError(f"dispatch_window must be 0, or >= 1 with the bulk Dispatch, got {self.dispatch_window}")
         if self.timeout_ns <= 0:
             raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
+
+    def choose_schedule(self, shape, world_size: int, max_tokens: int, num_sms: int, platform):
+        """``schedule="auto"``: (this config with the schedule the model picks, the
+        :class:`xstage.planner.ScheduleChoice`) -- :func:`xstage.planner.choose_megamoe_schedule`
+        on ``platform``, the calibrated remote path of the layer's world (None: none), at the
+        block_n the config resolves to. Host arithmetic only. Other schedules: (self, None).
+
+        Chosen once per layer: the model's pick cannot change with a call's token count (its
+        interleaved bound never exceeds its expert_wave bound), so a per-call choice would only
+        add host work."""
+        if self.schedule != AUTO:
+            return self, None
+        from xstage import planner
+
+        block_n = dataclasses.replace(self, schedule="interleaved").resolve(shape, world_size, max_tokens,
+                                                                           num_sms).block_n
+        choice = planner.choose_megamoe_schedule(platform, hidden=shape.hidden, intermediate=shape.intermediate,
+                                                 experts=shape.num_experts, topk=shape.topk, tokens=max_tokens,
+                                                 world=world_size, block_n=block_n)
+        return dataclasses.replace(self, schedule=choice.schedule), choice
 
     @property
     def resolved(self) -> bool:
@@ -187,6 +213,8 @@ class MegaMoEConfig:
         so a tile must hold whole groups (hence H % 512 and I % 256 with the CTA pairs). Its
         stages and dispatch_copy are resolved as for the bf16 kernel until the FP8 kernel exists.
         """
+        if self.schedule == AUTO:
+            raise ValueError("schedule='auto' is chosen for a world first (choose_schedule; MegaMoE does it)")
         hidden, inter, experts, topk = shape.hidden, shape.intermediate, shape.num_experts, shape.topk
         if experts % world_size:
             raise ValueError(f"num_experts {experts} not divisible by world size {world_size}")

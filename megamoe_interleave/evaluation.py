@@ -13,6 +13,7 @@ The command line is ``scripts/megamoe_xstage_report.py`` (:func:`main`).
 from __future__ import annotations
 
 import argparse
+import math
 import importlib.util
 import statistics
 from collections import Counter
@@ -283,6 +284,54 @@ def planner_verdict_summary(rows: Sequence[Mapping]) -> list:
         for verdict, sp in sorted(groups.items()):
             out.append(dict(mainloops=inputs, verdict=verdict, cells=len(sp), median=statistics.median(sp),
                             min=min(sp), max=max(sp)))
+    return out
+
+
+def auto_rows(cells: Sequence[Mapping]) -> list:
+    """``schedule="auto"`` over the sweep: per cell the schedule
+    :func:`xstage.planner.choose_megamoe_schedule` picks for the cell's shape, tokens, P and world
+    (the choice the layer makes at construction: host arithmetic, no measurement), and its time
+    against the better fixed schedule from the cell's paired trials (auto runs the kernel of the
+    schedule it picks, so its time is that schedule's)."""
+    from xstage import planner, profiles
+
+    from .shapes import get_shape
+    from .sweep import PLATFORM_OF_WORLD
+
+    out = []
+    for rec in cells:
+        c, t = rec["cell"], rec["timing"]
+        shape = get_shape(c["shape"])
+        name = PLATFORM_OF_WORLD[c["world"]]
+        block_n = rec["schedules"]["interleaved"]["config"]["block_n"]
+        choice = planner.choose_megamoe_schedule(profiles.load(name) if name else None, hidden=shape.hidden,
+                                                 intermediate=shape.intermediate, experts=shape.num_experts,
+                                                 topk=shape.topk, tokens=c["tokens"], world=c["P"], block_n=block_n)
+        sp = t["speedup"]  # expert_wave / interleaved, paired median
+        over_better = max(1.0, 1.0 / sp) if choice.schedule == "interleaved" else max(1.0, sp)
+        out.append(dict(c, pick=choice.schedule, speedup=sp, auto_over_better=over_better,
+                        expert_wave_us=t["expert_wave_median_us"], interleaved_us=t["interleaved_median_us"],
+                        auto_us=t[f"{choice.schedule}_median_us"], reason=choice.reason))
+    return out
+
+
+def auto_summary(rows: Sequence[Mapping]) -> list:
+    """Per world and overall: cells, picks, cells where auto is more than 1 % slower than the better
+    fixed schedule, the worst such ratio, and the geometric means of auto's time over each fixed
+    schedule's."""
+    def geo(xs):
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    out = []
+    for world in sorted({r["world"] for r in rows}) + ["all"]:
+        rs = [r for r in rows if world in ("all", r["world"])]
+        if not rs:
+            continue
+        out.append(dict(world=world, cells=len(rs), picks_interleaved=sum(r["pick"] == "interleaved" for r in rs),
+                        over_1pct=sum(r["auto_over_better"] > 1.01 for r in rs),
+                        worst=max(r["auto_over_better"] for r in rs),
+                        geo_over_interleaved=geo([r["auto_us"] / r["interleaved_us"] for r in rs]),
+                        geo_over_expert_wave=geo([r["auto_us"] / r["expert_wave_us"] for r in rs])))
     return out
 
 
@@ -573,6 +622,28 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
                       f"{r['max']:.3f}x"] for r in planner_verdict_summary(pv)])
         L.append("")
 
+    # schedule="auto"
+    ar = auto_rows(cells)
+    if ar:
+        L += ["## `schedule=\"auto\"`", "",
+              "What `MegaMoEConfig(schedule=\"auto\")` picks in each cell (`xstage.planner.choose_megamoe_schedule`: "
+              "eq. 11 over the kernel on the world's calibrated path, interleaved scaled by the locality ratio the "
+              "loopback control measured, 1/1.022; no remote path: the locality ratio alone) and its time against the "
+              "better fixed schedule from the cell's paired trials (`auto.csv` per cell)."
+              + (" It picks interleaved in every cell (the drain bound never prefers expert_wave, and the locality "
+                 "ratio is below 1): its geometric mean is interleaved's." if all(r["pick"] == "interleaved" for r in ar)
+                 else ""), ""]
+        L += _table(["world", "cells", "picks interleaved", "> 1 % slower than the better", "worst",
+                     "geomean auto / interleaved", "geomean auto / expert_wave"],
+                    [[r["world"], r["cells"], r["picks_interleaved"], r["over_1pct"], f"{r['worst']:.4f}x",
+                      f"{r['geo_over_interleaved']:.4f}", f"{r['geo_over_expert_wave']:.4f}"]
+                     for r in auto_summary(ar)])
+        for r in ar:
+            if r["auto_over_better"] > 1.01:
+                L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
+                         f"{r['auto_over_better']:.4f}x the better schedule")
+        L.append("")
+
     # the sign test per cell
     L += ["## Sign test per cell", "",
           "Paired over the trials at the reference clock; one-sided sign tests at alpha = 0.05 "
@@ -633,6 +704,7 @@ def write_report(payload: Mapping, out_dir, **selection) -> dict:
     paths["verdicts_csv"] = xbench.write_csv(out_dir / "verdicts.csv", verdict_rows(cells))
     paths["rate_bound_csv"] = xbench.write_csv(out_dir / "rate_bound.csv", rate_rows)
     paths["planner_verdicts_csv"] = xbench.write_csv(out_dir / "planner_verdicts.csv", planner_verdicts(cells))
+    paths["auto_csv"] = xbench.write_csv(out_dir / "auto.csv", auto_rows(cells))
     readme_path = out_dir / "README.md"
     notes = out_dir / FINDINGS
     readme_path.write_text(readme(payload, fig8=paths["fig8"], fig10=paths["fig10"], rate_fig=paths["rate_fig"],

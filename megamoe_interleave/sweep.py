@@ -86,7 +86,7 @@ WORLDS = ("loopback", "loopback+host")
 PS = (1, 8)
 PRECISIONS = ("bf16",)
 # the platform profile of each world's remote path (None: no remote path, no prediction)
-PLATFORM_OF_WORLD = {"loopback": None, "loopback+host": "h200-pcie-host"}
+PLATFORM_OF_WORLD = {w: profiles.PROFILE_OF_PLACEMENT[w] for w in ("loopback", "loopback+host")}
 NO_PREDICTION = ("loopback: the Combine stores go to device memory, no remote path -- the control; "
                  "no X-Stage prediction")
 TIME_SCOPE = ("world: the fused kernels of all P simulated ranks, launched back to back on one GPU "

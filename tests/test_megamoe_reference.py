@@ -293,3 +293,20 @@ def test_dispatched_rows_is_the_kernels_pool():
         rows.copy_(gather_rows(xs, perm, rows.device))
         for i in range(n):
             assert torch.equal(pool_x[i], xs[int(perm.src_rank[i])][int(perm.src_token[i])])
+
+
+def test_schedule_auto_is_chosen_for_the_world_before_the_config_resolves():
+    """MegaMoEConfig("auto") takes no fixed schedule's fields and does not resolve by itself;
+    MegaMoE picks for its world's remote path (loopback: none) and records why."""
+    from megamoe_interleave.config import MegaMoEConfig
+
+    with pytest.raises(ValueError, match="fixed schedule"):
+        MegaMoEConfig("auto", lead=3)
+    with pytest.raises(ValueError, match="chosen for a world"):
+        MegaMoEConfig("auto").resolve(DSV4, 8, 4096, 132)
+    moe = MegaMoE(make_world("loopback", world_size=2, device="cpu"), num_experts=16, hidden=256, intermediate=128,
+                  topk=2, max_tokens_per_rank=64, config=MegaMoEConfig("auto"), backend="torch")
+    assert moe.config.schedule == "interleaved" and moe.config.resolved
+    assert moe.schedule_choice.platform is None and "locality" in moe.schedule_choice.reason
+    assert MegaMoE(make_world("loopback", world_size=2, device="cpu"), num_experts=16, hidden=256, intermediate=128,
+                   topk=2, max_tokens_per_rank=64, backend="torch").schedule_choice is None

@@ -496,10 +496,13 @@ def _record(shape, routing, tokens, world, P, speedup, verdict=None, rs=(9000, 3
     verdict = verdict or ("interleaved faster" if speedup > 1 else "interleaved slower")
     return {"cell": S.Cell(shape, routing, tokens, world, P).as_dict(), "status": "ok",
             "timing": {"speedup": speedup, "verdict": verdict, "n_matched": 20, "n_trials": 20,
+                       "expert_wave_median_us": 1000.0 * speedup, "interleaved_median_us": 1000.0,
                        "p_interleaved_faster": 1e-6 if speedup > 1 else 1.0,
                        "p_interleaved_slower": 1.0 if speedup > 1 else 1e-6},
-            "schedules": {"expert_wave": {"trace": trace(rs[0], stall[0]), "trace_overhead": {"ratio": 1.01}},
-                          "interleaved": {"trace": trace(rs[1], stall[1]), "trace_overhead": {"ratio": 1.03}}},
+            "schedules": {"expert_wave": {"trace": trace(rs[0], stall[0]), "trace_overhead": {"ratio": 1.01},
+                                          "config": {"block_n": 256}},
+                          "interleaved": {"trace": trace(rs[1], stall[1]), "trace_overhead": {"ratio": 1.03},
+                                          "config": {"block_n": 256}}},
             "model": {"platform": "h200-pcie-host", "interleave_sufficient": False,
                       "predicted_rs_wave_us": 160.0, "predicted_rs_interleaved_us": 150.0}
             if world == "loopback+host" else {"platform": None}}
@@ -604,6 +607,22 @@ def test_the_planner_verdict_with_the_controls_mainloops():
     assert [(r["mainloops"], r["cells"]) for r in summary] == [("contended", 1), ("uncontended", 1)]
 
 
+def test_auto_over_the_sweep_is_the_picked_schedules_paired_time():
+    """auto picks interleaved in every synthetic cell (the model's bound and the locality ratio);
+    its ratio to the better schedule is 1 where interleaved won and 1/speedup where it lost; the
+    summary counts the cells over 1 % and takes geometric means of the medians."""
+    rows = evaluation.auto_rows(evaluation.measured_cells(_sweep_payload()))
+    assert len(rows) == 6 and {r["pick"] for r in rows} == {"interleaved"}
+    by = {(r["shape"], r["routing"], r["tokens"], r["world"], r["P"]): r for r in rows}
+    assert by[("deepseek-v4-flash", "balanced", 8192, "loopback+host", 8)]["auto_over_better"] == pytest.approx(1 / 0.9)
+    assert by[("deepseek-v4-flash", "skewed1", 8192, "loopback+host", 8)]["auto_over_better"] == 1.0
+    summary = {r["world"]: r for r in evaluation.auto_summary(rows)}
+    assert summary["all"]["cells"] == 6 and summary["all"]["over_1pct"] == 2  # the 0.90x and 0.95x cells
+    assert summary["all"]["geo_over_interleaved"] == pytest.approx(1.0)
+    want = math.exp(sum(math.log(1 / s) for s in (1.2, 1.5, 0.9, 1.0, 1.1, 0.95)) / 6)
+    assert summary["all"]["geo_over_expert_wave"] == pytest.approx(want)
+
+
 def test_regressions_and_the_readme(tmp_path):
     payload = _sweep_payload()
     regs = evaluation.regressions(evaluation.measured_cells(payload))
@@ -620,7 +639,8 @@ def test_regressions_and_the_readme(tmp_path):
         in text
     assert "skipped: estimated GPU memory 130.0 GB" in text
     paths = evaluation.write_report(payload, tmp_path)
-    assert (tmp_path / "README.md").read_text() == evaluation.readme(payload, fig8=paths["fig8"], fig10=paths["fig10"])
+    assert (tmp_path / "README.md").read_text() == evaluation.readme(payload, fig8=paths["fig8"], fig10=paths["fig10"],
+                                                                    rate_fig=paths["rate_fig"])
     with open(tmp_path / "table2.csv") as f:
         assert [r["shape"] for r in csv.DictReader(f)] == ["deepseek-v4-flash", "deepseek-v4-pro"]
     with open(tmp_path / "verdicts.csv") as f:

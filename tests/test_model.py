@@ -215,3 +215,23 @@ def test_kernel_rate_bounds_compute_bound_and_drain_bound():
     assert kernel_rate_bounds(2.0, 1.0, 2.5e9, 1e9) == pytest.approx((3.0, 4.5))
     with pytest.raises(ValueError):
         kernel_rate_bounds(1.0, 1.0, 1.0, 0.0)
+
+
+def test_schedule_auto_follows_the_drain_bound_and_the_locality_ratio():
+    """No remote path: the locality ratio alone decides; on the PCIe profile eq. 11 over the kernel
+    (interleaved x the ratio against expert_wave), so only a ratio above the bound's gap flips it."""
+    from xstage import planner, profiles
+
+    dims = dict(hidden=4096, intermediate=2048, experts=256, topk=6, tokens=4096, world=8)
+    assert planner.choose_megamoe_schedule(None, **dims).schedule == "interleaved"
+    assert planner.choose_megamoe_schedule(None, locality_ratio=1.05, **dims).schedule == "expert_wave"
+    pcie = profiles.load("h200-pcie-host")
+    c = planner.choose_megamoe_schedule(pcie, **dims)
+    plan = planner.plan_megamoe(pcie, block_n=256, **dims)
+    assert c.schedule == "interleaved" and c.platform == "h200-pcie-host"
+    assert c.predicted_interleaved_s == pytest.approx(plan.kernel_interleaved_s * planner.INTERLEAVED_LOCALITY_RATIO)
+    assert c.predicted_wave_s == pytest.approx(plan.kernel_wave_s)
+    flip = 1.01 * plan.kernel_wave_s / plan.kernel_interleaved_s
+    assert planner.choose_megamoe_schedule(pcie, locality_ratio=flip, **dims).schedule == "expert_wave"
+    with pytest.raises(ValueError):
+        planner.choose_megamoe_schedule(pcie, locality_ratio=0.0, **dims)

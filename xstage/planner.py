@@ -299,3 +299,50 @@ def plan_megamoe(
         kernel_l1_s=t_l1_kernel, kernel_l2_s=t_l2_kernel, drain_s=combine / platform.R, kernel_wave_s=t_wave_kernel,
         kernel_interleaved_s=t_int_kernel, verdict=verdict, reasons=reasons,
     )
+
+
+# Interleaved over expert_wave kernel time where no remote path exists: the locality term of the
+# schedule choice (interleaving mixes experts in time, which could cost weight reuse). Measured,
+# not modelled: the loopback control of the MegaMoE X-Stage sweep (results/h200/megamoe/xstage/,
+# 60 cells on the H200, 2026-12-02): geometric mean of interleaved / expert_wave = 1 / 1.022.
+INTERLEAVED_LOCALITY_RATIO = 1 / 1.022
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """What ``schedule="auto"`` picked for a MegaMoE layer, and why."""
+
+    schedule: str
+    platform: str | None
+    predicted_interleaved_s: float | None  # model.kernel_rate_bounds x the locality ratio
+    predicted_wave_s: float | None
+    reason: str
+
+
+def choose_megamoe_schedule(platform: Platform | None, *, hidden: int, intermediate: int, experts: int, topk: int,
+                            tokens: int, world: int, block_n: int = 256,
+                            locality_ratio: float = INTERLEAVED_LOCALITY_RATIO) -> ScheduleChoice:
+    """expert_wave or interleaved for one layer from the model, with no per-shape table (the
+    paper's Section 6 suggestion). ``platform``: the calibrated remote path of the world the
+    Combine stores cross (None: no remote path, e.g. the loopback world).
+
+    With a remote path: the whole-kernel drain bound of eq. (11) (:func:`model.kernel_rate_bounds`
+    through :func:`plan_megamoe`, mainloops estimated from the platform's dense rate) predicts both
+    schedules; interleaved's prediction is scaled by the measured locality ratio
+    (:data:`INTERLEAVED_LOCALITY_RATIO`), and the faster prediction wins. Without one nothing
+    drains, so the locality ratio alone decides. Both are host arithmetic on the layer's shape (no
+    device sync). Note that max(T_L1 + T_L2, V/R) <= T_L1 + max(T_L2, V/R): the bound never
+    prefers expert_wave, so only a locality ratio above 1 could -- and the one measured is below."""
+    _positive_time("locality_ratio", locality_ratio)
+    if platform is None:
+        pick = "interleaved" if locality_ratio <= 1.0 else "expert_wave"
+        return ScheduleChoice(pick, None, None, None,
+                              f"no remote path: the measured locality ratio {locality_ratio:.3f} decides")
+    plan = plan_megamoe(platform, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
+                        tokens=tokens, world=world, block_n=block_n)
+    il, ew = plan.kernel_interleaved_s * locality_ratio, plan.kernel_wave_s
+    pick = "interleaved" if il <= ew else "expert_wave"
+    return ScheduleChoice(pick, platform.name, il, ew,
+                          f"eq. 11 over the kernel on {platform.name}: interleaved {il * 1e6:.0f} us "
+                          f"(x locality {locality_ratio:.3f}) vs expert_wave {ew * 1e6:.0f} us")
+

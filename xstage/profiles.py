@@ -34,6 +34,11 @@ from .model import CapacityTable, IssueTimeTable, Platform
 __all__ = ["ProfileError", "SCHEMA", "available", "load", "from_dict", "to_dict"]
 
 SCHEMA = "xstage-platform/1"
+
+# The calibrated remote path of each world placement (xstage.world ``World.placement``): where a
+# kernel's remote stores go. None: no remote path (loopback: "remote" stores are local HBM).
+PROFILE_OF_PLACEMENT = {"loopback": None, "loopback+host": "h200-pcie-host", "host": "h200-pcie-host",
+                        "torch-symm": "h200-nvlink-peer", "nvshmem": "h200-nvlink-peer"}
 _REQUIRED = ("name", "source", "num_sms", "R_bytes_per_s", "t_iss0_us", "Q_bytes")
 _SOURCES = ("measured", "paper")
 
