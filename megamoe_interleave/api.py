@@ -196,6 +196,8 @@ class MegaMoE:
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         self._scratch = {}  # rank -> {name: flat device tensor}, reused across calls (see _scratch_rows)
+        self._device_scratch = {}  # rank -> (pool_x, h, trace stand-in) of the device-side path's worst case
+        self._token_counts = {}  # tokens per rank (tuple) -> int64 [P] device tensor (enqueue)
         self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
         self._plans = (-1, {})  # (generation, {rank: (Permutation, RowGrid)})
         self._poison_pending = False
@@ -585,7 +587,9 @@ class MegaMoE:
         read run first; an expert id out of range and a timed-out wait go to the error word, raised
         by :meth:`check`. Returns y per local rank (valid once the stream reaches it).
 
-        Single-process worlds (loopback, loopback+host, host), bf16, ``trace`` off."""
+        Single-process worlds (loopback, loopback+host, host), bf16, ``trace`` off. The first call
+        allocates each rank's worst-case pool scratch, (P * max_tokens * k + 128) x (H + I) bf16
+        (every pick of every source on one rank), since the host does not see the routing."""
         if self.backend != "fused":
             raise ValueError("enqueue() launches the fused kernel: backend='fused' only")
         if not single_process(self.world):
@@ -619,7 +623,7 @@ class MegaMoE:
     def _device_token_counts(self, counts) -> torch.Tensor:
         """int64 [P] tokens per rank on the device, one tensor per distinct ``counts`` (kept, so
         a captured graph's copy stays valid and repeated calls need no upload)."""
-        cache = self.__dict__.setdefault("_token_counts", {})
+        cache = self._token_counts
         if counts not in cache:
             host = torch.tensor(counts, dtype=torch.int64)
             cache[counts] = host.pin_memory().to(self.world.device, non_blocking=True)
@@ -655,9 +659,12 @@ class MegaMoE:
         ``pool_x`` / ``h`` scratch of the worst case kept per rank (never regrown, so a captured
         graph's pointers stay valid). Works on any device (CPU tests)."""
         buf, sizes = self.buffer, self.device_plan_sizes
-        scratch = self.__dict__.setdefault("_device_scratch", {})
+        scratch = self._device_scratch
         if d not in scratch:
             n_pad = sizes.max_pool + BLOCK_M
+            if n_pad * (self.hidden // 8) >= 2 ** 31:
+                raise ValueError(f"the device-side plan's worst-case pool ({n_pad} rows x {self.hidden // 8} 16-byte "
+                                 "chunks) exceeds the kernel's int32 indexing; lower max_tokens_per_rank")
             dev = self.world.device
             scratch[d] = (torch.empty(n_pad, self.hidden, dtype=buf.dtype, device=dev),
                           torch.empty(n_pad, self.intermediate, dtype=buf.dtype, device=dev),

@@ -219,7 +219,12 @@ def test_raise_on_device_error_mbarrier_timeout():
     with pytest.raises(xd.DeviceError, match=r"0x4: shared-memory mbarrier wait timed out"):
         xd.raise_on_device_error(torch.tensor([xd.ERR_MBARRIER_TIMEOUT], dtype=torch.int32), "k")
     with pytest.raises(xd.DeviceError) as info:
-        xd.raise_on_device_error(xd.ERR_MBARRIER_TIMEOUT | xd.ERR_SPIN_TIMEOUT | 8)
+        xd.raise_on_device_error(xd.ERR_MBARRIER_TIMEOUT | xd.ERR_SPIN_TIMEOUT | 16)
     msg = str(info.value)
-    assert "mbarrier wait timed out" in msg and "spin-wait timed out" in msg and "unknown error bits 0x8" in msg
+    assert "mbarrier wait timed out" in msg and "spin-wait timed out" in msg and "unknown error bits 0x10" in msg
     assert "grid barrier" not in msg
+    # ERR_ROUTING (MegaMoE's device-side plan) is a bit of its own too
+    codes = (xd.ERR_SPIN_TIMEOUT, xd.ERR_BARRIER_TIMEOUT, xd.ERR_MBARRIER_TIMEOUT, xd.ERR_ROUTING)
+    assert sum(codes) == (xd.ERR_SPIN_TIMEOUT | xd.ERR_BARRIER_TIMEOUT | xd.ERR_MBARRIER_TIMEOUT | xd.ERR_ROUTING)
+    with pytest.raises(xd.DeviceError, match=r"0x8: an expert id outside"):
+        xd.raise_on_device_error(xd.ERR_ROUTING, "k")
