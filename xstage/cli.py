@@ -125,6 +125,8 @@ def _fmt_moe(p: planner.MoEPlan) -> str:
          f"{_us(p.kernel_wave_s)} / {_us(p.kernel_interleaved_s)} "
          f"({p.kernel_wave_s / p.kernel_interleaved_s:.2f}x; eq. 11 over the kernel)"),
         ("verdict", p.verdict),
+        ("schedule=\"auto\" picks", f"{planner.schedule_choice_of(p).schedule} (x measured locality "
+                                    f"{planner.INTERLEAVED_LOCALITY_RATIO:.3f} on interleaved)"),
     ]
     return _table(rows, "MegaMoE design test") + "\n" + "\n".join(f"  - {r}" for r in p.reasons)
 

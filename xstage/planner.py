@@ -340,9 +340,16 @@ def choose_megamoe_schedule(platform: Platform | None, *, hidden: int, intermedi
                               f"no remote path: the measured locality ratio {locality_ratio:.3f} decides")
     plan = plan_megamoe(platform, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
                         tokens=tokens, world=world, block_n=block_n)
+    return schedule_choice_of(plan, locality_ratio)
+
+
+def schedule_choice_of(plan: MoEPlan, locality_ratio: float = INTERLEAVED_LOCALITY_RATIO) -> ScheduleChoice:
+    """The ``schedule="auto"`` pick from one :class:`MoEPlan`'s whole-kernel bounds (eq. 11 over
+    the kernel), interleaved's scaled by ``locality_ratio`` (:func:`choose_megamoe_schedule`)."""
+    _positive_time("locality_ratio", locality_ratio)
     il, ew = plan.kernel_interleaved_s * locality_ratio, plan.kernel_wave_s
     pick = "interleaved" if il <= ew else "expert_wave"
-    return ScheduleChoice(pick, platform.name, il, ew,
-                          f"eq. 11 over the kernel on {platform.name}: interleaved {il * 1e6:.0f} us "
+    return ScheduleChoice(pick, plan.platform, il, ew,
+                          f"eq. 11 over the kernel on {plan.platform}: interleaved {il * 1e6:.0f} us "
                           f"(x locality {locality_ratio:.3f}) vs expert_wave {ew * 1e6:.0f} us")
 
