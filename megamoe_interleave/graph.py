@@ -15,7 +15,9 @@ What is captured is :meth:`MegaMoE.enqueue` on the symmetric buffers' leading ro
 copies are skipped): the Combine-slot preparation (poison when ``poison_combine``, the expert-id
 range check into the error word), the device-side plan of every rank,
 the fused kernels on the fixed grid, the top-k reduction. Nothing is read back; the outputs are
-overwritten by the next replay (clone what must outlive it).
+overwritten by the next replay (clone what must outlive it). The Combine poison is captured when
+the layer has ``poison_combine`` on (MegaMoE's default, for tests): one k x T x H fill per rank and
+replay, so build serving layers with ``poison_combine=False``.
 """
 from __future__ import annotations
 
