@@ -106,7 +106,7 @@ def test_call_preparation_poisons_and_flags_out_of_range_ids():
     assert [int(buf.counters[r][0]) for r in range(P)] == [0, 0]  # check() resets after raising
 
 
-def test_enqueue_and_capture_refuse_what_they_cannot_run():
+def test_enqueue_and_capture_refuse_what_they_cannot_run(monkeypatch):
     w1, w2 = _weights(2)
     moe = _moe(1, 2, "interleaved", trace=True)
     moe.load_weights(w1, w2)
@@ -118,6 +118,14 @@ def test_enqueue_and_capture_refuse_what_they_cannot_run():
         torch_moe.enqueue(x, idx, w)
     with pytest.raises(ValueError, match="CUDA"):
         torch_moe.capture(8)
+    # Multi-process worlds (torch-symm, nvshmem): the device-side plan needs every source's routing.
+    import megamoe_interleave.api as api
+
+    fused = _moe(1, 2, "interleaved")
+    fused.load_weights(w1, w2)
+    monkeypatch.setattr(api, "single_process", lambda world: False)
+    with pytest.raises(NotImplementedError, match="multi-process"):
+        fused.enqueue(x, idx, w)
 
 
 def test_topk_reduce_kernel_compiles_to_16_byte_accesses():
