@@ -380,7 +380,7 @@ def test_main_on_a_cpu_stand_in(monkeypatch, tmp_path, capsys):
     assert all(m.poison_combine is False for m in timed)
 
 
-@pytest.mark.parametrize("script", ["bench_megamoe.py", "diag/megamoe_dispatch_cost.py", "diag/megamoe_energy.py",
+@pytest.mark.parametrize("script", ["bench_megamoe.py", "bench_megamoe_graph.py", "diag/megamoe_dispatch_cost.py", "diag/megamoe_energy.py",
                                     "diag/megamoe_ncu_driver.py", "diag/megamoe_pm_phases.py",
                                     "diag/megamoe_trace_clock.py", "diag/megamoe_trace_timeline.py",
                                     "diag/profile_megamoe_api.py"])
@@ -486,3 +486,36 @@ def test_fill_pool_gathers_the_dispatched_rows(monkeypatch):
         perm = moe.plan_rank(d)[0]
         want = torch.stack([xs[s][t] for s, t in zip(perm.src_rank.tolist(), perm.src_token.tolist())])
         assert perm.src_rank.numel() > 0 and torch.equal(moe.dispatched_rows(d), want)
+
+
+def test_graph_report_splits_the_replay_into_kernels_and_writes_the_summary(tmp_path):
+    """graph_bench --report (no GPU): the replay's kernels split into fused / reduction / the rest,
+    the replay over their sum, the ratios against the baselines; cases without a matched trial are
+    left out."""
+    import csv
+    import json
+
+    from megamoe_interleave import graph_bench
+
+    def case(P, T, n_matched, replay):
+        v = lambda med: {"median_us": med, "baseline_median_us": 1000.0, "median_ratio": med / 1000.0,  # noqa: E731
+                         "n_matched": n_matched}
+        return {"paired": {"shape": "deepseek-v4-flash", "routing": "balanced", "world": "loopback", "P": P,
+                           "tokens_per_rank": T, "variants": {"graph replay": v(replay),
+                                                              "grouped_mm x2 only": v(1050.0),
+                                                              "unfused torch pipeline": v(2000.0)}},
+                "eager_us": {"eager enqueue": 3000.0, "eager forward": 4000.0, "enqueue host": 2500.0},
+                "replay_kernels": [["kernel_cutlass_MegaMoESm90_x", 1, 990.0], ["kernel_TopkReduceSm90_y", 1, 20.0],
+                                   ["at::native::sort", 8, 40.0]],
+                "checks": {"replay_blocking_calls": []}}
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"cases": [case(8, 256, 4, 1100.0), case(1, 256, 0, 1200.0)]}))
+    (row,) = graph_bench.report([path], tmp_path)
+    assert (row["P"], row["fused_us"], row["reduce_us"], row["plan_and_rest_us"]) == (8, 990.0, 20.0, 40.0)
+    assert row["nodes"] == 10 and row["replay_over_kernels_sum"] == pytest.approx(1100.0 / 1050.0, abs=1e-4)
+    assert row["replay_over_kernels"] == pytest.approx(1.1) and row["replay_over_grouped_mm"] == pytest.approx(
+        1100.0 / 1050.0, abs=1e-4)
+    assert row["replay_blocking_calls"] == "none"
+    with open(tmp_path / "summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == 1
