@@ -240,7 +240,9 @@ def unfused_pipeline(
     k = topk_idx[0].shape[1]
     H = xs[0].shape[1]
     e_local = w1_t_local[0].shape[0]
-    combine = [torch.zeros(k, x.shape[0], H, dtype=x.dtype, device=x.device) for x in xs]
+    # Flat slots with the padding row topk_reduce expects, so the reduction needs no copy.
+    flat = [torch.zeros(k * x.shape[0] + 1, H, dtype=x.dtype, device=x.device) for x in xs]
+    combine = [f[:-1].view(k, x.shape[0], H) for f, x in zip(flat, xs)]
     for d in range(P):
         perm = permute_for_rank(topk_idx, topk_weights, d, e_local)
         dev = w1_t_local[d].device
@@ -249,7 +251,7 @@ def unfused_pipeline(
         for s in range(P):
             sel = (perm.src_rank == s).nonzero(as_tuple=True)[0]
             combine[s][perm.src_pick[sel].to(dev), perm.src_token[sel].to(dev)] = out[sel.to(dev)]
-    return [weighted_combine(c, idx.to(c.device)) for c, idx in zip(combine, topk_idx)]
+    return [topk_reduce(f, slot_rows(idx.to(f.device), x.shape[0])) for f, x, idx in zip(flat, xs, topk_idx)]
 
 
 def gather_rows(xs: Sequence[torch.Tensor], perm: Permutation, device) -> torch.Tensor:

@@ -333,8 +333,8 @@ def choose_megamoe_schedule(platform: Platform | None, *, hidden: int, intermedi
     drains, so the locality ratio alone decides. Both are host arithmetic on the layer's shape (no
     device sync). Note that max(T_L1 + T_L2, V/R) <= T_L1 + max(T_L2, V/R): the bound never
     prefers expert_wave, so only a locality ratio above 1 could -- and the one measured is below."""
-    _positive_time("locality_ratio", locality_ratio)
     if platform is None:
+        _positive_time("locality_ratio", locality_ratio)
         pick = "interleaved" if locality_ratio <= 1.0 else "expert_wave"
         return ScheduleChoice(pick, None, None, None,
                               f"no remote path: the measured locality ratio {locality_ratio:.3f} decides")
