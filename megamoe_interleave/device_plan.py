@@ -60,6 +60,7 @@ class DevicePlan:
     num_rows: torch.Tensor
     row_record: torch.Tensor  # [max_rows, 4] int32
     schedule_table: torch.Tensor  # [table] int32
+    sizes: torch.Tensor  # [2] int32: (num_rows, n_pool), the kernel's mPlan
 
 
 def plan_on_device(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor, dst_rank: int, *,
@@ -132,8 +133,9 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
                                    intermediate)
     else:
         table = torch.zeros(P, 1, **i64)
-    return DevicePlan(counts.to(torch.int32), n_pool.to(torch.int32), pool_src, pool_weight,
-                      num_rows.to(torch.int32), row_record.to(torch.int32), table.to(torch.int32))
+    sizes = torch.stack([num_rows, n_pool], 1).to(torch.int32)
+    return DevicePlan(counts.to(torch.int32), sizes[:, 1], pool_src, pool_weight, sizes[:, 0],
+                      row_record.to(torch.int32), table.to(torch.int32), sizes)
 
 
 def _balanced_l2_start(row_record, in_grid, num_rows, G, block_m, pairs_l1, pairs_l2, hidden, intermediate):

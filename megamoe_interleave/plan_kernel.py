@@ -1,5 +1,5 @@
 """The device-side plan's tables in one CuTe DSL kernel (work in progress: compiled and
-PTX-checked in CI, not yet run on a GPU, not wired into :meth:`MegaMoE.enqueue`).
+PTX-checked in CI, not yet run on a GPU; :meth:`MegaMoE.device_plans` uses it on CUDA).
 
 :func:`~megamoe_interleave.device_plan.plan_all_ranks` builds every rank's plan from about sixty
 torch ops; in a captured layer they are ~140 graph nodes and 275-858 us per replay on the H200
@@ -284,4 +284,4 @@ def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_ran
     rank_counts = torch.empty(P, el, **i32)
     fn(order, counts, topk_weights.reshape(-1).float().contiguous(), pool_src, pool_w, record, table, sizes,
        rank_counts)
-    return DevicePlan(rank_counts, sizes[:, 1], pool_src, pool_w, sizes[:, 0], record, table)
+    return DevicePlan(rank_counts, sizes[:, 1], pool_src, pool_w, sizes[:, 0], record, table, sizes)
