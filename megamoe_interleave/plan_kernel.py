@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .device_plan import DevicePlan, plan_sizes
+from .device_plan import DevicePlan, plan_sizes, sorted_slots
 from .scheduler import Schedule, default_experts_per_wave, pool_rows_per_row
 
 THREADS = 256
@@ -264,11 +264,7 @@ def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_ran
     P, T, k = topk_idx.shape
     el, dev = experts_per_rank, topk_idx.device
     E = P * el
-    ids = topk_idx.to(torch.int64)
-    live = torch.arange(T, device=dev)[None, :, None] < num_tokens.to(torch.int64)[:, None, None]
-    key = torch.where(live & (ids >= 0) & (ids < E), ids, E).reshape(-1)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    order = torch.sort(key, stable=True).indices
+    _, counts, order = sorted_slots(topk_idx, num_tokens, E)
     spec = (P, T, k, el, block_m, schedule, num_pairs, pairs_l1, pairs_l2, hidden, intermediate, experts_per_wave)
     plan = DevicePlanSm90(P, T, k, el, block_m=block_m, schedule=schedule, num_pairs=num_pairs, pairs_l1=pairs_l1,
                           pairs_l2=pairs_l2, hidden=hidden, intermediate=intermediate,
