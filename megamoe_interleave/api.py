@@ -106,8 +106,11 @@ class MegaMoEBuffer:
         # The Combine stores' destinations: [k, T, H] slots (combine_slots) plus one padding row,
         # where the reduction's masked picks point (reference.topk_reduce: never read).
         self.combine = world.alloc((topk * T + 1, hidden), dtype, remote=True)
-        self.counters = {r: torch.zeros(num_counters, dtype=torch.int32, device=world.device)
-                         for r in world.local_ranks}
+        # One [local ranks, n] tensor, n padded to 16 bytes, so the device-side path touches every
+        # rank's error word / barrier counter with one op; counters[r] is rank r's row.
+        n = -(-num_counters // 4) * 4
+        self.counters_all = torch.zeros(len(world.local_ranks), n, dtype=torch.int32, device=world.device)
+        self.counters = {r: self.counters_all[i] for i, r in enumerate(world.local_ranks)}
         self.num_tokens = [0] * world.world_size
 
     def combine_slots(self, r: int) -> torch.Tensor:
@@ -543,8 +546,7 @@ class MegaMoE:
         # Single process: the reductions are stream-ordered after every rank's kernel, so they
         # are queued before the error read-back (no idle gap); on error their output is dropped.
         ys = [self.reduce_rank(r) for r in ranks] if single else None
-        words = buf.counters[ranks[0]][:1] if len(ranks) == 1 else torch.cat([buf.counters[d][:1] for d in ranks])
-        errors = words.tolist()  # the one post-launch sync (waits for kernels and reductions)
+        errors = buf.counters_all[:, 0].tolist()  # the one post-launch sync (waits for kernels and reductions)
         self.last_kernel_us = start.elapsed_time(end) * 1e3
         self._raise_device_errors(errors)
         if not single:
@@ -554,10 +556,9 @@ class MegaMoE:
 
     def _zero_barrier_counters(self) -> None:
         """The grid-barrier counter of every local rank to 0 before its launch, which then passes
-        barrier_base 0: one small memset per rank and call, and nothing the host must remember
-        between calls (a captured graph replays the same arguments)."""
-        for r in self.world.local_ranks:
-            self.buffer.counters[r][1:2].zero_()
+        barrier_base 0: one small op per call, and nothing the host must remember between calls (a
+        captured graph replays the same arguments)."""
+        self.buffer.counters_all[:, 1].zero_()
 
     def _raise_device_errors(self, errors: Sequence[int]) -> None:
         """DeviceError for the first non-zero error word of ``errors`` (one per local rank); the
@@ -566,8 +567,7 @@ class MegaMoE:
 
         for d, code in zip(self.world.local_ranks, errors):
             if code != 0:
-                for r in self.world.local_ranks:
-                    self.buffer.counters[r].zero_()
+                self.buffer.counters_all.zero_()
                 raise_on_device_error(code, f"MegaMoESm90 rank {d}")
 
     def check(self) -> None:
@@ -576,7 +576,7 @@ class MegaMoE:
         plan (:data:`xstage.device.ERR_ROUTING`). Reads every local rank's error word: one device
         sync, so call it outside the hot path (after a step, in a debug mode)."""
         ranks = self.world.local_ranks
-        self._raise_device_errors(torch.cat([self.buffer.counters[d][:1] for d in ranks]).tolist())
+        self._raise_device_errors(self.buffer.counters_all[:, 0].tolist())
 
     # -- the device-side plan: no host sync, CUDA-graph capturable ----------------------
     def enqueue(self, x, topk_idx, topk_weights) -> List[torch.Tensor]:
@@ -618,7 +618,8 @@ class MegaMoE:
         self._zero_barrier_counters()
         for a in args:
             kernel(*a, buf.max_tokens, self.topk, 0, self.device_ctas)
-        return [self.reduce_rank(r) for r in ranks]
+        rows = reference.slot_rows(idx_all, buf.max_tokens, self.num_experts)  # [P, T, k]: every rank at once
+        return [reference.topk_reduce(buf.combine.local(r), rows[r, :T]) for r, T in zip(ranks, counts)]
 
     def _device_token_counts(self, counts) -> torch.Tensor:
         """int64 [P] tokens per rank on the device, one tensor per distinct ``counts`` (kept, so
@@ -639,20 +640,22 @@ class MegaMoE:
         live = torch.arange(buf.max_tokens, device=idx_all.device)[None, :, None] < num_tokens[:, None, None]
         bad = (live & ((idx_all < -1) | (idx_all >= self.num_experts))).any()
         code = bad.to(torch.int32) * ERR_ROUTING
-        for r in self.world.local_ranks:
-            if self.poison_combine:
+        if self.poison_combine:
+            for r in self.world.local_ranks:
                 buf.combine_slots(r)[:, : buf.num_tokens[r]].fill_(float("nan"))
-            buf.counters[r][:1].bitwise_or_(code)
+        buf.counters_all[:, 0].bitwise_or_(code)
 
     def device_plans(self, idx_all: torch.Tensor, w_all: torch.Tensor, num_tokens: torch.Tensor) -> DevicePlan:
         """Every rank's device-side plan (:func:`~megamoe_interleave.device_plan.plan_all_ranks`)
         from every source's routing, ``idx_all`` / ``w_all`` [P, max_tokens, k] and ``num_tokens``
         [P] on the device, for the fixed grid of ``device_ctas`` CTAs."""
-        return plan_all_ranks(idx_all, w_all, num_tokens, experts_per_rank=self.experts_per_rank, block_m=BLOCK_M,
-                              schedule=self.schedule, num_pairs=self.device_ctas // 2,
-                              pairs_l1=2 * self.intermediate // self.block_n, pairs_l2=self.hidden // self.block_n,
-                              hidden=self.hidden, intermediate=self.intermediate,
-                              experts_per_wave=self.config.experts_per_wave)
+        plan = plan_all_ranks
+        if idx_all.is_cuda:  # the tables in one CuTe DSL kernel after the sort (same result)
+            from .plan_kernel import plan_all_ranks_kernel as plan
+        return plan(idx_all, w_all, num_tokens, experts_per_rank=self.experts_per_rank, block_m=BLOCK_M,
+                    schedule=self.schedule, num_pairs=self.device_ctas // 2,
+                    pairs_l1=2 * self.intermediate // self.block_n, pairs_l2=self.hidden // self.block_n,
+                    hidden=self.hidden, intermediate=self.intermediate, experts_per_wave=self.config.experts_per_wave)
 
     def device_launch_arguments(self, d: int, plans: DevicePlan):
         """The kernel's tensor arguments for rank ``d`` from :meth:`device_plans`: static shapes,
@@ -672,7 +675,7 @@ class MegaMoE:
         pool_x, h, no_trace = scratch[d]
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), plans.pool_src[d], plans.pool_weight[d], pool_x, h,
                    self.w1[d], self.w2[d], plans.row_record[d], plans.schedule_table[d], buf.counters[d], no_trace,
-                   torch.stack([plans.num_rows[d], plans.n_pool[d]]))  # mPlan
+                   plans.sizes[d])  # mPlan
         check_launch_arguments(self.hidden, self.intermediate, tensors)
         return tensors
 

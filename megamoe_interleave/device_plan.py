@@ -60,6 +60,7 @@ class DevicePlan:
     num_rows: torch.Tensor
     row_record: torch.Tensor  # [max_rows, 4] int32
     schedule_table: torch.Tensor  # [table] int32
+    sizes: torch.Tensor  # [2] int32: (num_rows, n_pool), the kernel's mPlan
 
 
 def plan_on_device(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor, dst_rank: int, *,
@@ -71,6 +72,23 @@ def plan_on_device(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
                            schedule=schedule, num_pairs=num_pairs, pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden,
                            intermediate=intermediate, experts_per_wave=experts_per_wave)
     return DevicePlan(*(getattr(plans, f.name)[dst_rank] for f in dataclasses.fields(DevicePlan)))
+
+
+def sorted_slots(topk_idx, num_tokens, num_experts: int):
+    """The slots (source, token, pick) of ``topk_idx`` [P, T, k] in flat order: their keys (the
+    global expert id; the sentinel ``num_experts`` for dead, masked or out-of-range picks), the
+    count per key [num_experts + 1] (int64) and the stable sort of the keys (int64 indices).
+
+    The keys are sorted as int16 where they fit (any world of < 32767 experts): CUDA's radix sort
+    then runs 2 digit passes instead of the 8 of int64 keys."""
+    P, T, k = topk_idx.shape
+    ids = topk_idx.to(torch.int64)
+    live = torch.arange(T, device=ids.device)[None, :, None] < num_tokens.to(torch.int64)[:, None, None]
+    key = torch.where(live & (ids >= 0) & (ids < num_experts), ids, num_experts).reshape(-1)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key,
+                                                                                         torch.ones_like(key))
+    narrow = key.to(torch.int16) if num_experts < 2 ** 15 - 1 else key
+    return key, counts, torch.sort(narrow, stable=True).indices
 
 
 def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor, *,
@@ -95,11 +113,8 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
 
     # Slots (source, token, pick) in flat order keyed by global expert id; dead or masked slots
     # (and ids out of range, which the caller reports) get the sentinel E and sort last.
-    ids = topk_idx.to(torch.int64)
-    live = torch.arange(T, device=dev)[None, :, None] < num_tokens.to(torch.int64)[:, None, None]
-    key = torch.where(live & (ids >= 0) & (ids < E), ids, E).reshape(-1)
-    counts = torch.zeros(E + 1, **i64).scatter_add_(0, key, torch.ones_like(key))[:E].view(P, el)
-    order = torch.sort(key, stable=True).indices
+    key, counts, order = sorted_slots(topk_idx, num_tokens, E)
+    counts = counts[:E].view(P, el)
     n_pool = counts.sum(1)  # [P]
     j = torch.arange(sizes.max_pool, device=dev)
     in_pool = j[None, :] < n_pool[:, None]
@@ -132,8 +147,9 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
                                    intermediate)
     else:
         table = torch.zeros(P, 1, **i64)
-    return DevicePlan(counts.to(torch.int32), n_pool.to(torch.int32), pool_src, pool_weight,
-                      num_rows.to(torch.int32), row_record.to(torch.int32), table.to(torch.int32))
+    sizes = torch.stack([num_rows, n_pool], 1).to(torch.int32)
+    return DevicePlan(counts.to(torch.int32), sizes[:, 1], pool_src, pool_weight, sizes[:, 0],
+                      row_record.to(torch.int32), table.to(torch.int32), sizes)
 
 
 def _balanced_l2_start(row_record, in_grid, num_rows, G, block_m, pairs_l1, pairs_l2, hidden, intermediate):

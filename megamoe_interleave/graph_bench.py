@@ -39,21 +39,24 @@ SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that
 
 def replay_profile(layer) -> dict:
     """One ``layer.replay()`` under torch.profiler: its CUDA runtime calls [(name, count)] and its
-    device kernels [(name, count, total us)], dearest first."""
+    device kernels [(name, count, total us)], dearest first, and ``span_us``: first node's start to
+    the last one's end on the device (the replay's own time, clocks and all, to set against the
+    sum of its kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         layer.replay()
         torch.cuda.synchronize()
-    calls, kernels = {}, {}
+    calls, kernels, starts, ends = {}, {}, [], []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
             calls[e.name] = calls.get(e.name, 0) + 1
         elif e.device_type == torch.autograd.DeviceType.CUDA:
             n, us = kernels.get(e.name[:80], (0, 0.0))
             kernels[e.name[:80]] = (n + 1, us + e.time_range.elapsed_us())
-    return dict(runtime_calls=sorted(calls.items()),
+            starts.append(e.time_range.start), ends.append(e.time_range.end)
+    return dict(runtime_calls=sorted(calls.items()), span_us=round(max(ends) - min(starts), 1),
                 kernels=sorted(((k, n, round(us, 1)) for k, (n, us) in kernels.items()), key=lambda x: -x[2]))
 
 
@@ -111,6 +114,7 @@ def run_case(shape, kind, P, tokens, args) -> dict:
           f"{eager_us['eager forward']:.1f} us; replay runtime calls: {calls}; kernels: {prof['kernels'][:8]}",
           flush=True)
     return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls, replay_kernels=prof["kernels"],
+                replay_span_us=prof["span_us"],
                 checks=dict(replay_equals_forward_bitwise=bitwise, replay_blocking_calls=blocking,
                             device_ctas=moe.device_ctas))
 
@@ -141,16 +145,18 @@ def summary_rows(results) -> list:
 
 def kernel_shares(res) -> dict:
     """The replay's device kernels (profiler) split into the fused kernels, the top-k reduction and
-    everything else (the device-side plan, staging, memsets): us each, and the replay's median
-    over their sum (what is left is the gaps between the graph's nodes)."""
+    everything else (the device-side plan, staging, memsets): us each, and the profiled replay's
+    device span over their sum (what is left is the gaps between the graph's nodes). Results
+    from before the span was recorded fall back to the paired replay median (other clocks)."""
     ks = res["replay_kernels"]
     fused = sum(us for name, _, us in ks if "MegaMoESm90" in name)
     reduce = sum(us for name, _, us in ks if "TopkReduce" in name)
     total = sum(us for _, _, us in ks)
-    replay = res["paired"]["variants"]["graph replay"].get("median_us")
+    replay = res.get("replay_span_us") or res["paired"]["variants"]["graph replay"].get("median_us")
     return dict(nodes=sum(n for _, n, _ in ks), fused_us=round(fused, 1), reduce_us=round(reduce, 1),
                 plan_and_rest_us=round(total - fused - reduce, 1), kernels_sum_us=round(total, 1),
-                replay_over_kernels_sum=round(replay / total, 4) if replay else None)
+                replay_over_kernels_sum=round(replay / total, 4) if replay else None,
+                replay_over_fused_in_replay=round(replay / fused, 4) if replay and fused else None)
 
 
 def report(json_paths, out_dir) -> list:

@@ -194,10 +194,11 @@ def unfused_expert_compute(
 
 
 def slot_rows(topk_idx: torch.Tensor, stride: int, num_experts: Optional[int] = None) -> torch.Tensor:
-    """[T, k] int32 rows of a flat ``[k * stride + 1, H]`` slot buffer for :func:`topk_reduce`:
-    ``j * stride + t`` for pick j of token t, the last row (``k * stride``, the padding row) for a
-    masked pick (-1) and, with ``num_experts``, for an id outside [0, num_experts)."""
-    T, k = topk_idx.shape
+    """[..., T, k] int32 rows of a flat ``[k * stride + 1, H]`` slot buffer for :func:`topk_reduce`
+    (``topk_idx`` [..., T, k]: leading dims, e.g. ranks, share the layout): ``j * stride + t`` for
+    pick j of token t, the last row (``k * stride``, the padding row) for a masked pick (-1) and,
+    with ``num_experts``, for an id outside [0, num_experts)."""
+    T, k = topk_idx.shape[-2:]
     dev = topk_idx.device
     valid = topk_idx >= 0 if num_experts is None else (topk_idx >= 0) & (topk_idx < num_experts)
     rows = torch.arange(k, device=dev, dtype=torch.int32)[None, :] * stride \

@@ -517,5 +517,17 @@ def test_graph_report_splits_the_replay_into_kernels_and_writes_the_summary(tmp_
     assert row["replay_over_kernels"] == pytest.approx(1.1) and row["replay_over_grouped_mm"] == pytest.approx(
         1100.0 / 1050.0, abs=1e-4)
     assert row["replay_blocking_calls"] == "none"
+    spanned = dict(case(1, 8192, 4, 1100.0), replay_span_us=1071.0)  # the profiled replay's own span wins
+    (srow,) = graph_bench.report([_write(tmp_path / "s.json", {"cases": [spanned]})], tmp_path / "s")
+    assert srow["replay_over_kernels_sum"] == pytest.approx(1071.0 / 1050.0, abs=1e-4)
+    assert srow["replay_over_fused_in_replay"] == pytest.approx(1071.0 / 990.0, abs=1e-4)
+    (row,) = graph_bench.report([path], tmp_path)
     with open(tmp_path / "summary.csv") as f:
         assert len(list(csv.DictReader(f))) == 1
+
+
+def _write(path, obj):
+    import json
+
+    path.write_text(json.dumps(obj))
+    return path
