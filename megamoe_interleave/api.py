@@ -170,8 +170,6 @@ class MegaMoE:
                                                               _remote_path(world) if config.schedule == AUTO else None)
         self.config = config.resolve(shape, P, max_tokens_per_rank, num_sms)
         self.schedule = self.config.schedule_spec()
-        if backend == "fused" and self.config.precision == "w8a8":
-            raise NotImplementedError("the W8A8 fused kernel is not built yet; use backend='torch'")
         self.world, self.backend, self.num_sms = world, backend, num_sms
         self.num_experts, self.hidden, self.intermediate, self.topk = num_experts, hidden, intermediate, topk
         self.experts_per_rank = num_experts // P
@@ -204,6 +202,7 @@ class MegaMoE:
         self._generation = 0  # bumped by stage_inputs; the plan cache is valid for one generation
         self._plans = (-1, {})  # (generation, {rank: (Permutation, RowGrid)})
         self._poison_pending = False
+        self._no_scales = None  # bf16: the kernel's scale arguments' stand-in (_scale_arguments)
         self.w1 = {}
         self.w2 = {}
         self.w1_scales = {}  # w8a8: rank -> FP32 block scales of w1 / w2 (quant.quantize_weights)
@@ -494,8 +493,14 @@ class MegaMoE:
             pool_w = perm.weights.to(device=dev, dtype=torch.float32).contiguous()
         # BLOCK_M rows of padding: TMA reads whole M tiles (rows past an expert's tokens feed
         # accumulator rows that are never stored).
-        pool_x = self._scratch_rows(d, "pool_x", n_pool + BLOCK_M, self.hidden, buf.dtype)
-        h = self._scratch_rows(d, "h", n_pool + BLOCK_M, self.intermediate, buf.dtype)
+        ab = buf.x.dtype  # bf16, or E4M3 (W8A8: h too)
+        pool_x = self._scratch_rows(d, "pool_x", n_pool + BLOCK_M, self.hidden, ab)
+        h = self._scratch_rows(d, "h", n_pool + BLOCK_M, self.intermediate, ab)
+        if self.config.precision == "w8a8":
+            scale_rows = [self._scratch_rows(d, name, n_pool + BLOCK_M, cols // QUANT_BLOCK, torch.float32)
+                          for name, cols in (("pool_x_scale", self.hidden), ("h_scale", self.intermediate))]
+        else:
+            scale_rows = None
         num_ctas = self.num_ctas(grid)
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
         # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
@@ -517,9 +522,20 @@ class MegaMoE:
                 1, 1, len(TRACE_FIELDS))  # unused by the kernel
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), pool_src, pool_w, pool_x, h,
                    self.w1[d], self.w2[d], records, sched_table, buf.counters[d],
-                   trace, plan)
-        check_launch_arguments(self.hidden, self.intermediate, tensors)
+                   trace, plan) + self._scale_arguments(d, scale_rows)
+        check_launch_arguments(self.hidden, self.intermediate, tensors, self.config.precision)
         return num_ctas, tensors, (buf.max_tokens, self.topk)
+
+    def _scale_arguments(self, d: int, scale_rows) -> tuple:
+        """The kernel's five W8A8 scale arguments for rank ``d`` (config.tensor_argument_spec):
+        every rank's x_scales table, ``scale_rows`` = (pool x, h) scale scratch, w1 / w2 scales;
+        bf16: the x table and [1, 1] / [1, 1, 1] stand-ins the kernel never reads."""
+        if scale_rows is None:
+            if self._no_scales is None:
+                self._no_scales = torch.zeros(1, dtype=torch.float32, device=self.world.device)
+            z = self._no_scales
+            return (self.buffer.x.peer_table(d), z.view(1, 1), z.view(1, 1), z.view(1, 1, 1), z.view(1, 1, 1))
+        return (self.buffer.x_scales.peer_table(d), *scale_rows, self.w1_scales[d], self.w2_scales[d])
 
     def _run_fused(self) -> List[torch.Tensor]:
         """Plan, launch every local rank's kernel, reduce; returns y per local rank."""
@@ -669,13 +685,13 @@ class MegaMoE:
                 raise ValueError(f"the device-side plan's worst-case pool ({n_pad} rows x {self.hidden // 8} 16-byte "
                                  "chunks) exceeds the kernel's int32 indexing; lower max_tokens_per_rank")
             dev = self.world.device
-            scratch[d] = (torch.empty(n_pad, self.hidden, dtype=buf.dtype, device=dev),
-                          torch.empty(n_pad, self.intermediate, dtype=buf.dtype, device=dev),
+            scratch[d] = (torch.empty(n_pad, self.hidden, dtype=buf.x.dtype, device=dev),
+                          torch.empty(n_pad, self.intermediate, dtype=buf.x.dtype, device=dev),
                           torch.zeros(1, 1, len(TRACE_FIELDS), dtype=torch.int64, device=dev))  # trace: unused
         pool_x, h, no_trace = scratch[d]
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), plans.pool_src[d], plans.pool_weight[d], pool_x, h,
                    self.w1[d], self.w2[d], plans.row_record[d], plans.schedule_table[d], buf.counters[d], no_trace,
-                   plans.sizes[d])  # mPlan
+                   plans.sizes[d]) + self._scale_arguments(d, None)  # mPlan, the (bf16) scale stand-ins
         check_launch_arguments(self.hidden, self.intermediate, tensors)
         return tensors
 

@@ -17,6 +17,7 @@ from .scheduler import DIVMOD_SMALL_MAX, SCHEDULES, Schedule, check_experts_per_
 
 BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
+BLOCK_K_FP8 = 128  # W8A8: one 128-byte swizzle row of E4M3 = one scale block along K (QUANT_BLOCK)
 BLOCK_NS = (256, 128, 64)  # supported N tiles, widest first
 QUANT_BLOCK = 128  # W8A8: FP8 scale granularity along K (1x128 activations, 128x128 weights; quant.py)
 PRECISIONS = ("bf16", "w8a8")
@@ -76,10 +77,14 @@ class SmemPlan:
         return self.ring_bytes + self.staging_bytes + self.other_bytes
 
 
-def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str) -> SmemPlan:
-    """:class:`SmemPlan` of a configuration; ValueError when it does not fit SMEM_BYTES."""
+def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str, *, w8a8: bool = False) -> SmemPlan:
+    """:class:`SmemPlan` of a configuration; ValueError when it does not fit SMEM_BYTES. W8A8
+    stages hold the same bytes (128-byte rows of E4M3, BLOCK_K_FP8 deep) plus two small arrays
+    (the rows' h scales, the half tiles' cross-warpgroup amax)."""
     ring = stages * BLOCK_K * (BLOCK_M + block_n) * 2
     other = 16 * stages + 12 * BLOCK_M  # ring mbarriers, row weights + Combine addresses
+    if w8a8:
+        other += 4 * BLOCK_M + 4 * 2 * 64
     if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers
         other += 2 * bulk_piece_bytes(hidden) + 128 + 16
     handoffs = 1 if ring + BLOCK_M * block_n * 2 + other <= SMEM_BYTES else 2
@@ -211,7 +216,7 @@ class MegaMoEConfig:
         K = I, N = H for Linear-2) and block_n = 256: an L1 tile of block_n interleaved w1 rows
         yields block_n / 2 columns of h, and its epilogue quantizes h per token and 128 columns,
         so a tile must hold whole groups (hence H % 512 and I % 256 with the CTA pairs). Its
-        stages and dispatch_copy are resolved as for the bf16 kernel until the FP8 kernel exists.
+        Dispatch is "lsu" (the bulk copy does not move the scales).
         """
         if self.schedule == AUTO:
             raise ValueError("schedule='auto' is chosen for a world first (choose_schedule; MegaMoE does it)")
@@ -240,13 +245,18 @@ class MegaMoEConfig:
             rows_per_expert = world_size * tokens * topk / experts
             stages = 3 if block_n == 256 and rows_per_expert >= DEEP_RING_MAX_ROWS else 4
         copy = self.dispatch_copy
+        if w8a8 and copy == "bulk":
+            raise ValueError("precision='w8a8' dispatches with dispatch_copy='lsu' (the bulk copy does not move the "
+                             "activation scales)")
         if copy is None:
             try:
+                if w8a8:
+                    raise ValueError
                 smem_plan(hidden, block_n, stages, "bulk")
                 copy = "bulk"
             except ValueError:  # no room for the bounce buffers
                 copy = "lsu"
-        smem_plan(hidden, block_n, stages, copy)
+        smem_plan(hidden, block_n, stages, copy, w8a8=w8a8)
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window
         if window is None:
@@ -271,33 +281,50 @@ class MegaMoEConfig:
 NUM_SCALAR_ARGS = 4  # max_tokens, topk, barrier_base, num_ctas
 
 
-def tensor_argument_spec(hidden: int, intermediate: int):
+def tensor_argument_spec(hidden: int, intermediate: int, precision: str = "bf16"):
     """The kernel's tensor arguments as (name, dtype name, shape); str dims are dynamic and agree
     wherever the same name appears. One definition for the compile (kernel_sm90.fake_launch_arguments)
-    and the host-side check."""
+    and the host-side check.
+
+    The last five are the W8A8 scales (FP32, :mod:`.quant`'s layouts: per token and 128 columns of
+    x and h, per 128 x 128 block of w1 / w2); the bf16 kernel never reads them and takes any
+    [1, 1] / [1, 1, 1] stand-ins (and any (P,) table)."""
+    q = QUANT_BLOCK
+    if precision == "w8a8":
+        ab = "float8_e4m3fn"
+        scales = [("mPeerXScale", "int64", ("P",)),
+                  ("mPoolXScale", "float32", ("n_pad", hidden // q)),
+                  ("mHScale", "float32", ("n_pad", intermediate // q)),
+                  ("mW1Scale", "float32", ("E_l", 2 * intermediate // q, hidden // q)),
+                  ("mW2Scale", "float32", ("E_l", hidden // q, intermediate // q))]
+    else:
+        ab = "bfloat16"
+        scales = [("mPeerXScale", "int64", ("P",)), ("mPoolXScale", "float32", (1, 1)),
+                  ("mHScale", "float32", (1, 1)), ("mW1Scale", "float32", (1, 1, 1)),
+                  ("mW2Scale", "float32", (1, 1, 1))]
     return [
         ("mPeerX", "int64", ("P",)),
         ("mPeerCombine", "int64", ("P",)),
         ("mPoolSrc", "int32", ("n_pool", 3)),
         ("mPoolWeight", "float32", ("n_pool",)),
-        ("mPoolX", "bfloat16", ("n_pad", hidden)),  # n_pad = n_pool + BLOCK_M (padded M tiles)
-        ("mH", "bfloat16", ("n_pad", intermediate)),
-        ("mW1", "bfloat16", ("E_l", 2 * intermediate, hidden)),
-        ("mW2", "bfloat16", ("E_l", hidden, intermediate)),
+        ("mPoolX", ab, ("n_pad", hidden)),  # n_pad = n_pool + BLOCK_M (padded M tiles)
+        ("mH", ab, ("n_pad", intermediate)),
+        ("mW1", ab, ("E_l", 2 * intermediate, hidden)),
+        ("mW2", ab, ("E_l", hidden, intermediate)),
         ("mRowRecord", "int32", ("n_rows", 4)),
         ("mScheduleTable", "int32", ("n_s",)),
         ("mCounters", "int32", ("n_c",)),
         ("mTrace", "int64", ("n_tc", "n_tt", len(TRACE_FIELDS))),
         ("mPlan", "int32", (2,)),  # num_rows, n_pool (on the device: a device-side plan can write them)
-    ]
+    ] + scales
 
 
-def check_launch_arguments(hidden: int, intermediate: int, tensors) -> None:
+def check_launch_arguments(hidden: int, intermediate: int, tensors, precision: str = "bf16") -> None:
     """ValueError unless the torch ``tensors`` match :func:`tensor_argument_spec` (dtype, rank,
     static dims, consistent dynamic dims, row-major contiguity, alignment)."""
     import torch
 
-    spec = tensor_argument_spec(hidden, intermediate)
+    spec = tensor_argument_spec(hidden, intermediate, precision)
     if len(tensors) != len(spec):
         raise ValueError(f"expected {len(spec)} tensor arguments, got {len(tensors)}")
     bound = {}

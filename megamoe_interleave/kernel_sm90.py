@@ -34,14 +34,14 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int8, Int32, Int64, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
 
 from xstage import device as xdev
 
-from .config import BLOCK_K, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
+from .config import BLOCK_K, BLOCK_K_FP8, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
     smem_plan, tensor_argument_spec
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
@@ -65,6 +65,7 @@ class NamedBarrier(enum.IntEnum):
     EpilogueEmpty = 3  # epilogue warps -> consumers: staging tile free, row metadata in smem
     Epilogue = 4  # the epilogue warps among themselves
     Dispatch = 5  # the warps copying Dispatch rows among themselves
+    Consumers = 6  # W8A8 half tiles: the two consumer warpgroups exchange their rows' h amax
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,17 @@ class GlobalTensors:
     peer_combine: Any  # (P,) int64: every rank's symmetric combine [k, T_max, H]
     pool_src: Any  # (N_pool, 3) int32: (source rank, token, pick), expert-major
     pool_weight: Any  # (N_pool,) f32 routing weights
-    pool_x: Any  # (N_pool + BM, H) bf16: dispatched rows
-    h: Any  # (N_pool + BM, I) bf16: L1 output
+    pool_x: Any  # (N_pool + BM, H) bf16 / E4M3: dispatched rows
+    h: Any  # (N_pool + BM, I) bf16 / E4M3: L1 output
     counters: Any  # int32 words, see the module docstring
     trace: Any  # (ctas, max_tiles, len(TRACE_FIELDS)) int64 when tracing
     max_tokens: Any
+    # W8A8 (FP32 scales, quant.py's layouts; stand-ins in bf16 builds)
+    peer_x_scale: Any  # (P,) int64: every rank's symmetric x_scales [T_max, H/128]
+    pool_x_scale: Any  # (N_pool + BM, H/128): the dispatched rows' scales
+    h_scale: Any  # (N_pool + BM, I/128): h's scales (L1 epilogue -> L2 consumers)
+    w1_scale: Any  # (E_l, 2I/128, H/128)
+    w2_scale: Any  # (E_l, H/128, I/128)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,8 @@ class SharedTensors:
     bulk_buf: Any
     bulk_mbar: Any
     stamp_word: Any  # trace builds: a word holding 1, see MegaMoESm90.barrier_timestamp
+    row_scale: Any  # W8A8: the staged L1 tile's h scale per row (consumers -> epilogue warps)
+    amax_x: Any  # W8A8 half tiles: (2 warpgroups x 64 rows) partial h amax
 
 
 @dataclass(frozen=True)
@@ -152,11 +161,18 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
                 or intermediate % BLOCK_K:
             raise ValueError(f"H={hidden} and 2I={2 * intermediate} must be multiples of 2*block_n and of {BLOCK_K}")
         self.hidden, self.intermediate, self.config = hidden, intermediate, config
+        self.w8a8 = config.precision == "w8a8"
+        if self.w8a8 and (config.block_n != 256 or config.dispatch_copy != "lsu"):
+            raise ValueError("the W8A8 kernel needs block_n=256 and dispatch_copy='lsu' (MegaMoEConfig.resolve)")
+        # One ring stage is a 128-byte swizzle row either way: 64 bf16 or 128 E4M3 (one scale block) of K.
+        self.ab_dtype = Float8E4M3FN if self.w8a8 else BFloat16
+        self.ab_bytes = 1 if self.w8a8 else 2
+        self.block_k = BLOCK_K_FP8 if self.w8a8 else BLOCK_K
         self.schedule = config.schedule_spec()
         self.block_n, self.stages, self.trace = config.block_n, config.stages, config.trace
         self.dispatch_copy, self.dispatch_window = config.dispatch_copy, config.dispatch_window
         self.timeout_ns = config.timeout_ns
-        plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy)
+        plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy, w8a8=self.w8a8)
         self.l2_handoffs, self.stage_words = plan.l2_handoffs, plan.stage_words
         self.bulk_piece_bytes = bulk_piece_bytes(hidden)
         self.num_mma_threads = 2 * BLOCK_M
@@ -175,20 +191,24 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
     def __call__(self, mPeerX: cute.Tensor, mPeerCombine: cute.Tensor, mPoolSrc: cute.Tensor,
                  mPoolWeight: cute.Tensor, mPoolX: cute.Tensor, mH: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor,
                  mRowRecord: cute.Tensor, mScheduleTable: cute.Tensor, mCounters: cute.Tensor, mTrace: cute.Tensor,
-                 mPlan: cute.Tensor, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32, stream):
+                 mPlan: cute.Tensor, mPeerXScale: cute.Tensor, mPoolXScale: cute.Tensor, mHScale: cute.Tensor,
+                 mW1Scale: cute.Tensor, mW2Scale: cute.Tensor, max_tokens: Int32, topk: Int32, barrier_base: Int32,
+                 num_ctas: Int32, stream):
         """Launch (shapes: :func:`.config.tensor_argument_spec`)."""
-        self.tiled_mma = sm90_utils.make_tiled_mma(BFloat16, "K", "K", self.block_n, atom_layout_mnk=(2, 1, 1))
-        self.sA_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K),
+        ab = self.ab_dtype
+        # W8A8: the tile's accumulator layout (the promoted FP32 sums; its WGMMAs run per 128 columns)
+        self.tiled_mma = sm90_utils.make_tiled_mma(ab, "K", "K", self.block_n, atom_layout_mnk=(2, 1, 1))
+        self.sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.block_k),
                                                      stage=self.stages)
-        self.sB_layout = sm90_utils.make_smem_layout(BFloat16, LayoutEnum.ROW_MAJOR, (self.block_n, BLOCK_K),
+        self.sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (self.block_n, self.block_k),
                                                      stage=self.stages)
         self.sC_layout = cute.make_layout(BLOCK_M * self.stage_words)  # see stage_index
         bulk_bytes = 2 * self.bulk_piece_bytes if self.dispatch_copy == "bulk" else 16
 
         @cute.struct
         class SharedStorage:
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(self.sB_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sC_layout)], 128]
             ab_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.stages], 8]
             row_w: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_M], 16]
@@ -196,11 +216,13 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             bulk_buf: cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128]
             # + trace builds: a word holding 1 (MegaMoESm90.barrier_timestamp)
             bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 + int(self.trace)], 8]
+            row_scale: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_M if self.w8a8 else 1], 16]
+            amax_x: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 64 if self.w8a8 else 1], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
             mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-            mScheduleTable, mCounters, mTrace, mPlan,
+            mScheduleTable, mCounters, mTrace, mPlan, mPeerXScale, mPoolXScale, mHScale, mW1Scale, mW2Scale,
             max_tokens, topk, barrier_base, self.tiled_mma, self.sA_layout, self.sB_layout, self.sC_layout,
             *self.make_tma_atoms(mPoolX, mH, mW1, mW2),
         ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
@@ -241,7 +263,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
 
     @cute.kernel
     def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-               mScheduleTable, mCounters, mTrace, mPlan, max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               mScheduleTable, mCounters, mTrace, mPlan, mPeerXScale, mPoolXScale, mHScale, mW1Scale, mW2Scale,
+               max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma,
+               sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
                tma_b2, mB2):
         tidx, _, _ = cute.arch.thread_idx()
@@ -262,7 +286,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             row_w=storage.row_w.get_tensor(cute.make_layout(BLOCK_M)),
             row_addr=storage.row_addr.get_tensor(cute.make_layout(BLOCK_M)),
             bulk_buf=storage.bulk_buf.data_ptr(), bulk_mbar=storage.bulk_mbar.data_ptr(),
-            stamp_word=cute.recast_ptr(storage.bulk_mbar.data_ptr() + 2, dtype=Int32))
+            stamp_word=cute.recast_ptr(storage.bulk_mbar.data_ptr() + 2, dtype=Int32),
+            row_scale=storage.row_scale.get_tensor(cute.make_layout(BLOCK_M if self.w8a8 else 1)),
+            amax_x=storage.amax_x.get_tensor(cute.make_layout(2 * 64 if self.w8a8 else 1)))
         if const_expr(self.trace):
             if tidx == 0:
                 cute.make_tensor(sm.stamp_word, cute.make_layout(1))[0] = Int32(1)  # before the CTA sync below
@@ -275,7 +301,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
                        row_record=DeviceRowRecords(mRowRecord), wave_row_start=mScheduleTable,
                        l2_start=mScheduleTable, pair_splits_m=True, row_block=self.pool_rows_per_row)
         ctx = CtaContext(grid, cta, nctas, timeout)
-        gm = GlobalTensors(mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mCounters, mTrace, max_tokens)
+        gm = GlobalTensors(mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mCounters, mTrace, max_tokens,
+                           mPeerXScale, mPoolXScale, mHScale, mW1Scale, mW2Scale)
         # Prologue: every thread copies this CTA's share of the rows the first tiles may read; the
         # dispatch warp copies the rest while the tiles run.
         self.dispatch_rows(gm, ctx, Int32(0), self.prologue_rows(grid, nctas), tidx // 32, self.num_threads // 32,
@@ -338,17 +365,18 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         cute.arch.sync_threads()
 
 
-def fake_launch_arguments(hidden: int, intermediate: int):
+def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16"):
     """Fake tensors, scalars and stream for compiling without a GPU (:func:`.config.tensor_argument_spec`)."""
     from quack.compile_utils import make_fake_tensor
 
     from xstage.cute_compile import fake_stream
 
-    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16}
+    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16, "float8_e4m3fn": Float8E4M3FN}
+    div = {"bfloat16": 8, "float8_e4m3fn": 16}  # 16-byte rows
     syms = {}
     tensors = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
-                                                  for d in shape), divisibility=8 if dtype == "bfloat16" else 1)
-               for _, dtype, shape in tensor_argument_spec(hidden, intermediate)]
+                                                  for d in shape), divisibility=div.get(dtype, 1))
+               for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
     return (*tensors, *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
 
 
@@ -357,5 +385,5 @@ def compile_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig, 
     ``--keep-ptx --dump-dir=DIR``)."""
     from xstage.cute_compile import compile_hopper
 
-    return compile_hopper(MegaMoESm90(hidden, intermediate, config), *fake_launch_arguments(hidden, intermediate),
-                          options=options).fn
+    return compile_hopper(MegaMoESm90(hidden, intermediate, config),
+                          *fake_launch_arguments(hidden, intermediate, config.precision), options=options).fn

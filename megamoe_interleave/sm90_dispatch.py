@@ -16,6 +16,8 @@ from cutlass import BFloat16, Boolean, Int32, Int64, const_expr
 
 from xstage import device as xdev
 
+from .config import QUANT_BLOCK
+
 DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the prologue (all threads)
 DISPATCH_WARP_UNROLL = 12  # the same for the dispatch warp (fits the aux warps' 88 registers)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
@@ -37,31 +39,53 @@ class DispatchMixin:
         read (a CTA's L1 tile at step s has row <= ((s + 1) * G - 1) // P1, G pairs)."""
         return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
 
+    def dispatch_chunks_per_row(self):
+        """16-byte chunks of one dispatched row: its x (2 H or, W8A8, H bytes) and, W8A8, its
+        H/128 FP32 scales (H % 512 == 0, so they are whole chunks)."""
+        x_chunks = self.hidden * self.ab_bytes // 16
+        return x_chunks, x_chunks + (self.hidden // QUANT_BLOCK * 4 // 16 if const_expr(self.w8a8) else 0)
+
+    @cute.jit
+    def chunk_addresses(self, gm, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
+        """(source, destination) of pool chunk ``i``: chunk ``c = i % chunks`` of pool row
+        ``i // chunks``, from its source rank's x (c < x_chunks) or x_scales (W8A8)."""
+        row, c = i // chunks, i % chunks
+        src, tok = gm.pool_src[row, 0], Int64(gm.pool_src[row, 1])
+        if const_expr(chunks == x_chunks):
+            return (Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16,
+                    Int64(gm.pool_x.iterator.toint()) + Int64(i) * 16)
+        s_chunks = chunks - x_chunks
+        src_addr = Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16
+        dst_addr = Int64(gm.pool_x.iterator.toint()) + Int64(row) * (x_chunks * 16) + Int64(c) * 16
+        if c >= x_chunks:
+            src_addr = Int64(gm.peer_x_scale[src]) + tok * (s_chunks * 16) + Int64(c - x_chunks) * 16
+            dst_addr = Int64(gm.pool_x_scale.iterator.toint()) + Int64(row) * (s_chunks * 16) \
+                + Int64(c - x_chunks) * 16
+        return src_addr, dst_addr
+
     @cute.jit
     def copy_chunks(self, gm, lo: Int32, hi: Int32, warp: Int32, num_warps: Int32, lane: Int32,
                     unroll: cutlass.Constexpr):
-        """Pool chunks [lo, hi) (16 bytes each; pool row ``i // (H/8)`` from its source rank's x) by
-        ``num_warps`` warps, 32 * unroll consecutive chunks per warp-step with every load in flight
-        before the first store (one chunk per thread-step left the copy latency-bound)."""
-        chunks = self.hidden // 8
+        """Pool chunks [lo, hi) (16 bytes each, :meth:`chunk_addresses`) by ``num_warps`` warps,
+        32 * unroll consecutive chunks per warp-step with every load in flight before the first
+        store (one chunk per thread-step left the copy latency-bound)."""
+        x_chunks, chunks = self.dispatch_chunks_per_row()
         seg = 32 * unroll
-        buf = cute.make_rmem_tensor((8, unroll), BFloat16)
-        pool_base = Int64(gm.pool_x.iterator.toint())
+        buf = cute.make_rmem_tensor((8, unroll), BFloat16)  # 16 bytes per chunk, whatever they hold
         i0 = lo + warp * seg + lane
         while i0 < hi:
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
-                    row = i // chunks
-                    addr = Int64(gm.peer_x[gm.pool_src[row, 0]]) + (Int64(gm.pool_src[row, 1]) * self.hidden
-                                                                    + Int64((i % chunks) * 8)) * 2
+                    src, _ = self.chunk_addresses(gm, i, x_chunks, chunks)
                     src_t = cute.make_tensor(
-                        cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
+                        cute.make_ptr(BFloat16, src, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
                     buf[None, j].store(src_t.load())
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
-                    dst_t = cute.make_tensor(cute.make_ptr(BFloat16, pool_base + Int64(i) * 16, cute.AddressSpace.gmem,
+                    _, dst = self.chunk_addresses(gm, i, x_chunks, chunks)  # (its source loads are dead code)
+                    dst_t = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.gmem,
                                                            assumed_align=16), cute.make_layout(8))
                     dst_t.store(buf[None, j].load())
             i0 = i0 + num_warps * seg
@@ -73,7 +97,7 @@ class DispatchMixin:
         chunks by ``num_warps`` warps, then publish it (proxy fence -- TMA reads the rows --,
         barrier of the copying warps, one release increment of ``x_ready[row]``). A row is
         dispatched once its word reaches nctas."""
-        chunks = self.hidden // 8
+        _, chunks = self.dispatch_chunks_per_row()
         ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
         row = row_begin
         while row < row_end:

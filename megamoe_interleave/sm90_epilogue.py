@@ -63,7 +63,7 @@ class EpilogueMixin:
         staged rows out: h, then publish it; or the Combine stores, part by part. Tracing: thread
         0 records when the stores were issued and their issue span (TRACE_FIELDS t_rs_end, rs_ns)."""
         g, r, G, c0, c1 = self.schedule_start(ctx)
-        chunks_l1 = self.block_n // 16  # 16-byte chunks of a staged row: L1, BN/2 h columns
+        chunks_l1 = self.block_n * self.ab_bytes // 32  # 16-byte chunks of a staged row: L1, BN/2 h columns
         n_tile = Int32(0)
         while not self.schedule.done((c0, c1), ctx.grid):
             tile, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
@@ -83,14 +83,20 @@ class EpilogueMixin:
                 span = Int64(0)
                 t_end = Int64(0)
                 if tile.phase == PHASE_L1:
-                    h_base = Int64(gm.h.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * 2
+                    eb = self.ab_bytes
+                    h_base = Int64(gm.h.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * eb
                     u = et
                     while u < rows * chunks_l1:
                         m, c = u // chunks_l1, u % chunks_l1
                         k = self.stage_index(m, 4 * c)
-                        xdev.store_v4(h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2,
+                        xdev.store_v4(h_base + Int64(row0 + m) * (self.intermediate * eb) + c * 16,
                                       sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
                         u = u + self.num_epi_threads
+                    if const_expr(self.w8a8):  # the rows' h scales (one 1x128 group per L1 tile)
+                        m = et
+                        while m < rows:
+                            gm.h_scale[row0 + m, tile.n_block] = sm.row_scale[m]
+                            m = m + self.num_epi_threads
                     # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
                     self.epi_sync()

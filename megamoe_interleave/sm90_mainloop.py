@@ -24,6 +24,7 @@ from xstage.pipeline import BoundedPipelineTmaAsync
 
 from .config import BLOCK_K, BLOCK_M
 from .scheduler import PHASE_L1, Tile
+from .sm90_fp8 import Fp8ConsumerMixin
 
 DRAIN_SLACK_NS = 10_000_000  # producer waits for loads to land: beyond the peer's ring bound
 
@@ -52,7 +53,7 @@ class ProducerMixin:
             num_stages=self.stages,
             producer_group=CooperativeGroup(Agent.Thread),
             consumer_group=CooperativeGroup(Agent.Thread, 2 * (self.num_mma_threads // 32)),
-            tx_count=BLOCK_K * (BLOCK_M + self.block_n) * 2,
+            tx_count=self.block_k * (BLOCK_M + self.block_n) * self.ab_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)),
         )
 
@@ -75,7 +76,8 @@ class ProducerMixin:
             mcast = i % 2 == 1
             atom, coords = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
-                compact, cute.slice_(smem_layout, (None, None, 0)), (rows, BLOCK_K), num_multicast=2 if mcast else 1)
+                compact, cute.slice_(smem_layout, (None, None, 0)), (rows, self.block_k),
+                num_multicast=2 if mcast else 1)
             out += [atom, coords]
         return tuple(out)
 
@@ -101,7 +103,7 @@ class ProducerMixin:
                     rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1,
                                                a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n,
-                                               self.hidden // BLOCK_K, sm)
+                                               self.hidden // self.block_k, sm)
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
                     if ok:
@@ -113,7 +115,7 @@ class ProducerMixin:
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2,
                                                a_row0, e * self.hidden + tile.n_block * self.block_n,
-                                               self.intermediate // BLOCK_K, sm)
+                                               self.intermediate // self.block_k, sm)
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
         # Every load landed (the peer issues the same loads, also after a failed wait, but may sit
@@ -145,8 +147,8 @@ class ProducerMixin:
                   num_k: cutlass.Constexpr, sm):
         """TMA loads of a tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN) (our half of B
         multicast into both CTAs' stage). Returns (state, ok)."""
-        gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (BLOCK_M, BLOCK_K), (0, None))
-        gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, BLOCK_K), (0, None))
+        gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (BLOCK_M, self.block_k), (0, None))
+        gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, self.block_k), (0, None))
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sm.sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
@@ -163,7 +165,7 @@ class ProducerMixin:
         return state, ok
 
 
-class ConsumerMixin:
+class ConsumerMixin(Fp8ConsumerMixin):
     """The consumer warpgroups: WGMMA over the ring, then the output staged for the epilogue warps."""
 
     @cute.jit
@@ -194,12 +196,14 @@ class ConsumerMixin:
                 k2 = Int64(0)
                 t_slot = Int64(0)
                 if tile.phase == PHASE_L1:
-                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.hidden // BLOCK_K)
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.hidden // self.block_k,
+                                                  tile, True)
                     t2 = self.timestamp()
                     k2 = self.cycle_stamp()
                     t_slot = self.hand_off(frags, half, sm, True, 0)
                 else:
-                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.intermediate // BLOCK_K)
+                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half,
+                                                  self.intermediate // self.block_k, tile, False)
                     t2 = self.timestamp()
                     k2 = self.cycle_stamp()
                     for part in cutlass.range_constexpr(self.l2_handoffs):
@@ -221,6 +225,8 @@ class ConsumerMixin:
         accumulator is, at BN = 256, a view of the first half of ``acc``'s registers (its own would
         not fit the consumers' budget), else its own registers (ptxas serialized every WGMMA when the
         64 x 64 half tiles of BN = 128 accumulated into such a view: C7511)."""
+        if const_expr(self.w8a8):
+            return self.consumer_fragments_fp8(tiled_mma, tidx, sm)
         BN = self.block_n
         thr_mma = tiled_mma.get_slice(tidx)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BLOCK_M, BN, BLOCK_K), sm.sA, sm.sB)
@@ -234,14 +240,22 @@ class ConsumerMixin:
         return full, half
 
     @cute.jit
-    def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr):
-        """:meth:`mma_tile` with the full or (``half``) the 64-row fragments."""
+    def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr, tile,
+                 l1: cutlass.Constexpr):
+        """:meth:`mma_tile` (W8A8: :meth:`mma_tile_fp8`, which reads ``tile``'s scales) with the
+        full or (``half``) the 64-row fragments."""
         full_f, half_f = frags
         t1 = Int64(0)
-        if half:
-            state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, half_f, num_k)
+        if const_expr(self.w8a8):
+            if half:
+                state, t1, ok = self.mma_tile_fp8(ab_pipe, state, ok, gm, half_f, num_k, tile, l1, True)
+            else:
+                state, t1, ok = self.mma_tile_fp8(ab_pipe, state, ok, gm, full_f, num_k, tile, l1, False)
         else:
-            state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, full_f, num_k)
+            if half:
+                state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, half_f, num_k)
+            else:
+                state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, full_f, num_k)
         return state, t1, ok
 
     @cute.jit
@@ -292,7 +306,12 @@ class ConsumerMixin:
         lo = part * (size // parts)
         hi = (part + 1) * (size // parts)
         col0 = part * (self.block_n // parts)
-        if half:
+        if const_expr(self.w8a8 and swiglu_l1):
+            if half:
+                self.stage_h_fp8(half_f[1], half_f[4], sm, True)
+            else:
+                self.stage_h_fp8(full_f[1], full_f[4], sm, False)
+        elif half:
             size_h = cute.size(half_f[1])
             if const_expr(parts == 1):
                 self.stage_fragment(half_f[1], half_f[4], sm, swiglu_l1, 0, size_h, 0)

@@ -251,8 +251,9 @@ def test_w8a8_errors_before_any_launch():
 
     def layer(hidden=H, inter=I, **kw):
         return MegaMoE(world, num_experts=E, hidden=hidden, intermediate=inter, topk=2, max_tokens_per_rank=8, **kw)
-    with pytest.raises(NotImplementedError, match="W8A8 fused kernel is not built yet; use backend='torch'"):
-        layer(config=W8A8, backend="fused")
+    assert layer(config=W8A8, backend="fused").config.dispatch_copy == "lsu"  # the kernel's checks pass
+    with pytest.raises(ValueError, match="dispatch_copy='lsu'"):
+        layer(config=MegaMoEConfig(precision="w8a8", dispatch_copy="bulk"), backend="fused")
     with pytest.raises(ValueError, match="precision must be one of"):
         MegaMoEConfig(precision="fp8")
     with pytest.raises(ValueError, match="multiples of 128"):

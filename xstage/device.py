@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Int32, Int64, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.base_dsl.typing import Vector
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -237,6 +237,41 @@ def stmatrix_x4(row_ptr: cute.Pointer, w0, w1, w2, w3, *, loc=None, ip=None) -> 
 
     words = [Int32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)]
     nvvm.stmatrix(row_ptr.llvm_ptr, words, nvvm.MMALayout.row, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cvt_e4m3x2(lo, hi, *, loc=None, ip=None) -> Int32:
+    """``cvt.rn.satfinite.e4m3x2.f32``: two FP32 values as E4M3 (round to nearest even, saturated
+    to +-448), ``lo`` in bits 0-7 and ``hi`` in bits 8-15 of the result (the byte order of two
+    consecutive elements in memory)."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 xs_q; cvt.rn.satfinite.e4m3x2.f32 xs_q, $2, $1; cvt.u32.u16 $0, xs_q; }",
+        "=r,f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def store_shared_b16(address, value, *, loc=None, ip=None) -> None:
+    """``st.shared.b16 [address], value``: the low 16 bits of ``value`` at a 2-byte aligned
+    shared-memory ``address`` (32-bit, as ``pointer.toint()`` of a shared pointer)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [Int32(address).ir_value(loc=loc, ip=ip), Int32(value).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .b16 xs_h; cvt.u16.u32 xs_h, $1; st.shared.b16 [$0], xs_h; }",
+                    "r,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_f32_cg(address, *, loc=None, ip=None) -> Float32:
+    """``ld.global.cg.f32``: an FP32 load cached in L2 only, so a value another SM published
+    (behind a release this thread's CTA acquired) is never read from a stale L1 line."""
+    from cutlass._mlir.dialects import llvm
+
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Int64(address).ir_value(loc=loc, ip=ip)], "ld.global.cg.f32 $0, [$1];", "=f,l",
+        has_side_effects=True, loc=loc, ip=ip))
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""W8A8 consumer code of :class:`~megamoe_interleave.kernel_sm90.MegaMoESm90` (the recipe of
+:mod:`~megamoe_interleave.quant`): FP8 WGMMA with per-128-K promotion, and the Linear-1 epilogue
+that quantizes h per token and 128 columns in registers.
+
+Promotion (DeepSeek-V3 report Section 3.3.2; DeepGEMM ``sm90_fp8_gemm_1d2d``): a ring stage is one
+128-deep K block; its WGMMAs accumulate into a zeroed FP32 fragment, which is then added to the
+tile's FP32 sums scaled by ``sa[row, kb] * sb[n block, kb]``, so the tensor core's limited
+accumulation precision never spans more than 128 products. A 128 x 256 tile's sums take 128
+registers per thread, so the block's WGMMAs run in four 64-column slices through one 32-register
+fragment (slices 0-1 and 2-3 share a weight scale block: 128 rows of w1 / w2): 160 accumulator
+registers instead of 256 (with two 128-column slices, 192, ptxas spilled in the mainloop at every
+register split). A 64-row half tile (a warpgroup per 128 columns) runs one 128-column slice per
+warpgroup through its own 64 registers (the full tile's upper sums are dead there).
+
+h quantization: an L1 tile of 256 interleaved w1 rows holds 128 h columns of its rows, one 1x128
+group; a row's amax comes from the four lanes that hold it (two shuffles), and in a 64-row half
+tile, where each warpgroup holds 64 of the columns, from shared memory across the warpgroups.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float8E4M3FN, Float32, Int32, Int64, const_expr
+from quack import sm90_utils
+
+from xstage import device as xdev
+
+from .config import BLOCK_M, QUANT_BLOCK
+
+SLICE_N = 64  # columns per WGMMA slice of a full tile (see the module docstring)
+E4M3_MAX = 448.0  # quant.E4M3_MAX
+AMAX_FLOOR = 1e-4  # quant.AMAX_FLOOR
+
+
+class Fp8ConsumerMixin:
+    """The W8A8 parts of the consumer warpgroups (``self.w8a8``; BN = 256, BK = 128)."""
+
+    def consumer_fragments_fp8(self, tiled_mma, tidx, sm):
+        """``(full, half)``, each (tiled_mma of a slice, promoted sums, tCrA, tCrB, tCcC, slice
+        fragment). ``full``: the 128 x 256 tile's sums (``tiled_mma``'s layout, 128 registers) and
+        a 128 x 64 slice MMA (a warpgroup per 64 rows), tCrB per slice. ``half``: 64 x 256, a
+        warpgroup per 128 columns (one slice each): the sums are the first 64 of ``full``'s
+        registers, the slice fragment its own."""
+        BN, BK, S = self.block_n, self.block_k, self.stages
+        thr = tiled_mma.get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BLOCK_M, BN)), Float32)
+        tCcC = thr.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
+        mma_s = sm90_utils.make_tiled_mma(Float8E4M3FN, "K", "K", SLICE_N, atom_layout_mnk=(2, 1, 1))
+        thr_s = mma_s.get_slice(tidx)
+        sB = [cute.local_tile(sm.sB, (SLICE_N, BK, S), (j, 0, 0)) for j in range(BN // SLICE_N)]
+        part, tCrA, tCrB0 = sm90_utils.partition_fragment_ABC(thr_s, (BLOCK_M, SLICE_N, BK), sm.sA, sB[0])
+        tCrB = (tCrB0,) + tuple(thr_s.make_fragment_B(thr_s.partition_B(b)) for b in sB[1:])
+        full = (mma_s, acc, tCrA, tCrB, tCcC, part)
+        mma_h = sm90_utils.make_tiled_mma(Float8E4M3FN, "K", "K", QUANT_BLOCK, atom_layout_mnk=(1, 2, 1))
+        thr_h = mma_h.get_slice(tidx)
+        sA_h = cute.local_tile(sm.sA, (64, BK, S), (0, 0, 0))
+        acc_h_own, tCrA_h, tCrB_h = sm90_utils.partition_fragment_ABC(thr_h, (64, BN, BK), sA_h, sm.sB)
+        part_h = cute.make_rmem_tensor(acc_h_own.layout, Float32)
+        half = (mma_h, cute.make_tensor(acc.iterator, acc_h_own.layout), tCrA_h, tCrB_h,
+                thr_h.partition_C(cute.make_identity_tensor((64, BN))), part_h)
+        return full, half
+
+    @cute.jit
+    def mma_tile_fp8(self, ab_pipe, state, ok: Boolean, gm, frags, num_k: cutlass.Constexpr, tile,
+                     l1: cutlass.Constexpr, half: cutlass.Constexpr):
+        """The tile's promoted sums over num_k ring stages (one 128-K block each). L1: A = pool x
+        with ``pool_x_scale``, B = w1 with ``w1_scale``; L2: A = h with ``h_scale``, B = w2 with
+        ``w2_scale``. The scales are loaded right after the stage's wait, so their latency hides behind
+        the WGMMAs. Returns (state, time the first stage had landed, ok)."""
+        mma, acc, tCrA, tCrB, tCcC, part = frags
+        timeout = Int64(self.ring_timeout_ns)
+        err = gm.counters.iterator + self.COUNTER_ERROR
+        k_dim = self.hidden if const_expr(l1) else self.intermediate
+        n_dim = 2 * self.intermediate if const_expr(l1) else self.hidden
+        ks = k_dim // QUANT_BLOCK
+        a_scale = gm.pool_x_scale if const_expr(l1) else gm.h_scale
+        b_scale = gm.w1_scale if const_expr(l1) else gm.w2_scale
+        r0, _ = tCcC[0]  # this thread's two rows (v1 = 0, 1)
+        r1, _ = tCcC[2]
+        a_row0 = tile.tok0 + tile.m_block * BLOCK_M
+        pa0 = Int64(a_scale.iterator.toint()) + Int64(a_row0 + r0) * (ks * 4)
+        pa1 = Int64(a_scale.iterator.toint()) + Int64(a_row0 + r1) * (ks * 4)
+        b_block = tile.expert * (n_dim // QUANT_BLOCK) + 2 * tile.n_block
+        if const_expr(half):  # warpgroup w holds the tile's columns [128 w, 128 w + 128)
+            b_block = b_block + cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+        pb = Int64(b_scale.iterator.toint()) + Int64(b_block) * (ks * 4)
+        acc.fill(0.0)
+        t1 = Int64(0)
+        for kt in cutlass.range(num_k, unroll=1):
+            ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+            if kt == 0:
+                t1 = self.timestamp()
+            # After the wait: an L1 tile's first stage is what orders these loads after Dispatch
+            # (x_ready), an L2 tile's after the L1 epilogues (l2_full), both acquired by the producer.
+            sa0 = xdev.load_f32_cg(pa0 + kt * 4)
+            sa1 = xdev.load_f32_cg(pa1 + kt * 4)
+            sb0 = xdev.load_f32_cg(pb + kt * 4)
+            if const_expr(half):
+                sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=0)
+                self.promote(acc, part, 0, sa0 * sb0, sa1 * sb0)
+            else:
+                sb1 = xdev.load_f32_cg(pb + ks * 4 + kt * 4)
+                c00, c01 = sa0 * sb0, sa1 * sb0
+                c10, c11 = sa0 * sb1, sa1 * sb1
+                for j in cutlass.range_constexpr(len(tCrB)):
+                    sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB[j], True, A_idx=state.index, B_idx=state.index,
+                                          wg_wait=0)
+                    if const_expr(j * SLICE_N < QUANT_BLOCK):
+                        self.promote(acc, part, j * cute.size(part), c00, c01)
+                    else:
+                        self.promote(acc, part, j * cute.size(part), c10, c11)
+            ab_pipe.consumer_release(state)
+            state.advance()
+        return state, t1, ok
+
+    @cute.jit
+    def promote(self, acc, part, offset: cutlass.Constexpr, c0: Float32, c1: Float32):
+        """``acc[offset + i] += part[i] * c`` with ``c`` the scale product of element i's row
+        (v1 = (i // 2) % 2 of the (2, 2, N/8) fragment: row r or r + 8)."""
+        for i in cutlass.range_constexpr(cute.size(part)):
+            if const_expr((i // 2) % 2 == 0):
+                acc[offset + i] = acc[offset + i] + part[i] * c0
+            else:
+                acc[offset + i] = acc[offset + i] + part[i] * c1
+
+    @cute.jit
+    def stage_h_fp8(self, acc, tCcC, sm, half: cutlass.Constexpr):
+        """L1 hand-off: h = SwiGLU(gate, up) x routing weight in FP32 (gate/up interleaved by 8
+        columns: element groups 2 j, 2 j + 1) in place of the gate elements, each row's amax over the
+        tile's 128 h columns, its scale ``max(amax, 1e-4) / 448`` (to ``sm.row_scale``, written to
+        global by the epilogue warps), and E4M3 pairs ``e4m3(h * (1 / s))`` into the staging tile
+        (byte ``c`` of row ``m`` at word ``stage_index(m, c // 4)``)."""
+        from .sm90_mainloop import swiglu_tanh
+
+        lane = cute.arch.lane_idx()
+        q = lane % 4
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+        groups = cute.size(acc) // 8  # 8-column groups of gate (and of up) per thread
+        for jt in cutlass.range_constexpr(groups):
+            for v1 in cutlass.range_constexpr(2):
+                i = 8 * jt + 2 * v1
+                mm, _ = tCcC[i]
+                w = sm.row_w[mm]
+                for v0 in cutlass.range_constexpr(2):
+                    acc[i + v0] = swiglu_tanh(acc[i + v0], acc[i + 4 + v0]) * w
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for v1 in cutlass.range_constexpr(2):
+            m = Float32(0.0)
+            for jt in cutlass.range_constexpr(groups):
+                for v0 in cutlass.range_constexpr(2):
+                    m = cute.arch.fmax(m, cute.absf(acc[8 * jt + 2 * v1 + v0]))
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1))
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=2))
+            row, _ = tCcC[2 * v1]
+            if const_expr(half):  # the other warpgroup holds the row's other 64 columns
+                if q == 0:
+                    sm.amax_x[wg * 64 + row] = m
+                cute.arch.barrier(barrier_id=int(self.NamedBarrier.Consumers), number_of_threads=self.num_mma_threads)
+                m = cute.arch.fmax(m, sm.amax_x[(1 - wg) * 64 + row])
+            scale = cute.arch.fmax(m, Float32(AMAX_FLOOR)) / Float32(E4M3_MAX)
+            inv[v1] = Float32(1.0) / scale
+            if q == 0:
+                if const_expr(half):
+                    if wg == 0:
+                        sm.row_scale[row] = scale
+                else:
+                    sm.row_scale[row] = scale
+        base = Int32(sm.sC.iterator.toint())
+        for jt in cutlass.range_constexpr(groups):
+            for v1 in cutlass.range_constexpr(2):
+                mm, nn = tCcC[8 * jt + 2 * v1]  # the gate element's column 16 g + 2 q -> h column 8 g + 2 q
+                hcol = (nn // 16) * 8 + nn % 8
+                k = 8 * jt + 2 * v1
+                pair = xdev.cvt_e4m3x2(acc[k] * inv[v1], acc[k + 1] * inv[v1])
+                xdev.store_shared_b16(base + self.stage_index(mm, hcol // 4) * 4 + hcol % 4, pair)

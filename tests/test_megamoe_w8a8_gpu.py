@@ -1,0 +1,143 @@
+"""GPU tests (Hopper) of the fused W8A8 kernel in the loopback world: against the recipe's
+emulation (reference.reference_moe_w8a8, tolerance W8A8_KERNEL_REL_ERROR) and the float32
+reference on the BF16 weights (the recipe's own error), both schedules bitwise equal."""
+import pytest
+import torch
+
+from megamoe_interleave.config import BLOCK_M
+from megamoe_interleave.reference import (
+    W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, reference_moe_fp32, reference_moe_w8a8, relative_error,
+)
+
+pytestmark = pytest.mark.gpu
+
+E = 16
+
+
+def _problem(P, tokens, k, kind, mask, seed, hidden, inter):
+    from megamoe_interleave.routing import make_routing
+
+    g = torch.Generator().manual_seed(seed)
+    w1 = (torch.randn(E, 2 * inter, hidden, generator=g) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(E, hidden, inter, generator=g) / inter ** 0.5).bfloat16()
+    xs = [torch.randn(t, hidden, generator=g).bfloat16().cuda() for t in tokens]
+    routes = [make_routing(kind, t, E, k, seed=seed * 31 + r, mask_ratio=mask, strength=2.0)
+              for r, t in enumerate(tokens)]
+    return w1.cuda(), w2.cuda(), xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
+
+
+def _make(P, k, schedule, hidden, inter, **config):
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
+
+    config.setdefault("lead" if schedule == "interleaved" else "experts_per_wave", 2)
+    return MegaMoE(make_world("loopback", world_size=P, device="cuda"), E, hidden, inter, k, 256,
+                   MegaMoEConfig(schedule, precision="w8a8", **config), backend="fused")
+
+
+def _check(ys, emulated, fp32):
+    """Every output finite (the Combine slots are poisoned, so a row never stored shows), within
+    W8A8_KERNEL_REL_ERROR of the emulation per rank and within the recipe's bound of fp32."""
+    for y, emu, ref in zip(ys, emulated, fp32):
+        assert y.shape == emu.shape and y.dtype == torch.bfloat16
+        if y.numel() == 0:
+            continue
+        assert torch.isfinite(y.float()).all()
+        assert relative_error(y, emu) <= W8A8_KERNEL_REL_ERROR, relative_error(y, emu)
+        assert relative_error(y, ref) <= W8A8_FP32_REL_ERROR[1] + W8A8_KERNEL_REL_ERROR, relative_error(y, ref)
+
+
+CASES = [
+    # P, tokens per rank, top-k, routing, mask ratio, (H, I)
+    (1, [200], 2, "balanced", 0.0, (512, 256)),
+    (1, [150], 1, "skewed", 0.0, (1024, 512)),
+    (2, [100, 0], 1, "skewed", 0.0, (512, 256)),
+    (4, [65, 3, 130, 17], 6, "balanced", 0.2, (1024, 512)),
+    (8, [40, 1, 0, 77, 64, 5, 9, 120], 8, "skewed", 0.1, (512, 256)),
+    (8, [32] * 8, 6, "balanced", 0.0, (1024, 256)),
+]
+
+
+@pytest.mark.parametrize("P,tokens,k,kind,mask,dims", CASES)
+def test_fused_w8a8_matches_the_recipe_and_schedules_bitwise(P, tokens, k, kind, mask, dims):
+    from megamoe_interleave import quant
+    from megamoe_interleave.routing import expert_load
+
+    hidden, inter = dims
+    w1, w2, xs, idx, w = _problem(P, tokens, k, kind, mask, P * 7 + k, hidden, inter)
+    emulated = reference_moe_w8a8(xs, idx, w, *quant.quantize_weights(w1, w2))
+    fp32 = reference_moe_fp32(xs, idx, w, w1, w2)
+    outs = []
+    for schedule in ("expert_wave", "interleaved"):
+        moe = _make(P, k, schedule, hidden, inter)
+        moe.load_weights(w1, w2)
+        outs.append([y.clone() for y in moe.forward(xs, idx, w)])
+        _check(outs[-1], emulated, fp32)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    load = expert_load(torch.cat(idx).cpu(), E)
+    assert (load % BLOCK_M != 0).any()  # partial M blocks
+
+
+def test_fused_w8a8_zero_token_experts_and_half_tiles():
+    """Experts with no tokens, exactly one full block, and last blocks of <= 64 rows (the half
+    tiles, whose warpgroups exchange the h amax through shared memory) and of 65-127 rows."""
+    from megamoe_interleave import quant
+
+    P, k, hidden, inter = 2, 2, 512, 256
+    counts = [0, 128, 1, 64, 65, 127, 0, 200, 3, 0, 70, 0, 129, 5, 0, 40]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))]
+    tokens = ids.numel() // (P * k)
+    ids = ids[: P * tokens * k].view(P, tokens, k).cuda()
+    w1, w2, xs, _, w = _problem(P, [tokens] * P, k, "balanced", 0.0, 5, hidden, inter)
+    idx = list(ids)
+    emulated = reference_moe_w8a8(xs, idx, w, *quant.quantize_weights(w1, w2))
+    fp32 = reference_moe_fp32(xs, idx, w, w1, w2)
+    for schedule in ("expert_wave", "interleaved"):
+        moe = _make(P, k, schedule, hidden, inter)
+        moe.load_weights(w1, w2)
+        _check(moe.forward(xs, idx, w), emulated, fp32)
+
+
+def test_fused_w8a8_e4m3_inputs_and_prequantized_weights():
+    """E4M3 x with its scales and weights loaded pre-quantized give the bf16-input call's y bit
+    for bit (the same E4M3 rows and scales reach the kernel)."""
+    from megamoe_interleave import quant
+
+    P, k, hidden, inter = 2, 6, 512, 256
+    w1, w2, xs, idx, w = _problem(P, [90, 45], k, "balanced", 0.1, 9, hidden, inter)
+    moe = _make(P, k, "interleaved", hidden, inter)
+    moe.load_weights(w1, w2)
+    ys = [y.clone() for y in moe.forward(xs, idx, w)]
+    pre = _make(P, k, "interleaved", hidden, inter)
+    pre.load_quantized_weights(*quant.quantize_weights(w1, w2))
+    x_in = [quant.quantize_act(x) for x in xs]
+    for a, b in zip(pre.forward([q for q, _ in x_in], idx, w, x_scales=[s for _, s in x_in]), ys):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
+def test_fused_w8a8_100_repeated_calls(schedule):
+    """100 calls with fresh inputs and routing each: every 10th against the emulation, and the
+    first call's inputs again at the end give its y bit for bit (state reset between calls)."""
+    from megamoe_interleave import quant
+
+    P, k, hidden, inter = 2, 6, 512, 256
+    w1, w2, _, _, _ = _problem(P, [1, 1], k, "balanced", 0.0, 11, hidden, inter)
+    wq = quant.quantize_weights(w1, w2)
+    moe = _make(P, k, schedule, hidden, inter)
+    moe.load_weights(w1, w2)
+    first = None
+    for it in range(100):
+        tokens = [17 + (it * 13) % 100, (it * 7) % 60]
+        _, _, xs, idx, w = _problem(P, tokens, k, "balanced" if it % 2 else "skewed", 0.1 * (it % 3), 100 + it,
+                                    hidden, inter)
+        ys = moe.forward(xs, idx, w)
+        if it % 10 == 0:
+            emulated = reference_moe_w8a8(xs, idx, w, *wq)
+            _check(ys, emulated, reference_moe_fp32(xs, idx, w, w1, w2))
+        if it == 0:
+            first = (xs, idx, w, [y.clone() for y in ys])
+    xs, idx, w, ys0 = first
+    for a, b in zip(moe.forward(xs, idx, w), ys0):
+        assert torch.equal(a, b)
