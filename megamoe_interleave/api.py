@@ -23,7 +23,8 @@ everywhere):
 5. after all ranks' stores are visible, every rank reduces its own ``combine`` over
    the valid picks into ``y``.
 
-W8A8 (``MegaMoEConfig(precision="w8a8")``, ``backend="torch"`` only so far): ``x`` holds E4M3
+W8A8 (``MegaMoEConfig(precision="w8a8")``; the fused kernel's FP8 parts in
+:mod:`~megamoe_interleave.sm90_fp8`, ``backend="torch"`` is the recipe's emulation): ``x`` holds E4M3
 rows and ``x_scales`` their per-token 1x128 FP32 scales (step 1 quantizes BF16 inputs), Dispatch
 moves both, L1 / L2 run the recipe of :mod:`~megamoe_interleave.quant` (h re-quantized 1x128
 between them) and Combine stays BF16, into the same slots.
@@ -133,8 +134,8 @@ class MegaMoE:
 
     ``config.precision`` "w8a8" selects the FP8 recipe (:mod:`~megamoe_interleave.quant`): a
     config field, not an eleventh constructor parameter (the constructor stays at ten), since it
-    decides what the kernel is compiled for and which tiles resolve. ``backend="fused"`` with
-    "w8a8" raises NotImplementedError here: that kernel is not built yet.
+    decides what the kernel is compiled for and which tiles resolve. ``enqueue`` / ``capture``
+    run bf16 only so far.
 
     ``poison_combine`` (default True): NaN into the Combine slots the top-k reduction reads before
     each call, so a slot the kernel failed to write shows up as NaN in ``y`` (correctness tests keep

@@ -110,7 +110,7 @@ class MegaMoEConfig:
     with 1x128 scales, per-128-K FP32 promotion; BF16 output and Combine). It lives here rather
     than as a ``MegaMoE`` argument because it selects what the kernel is compiled for (it is part
     of :meth:`kernel_key`) and constrains the tiles (:meth:`resolve`), and because the
-    constructor is kept at ten parameters. Only ``backend="torch"`` runs "w8a8" so far.
+    constructor is kept at ten parameters.
     """
 
     schedule: str = "interleaved"  # "interleaved" (paper Algorithm 1), "expert_wave", or "auto" (choose_schedule)

@@ -174,6 +174,49 @@ def summary_rows(results, dense_tflops) -> list:
     return rows
 
 
+def report(json_paths, out_dir) -> list:
+    """Summary rows of this bench's result files as ``out_dir/summary.csv`` and
+    ``out_dir/w8a8.png`` (each variant's time over the fused W8A8 kernel's, per case and
+    protocol); returns the rows."""
+    import json
+
+    rows = []
+    for path in json_paths:
+        with open(path) as f:
+            payload = json.load(f)
+        rows += summary_rows(payload["cases"], payload["dense_fp8_tflops"])
+    os.makedirs(out_dir, exist_ok=True)
+    bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return rows
+    series = [("fused bf16", "fused_bf16_over_w8a8"), ("FP8 scaled_grouped_mm x2 only", "scaled_grouped_mm_x2_over_w8a8"),
+              ("unfused FP8 pipeline", "unfused_fp8_pipeline_over_w8a8")]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.25
+    for i, (name, key) in enumerate(series):
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], [r[key] or 0 for r in rows], width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8, label="fused W8A8")
+    ax.set_xticks(range(len(rows)), [f"P={r['P']} T={r['tokens_per_rank']}\n{r['protocol']}" for r in rows])
+    ax.set_ylabel("time / fused W8A8 (paired medians)")
+    ax.set_yscale("log")
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(FixedLocator([0.9, 1, 1.1, 1.3, 1.5, 2, 3, 5]))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_title("MegaMoE W8A8 fused kernel, DeepSeek-V4-Flash, loopback, H200", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "w8a8.png"), dpi=130)
+    plt.close(fig)
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
@@ -188,12 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock-tol-mhz", type=float, default=30.0)
     ap.add_argument("--out", default="results/h200/megamoe/w8a8")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help="no GPU run: summary.csv and w8a8.png in --out from these result files")
     return ap
 
 
 def main(argv=None):
     """bench_megamoe_w8a8{tag}.json (everything, with provenance) and .csv (the summary rows)."""
     args = build_parser().parse_args(argv)
+    if args.report:
+        for row in report(args.report, args.out):
+            print(row)
+        return
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)

@@ -531,3 +531,32 @@ def _write(path, obj):
 
     path.write_text(json.dumps(obj))
     return path
+
+
+def test_w8a8_bench_summary_and_rowwise_quantize():
+    """The W8A8 bench's summary rows (medians, ratios to the fused W8A8 kernel, its TFLOP/s and
+    share of the dense FP8 rate) from a paired result, and its rowwise E4M3 quantization."""
+    import torch
+
+    from megamoe_interleave import w8a8_bench
+
+    x = torch.randn(8, 256)
+    q, s = w8a8_bench.rowwise_quantize(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (8,)
+    assert (q.float() * s[:, None] - x).abs().max() <= x.abs().max() * 2 ** -4
+    assert q.float().abs().amax(1).eq(448.0).all()
+
+    def v(med):
+        return {"median_us": med, "baseline_median_us": 1000.0, "median_ratio": med / 1000.0, "n_matched": 6}
+
+    def row(protocol):
+        return {"shape": "deepseek-v4-flash", "routing": "balanced", "world": "loopback", "P": 1,
+                "tokens_per_rank": 8192, "protocol": protocol,
+                "variants": {"fused bf16": v(1330.0), "scaled_grouped_mm x2 only": v(1050.0)}}
+
+    (sus, cool) = w8a8_bench.summary_rows([{"sustained": row("sustained"), "cooled": row("cooled")}], 1400.0)
+    assert (sus["protocol"], cool["protocol"]) == ("sustained", "cooled")
+    assert sus["fused_bf16_over_w8a8"] == pytest.approx(1.33) and sus["scaled_grouped_mm_x2_us"] == 1050.0
+    flops = 2.0 * 8192 * 6 * 3 * 4096 * 2048
+    assert sus["fused_w8a8_tflops"] == pytest.approx(flops / 1000.0 / 1e6, abs=0.1)
+    assert sus["fused_w8a8_of_dense"] == pytest.approx(flops / 1000.0 / 1e6 / 1400.0, abs=1e-3)

@@ -504,3 +504,37 @@ def test_no_dispatch_copy_kernel_has_no_dispatch_copy(copy):
     assert bool(bulk_rows) == (copy == "bulk") and not any(nocopy.get(k) for k in bulk_rows)
     for k in ("ld.global.v4", "st.global.v4"):
         assert nocopy.get(k, 0) < shipped[k], k
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("P", [1, 8])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_w8a8_builds_fp8_wgmma_pipelined(tmp_path, schedule, P):
+    """The W8A8 builds at DeepSeek-V4-Flash (128 x 256 tiles, 128-deep K stages, LSU Dispatch):
+    the mainloops issue FP8 WGMMAs (wgmma ... e4m3.e4m3 in the PTX, QGMMA ...E4M3.E4M3 in the
+    SASS, no BF16 HGMMA left), one wait per slice's batch of 4 k32 WGMMAs (the promotion needs the
+    slice's sums, nothing more), no local memory between the consumers' first and last QGMMA (the
+    promotion's 160 accumulator registers fit: a 192-register variant spilled there), both
+    setmaxnreg kept, h quantized with cvt.rn.satfinite.e4m3x2 and the scales read through L2."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton)")
+    config = MegaMoEConfig(schedule, precision="w8a8").resolve(DSV4, P, 8192, 132)
+    assert (config.block_n, config.dispatch_copy) == (256, "lsu")
+    d = tmp_path / "build"
+    d.mkdir()
+    _compile(4096, 2048, config, f"--keep-ptx --keep-cubin --dump-dir={d}")
+    ptx = "\n".join(p.read_text() for p in d.iterdir() if p.suffix == ".ptx")
+    (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32\.f32\.e4m3\.e4m3", ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3", ptx)  # the half tiles
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "ld.global.cg.f32" in ptx
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    qgmma = [i for i, line in enumerate(lines) if re.search(r"\bQGMMA\.64x(64|128)x32\.F32\.E4M3\.E4M3", line)]
+    waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert len(qgmma) >= 16 and not re.search(r"\bHGMMA\.", sass)
+    assert waits <= len(qgmma) // 4, f"{waits} WGMMA waits for {len(qgmma)} QGMMAs: serialized"
+    assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
+    local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
+    assert not [i for i in local if qgmma[0] < i < qgmma[-1]], "local memory access in the mainloops"
