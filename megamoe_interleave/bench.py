@@ -168,10 +168,10 @@ def build_moe(shape, P, tokens, config, w1, w2, *, world="loopback", poison_comb
                     shape.intermediate, shape.topk, tokens, config, backend="fused", poison_combine=poison_combine)
     if weight_cache is None or "w" not in weight_cache:
         moe.load_weights(w1, w2)
-        if weight_cache is not None:
-            weight_cache["w"] = (moe.w1, moe.w2)
+        if weight_cache is not None:  # W8A8: the block scales too
+            weight_cache["w"] = (moe.w1, moe.w2, moe.w1_scales, moe.w2_scales)
     else:
-        moe.w1, moe.w2 = (copy.copy(w) for w in weight_cache["w"])
+        moe.w1, moe.w2, moe.w1_scales, moe.w2_scales = (copy.copy(w) for w in weight_cache["w"])
     return moe
 
 
@@ -188,6 +188,23 @@ def check_against(ys, refs, name):
             raise RuntimeError(f"{name}: rank {rank} max |fused - unfused| = {err:.4g} (output range {scale:.4g})")
 
 
+def check_w8a8_against(ys, refs, name):
+    """:func:`check_against` for a W8A8 output: every element finite, and per rank the relative
+    error against ``refs`` (the unfused BF16 pipeline) within the recipe's own bound
+    (reference.W8A8_FP32_REL_ERROR's upper end) plus the kernel's tolerance against its emulation
+    (W8A8_KERNEL_REL_ERROR): an elementwise bound on a BF16 reference would reject the recipe's
+    E4M3 rounding itself."""
+    from .reference import W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, relative_error
+
+    bound = W8A8_FP32_REL_ERROR[1] + W8A8_KERNEL_REL_ERROR
+    for rank, (y, ref) in enumerate(zip(ys, refs)):
+        if not torch.isfinite(y).all():
+            raise RuntimeError(f"{name}: rank {rank} output has non-finite values")
+        if y.numel() and relative_error(y, ref) > bound:
+            raise RuntimeError(f"{name}: rank {rank} relative error {relative_error(y, ref):.4f} against the "
+                               f"BF16 pipeline > {bound:.4f}")
+
+
 def warmed_moe(shape, P, tokens, config, w1, w2, xs, idx, wts, *, world="loopback", refs=None, name="fused",
                weight_cache=None):
     """:func:`build_moe` (Combine slots NaN-poisoned) after its first ``forward`` (compile and
@@ -196,7 +213,7 @@ def warmed_moe(shape, P, tokens, config, w1, w2, xs, idx, wts, *, world="loopbac
     moe = build_moe(shape, P, tokens, config, w1, w2, world=world, poison_combine=True, weight_cache=weight_cache)
     ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
     if refs is not None:
-        check_against(ys, refs, name)
+        (check_w8a8_against if moe.config.precision == "w8a8" else check_against)(ys, refs, name)
     moe.poison_combine = False
     return moe
 

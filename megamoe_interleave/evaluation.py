@@ -682,10 +682,13 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
     return "\n".join(L) + "\n"
 
 
-def write_report(payload: Mapping, out_dir, **selection) -> dict:
+def write_report(payload: Mapping, out_dir, *, precision: str = "bf16", **selection) -> dict:
     """Figures (when matplotlib is there), the tables as CSV and README.md into ``out_dir``
-    (with ``out_dir``/findings.md in it when that file exists);
+    (with ``out_dir``/findings.md in it when that file exists) over the cells of one
+    ``precision`` (a sweep may hold both; their speedups are not pooled);
     ``selection``: :func:`readme`'s table2_* / fig10_* arguments. Returns the paths written."""
+    payload = dict(payload, cells=[r for r in payload.get("cells", [])
+                                   if r.get("cell", {}).get("precision", "bf16") == precision])
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = measured_cells(payload)
@@ -722,6 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--table2-P", type=int, default=None, help="default: the largest P measured per shape")
     ap.add_argument("--fig10-routing", default="skewed1", choices=tuple(ROUTINGS))
     ap.add_argument("--fig10-shapes", nargs="+", default=None, help="default: the first three shapes measured")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "w8a8"),
+                    help="the cells reported (a W8A8 report belongs in its own --out folder)")
     return ap
 
 
@@ -729,7 +734,7 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     payload = load_sweep(args.sweep)
     out = Path(args.out) if args.out else Path(args.sweep).parent
-    paths = write_report(payload, out, table2_world=args.table2_world, table2_routing=args.table2_routing,
+    paths = write_report(payload, out, precision=args.precision, table2_world=args.table2_world, table2_routing=args.table2_routing,
                          table2_P=args.table2_P, fig10_routing=args.fig10_routing, fig10_shapes=args.fig10_shapes,
                          source=Path(args.sweep).name)
     for name, p in paths.items():

@@ -6,8 +6,8 @@ and the Burst-Gap model's predictions per cell. The command line is ``scripts/sw
 
 Cells (:func:`cell_grid`): shape (every :data:`~megamoe_interleave.shapes.SHAPES` entry with known
 dimensions) x routing (:data:`ROUTINGS`: balanced, skewed with Zipf strength 1 and 2) x tokens per
-rank (2048, 4096, 8192) x world (:data:`WORLDS`) x P (1, 8) x precision ("bf16"; a field so that
-W8A8 can join). A cell whose estimated GPU memory (:func:`memory_estimate`) exceeds the budget
+rank (2048, 4096, 8192) x world (:data:`WORLDS`) x P (1, 8) x precision ("bf16", "w8a8": the
+fused FP8 kernel; its warm-up output is checked by relative error, :func:`bench.check_w8a8_against`). A cell whose estimated GPU memory (:func:`memory_estimate`) exceeds the budget
 (~120 GB) is recorded as skipped with the reason.
 
 Worlds (single process, one GPU, P simulated ranks): ``loopback`` stores the Combine into device
@@ -84,7 +84,8 @@ ROUTINGS = {"balanced": ("balanced", None), "skewed1": ("skewed", 1.0), "skewed2
 TOKENS = (2048, 4096, 8192)
 WORLDS = ("loopback", "loopback+host")
 PS = (1, 8)
-PRECISIONS = ("bf16",)
+PRECISIONS = ("bf16", "w8a8")
+DEFAULT_PRECISIONS = ("bf16",)  # the default grid; W8A8 cells join with --precision w8a8
 # the platform profile of each world's remote path (None: no remote path, no prediction)
 PLATFORM_OF_WORLD = {w: profiles.PROFILE_OF_PLACEMENT[w] for w in ("loopback", "loopback+host")}
 NO_PREDICTION = ("loopback: the Combine stores go to device memory, no remote path -- the control; "
@@ -178,7 +179,7 @@ def known_shapes() -> list:
 
 def cell_grid(shapes=None, routings=None, tokens=None, worlds=None, Ps=None, precisions=None) -> list:
     """The cells of the product (None = every value: :func:`known_shapes`, :data:`ROUTINGS`,
-    :data:`TOKENS`, :data:`WORLDS`, :data:`PS`, :data:`PRECISIONS`), ordered shape-major (one
+    :data:`TOKENS`, :data:`WORLDS`, :data:`PS`; precisions :data:`DEFAULT_PRECISIONS`), ordered shape-major (one
     shape's weights serve a run of cells), then P, tokens, routing, world. Unknown shapes (or
     ones without dimensions) raise."""
     shapes = known_shapes() if shapes is None else list(shapes)
@@ -186,7 +187,7 @@ def cell_grid(shapes=None, routings=None, tokens=None, worlds=None, Ps=None, pre
         get_shape(name)  # KeyError / ValueError for unknown names or dimensions
     axes = (shapes, PS if Ps is None else Ps, TOKENS if tokens is None else tokens,
             tuple(ROUTINGS) if routings is None else routings, WORLDS if worlds is None else worlds,
-            PRECISIONS if precisions is None else precisions)
+            DEFAULT_PRECISIONS if precisions is None else precisions)
     out = [Cell(shape=s, routing=r, tokens=t, world=w, P=p, precision=q)
            for s, p, t, r, w, q in itertools.product(*axes)]
     if len(set(c.key() for c in out)) != len(out):
@@ -644,8 +645,6 @@ class GpuRunner:
         from . import bench
         from .reference import unfused_pipeline
 
-        if cell.precision != "bf16":
-            raise NotImplementedError(f"precision {cell.precision!r}: only bf16 kernels exist")
         shape = get_shape(cell.shape)
         w1, w2 = self.weights(shape)
         xs, idx, wts = bench.make_inputs(shape, cell.kind, cell.P, cell.tokens, cell.strength or 1.0)
@@ -653,7 +652,8 @@ class GpuRunner:
         order = paired.rotated(list(SCHEDULES), position)
         moes, cache = {}, {}
         for sched in order:
-            moes[sched] = bench.warmed_moe(shape, cell.P, cell.tokens, MegaMoEConfig(sched), w1, w2, xs, idx, wts,
+            moes[sched] = bench.warmed_moe(shape, cell.P, cell.tokens, MegaMoEConfig(sched, precision=cell.precision),
+                                           w1, w2, xs, idx, wts,
                                            world=cell.world, refs=refs, name=f"{cell.label} {sched}",
                                            weight_cache=cache)
         del refs

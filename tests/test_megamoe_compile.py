@@ -538,3 +538,14 @@ def test_w8a8_builds_fp8_wgmma_pipelined(tmp_path, schedule, P):
     assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
     local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
     assert not [i for i in local if qgmma[0] < i < qgmma[-1]], "local memory access in the mainloops"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("trace", [False, True])
+def test_w8a8_kernel_compiles(schedule, trace):
+    """The smallest W8A8 tiles (H 512, I 256: two L1 and two L2 pair tiles per row), with and
+    without the per-tile trace."""
+    config = MegaMoEConfig(schedule, precision="w8a8", trace=trace).resolve(get_shape("deepseek-v4-flash"), 1, 256,
+                                                                            132)
+    assert _compile(512, 256, config) is not None
