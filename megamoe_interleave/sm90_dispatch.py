@@ -46,14 +46,11 @@ class DispatchMixin:
         return x_chunks, x_chunks + (self.hidden // QUANT_BLOCK * 4 // 16 if const_expr(self.w8a8) else 0)
 
     @cute.jit
-    def chunk_addresses(self, gm, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
-        """(source, destination) of pool chunk ``i``: chunk ``c = i % chunks`` of pool row
-        ``i // chunks``, from its source rank's x (c < x_chunks) or x_scales (W8A8)."""
+    def chunk_addresses_w8a8(self, gm, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
+        """W8A8: (source, destination) of pool chunk ``i``, chunk ``c = i % chunks`` of pool row
+        ``i // chunks``: from its source rank's x (c < x_chunks) or x_scales."""
         row, c = i // chunks, i % chunks
         src, tok = gm.pool_src[row, 0], Int64(gm.pool_src[row, 1])
-        if const_expr(chunks == x_chunks):
-            return (Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16,
-                    Int64(gm.pool_x.iterator.toint()) + Int64(i) * 16)
         s_chunks = chunks - x_chunks
         src_addr = Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16
         dst_addr = Int64(gm.pool_x.iterator.toint()) + Int64(row) * (x_chunks * 16) + Int64(c) * 16
@@ -66,25 +63,34 @@ class DispatchMixin:
     @cute.jit
     def copy_chunks(self, gm, lo: Int32, hi: Int32, warp: Int32, num_warps: Int32, lane: Int32,
                     unroll: cutlass.Constexpr):
-        """Pool chunks [lo, hi) (16 bytes each, :meth:`chunk_addresses`) by ``num_warps`` warps,
-        32 * unroll consecutive chunks per warp-step with every load in flight before the first
-        store (one chunk per thread-step left the copy latency-bound)."""
+        """Pool chunks [lo, hi) (16 bytes each; bf16: pool row ``i // (H/8)`` from its source
+        rank's x; W8A8: :meth:`chunk_addresses_w8a8`) by ``num_warps`` warps, 32 * unroll
+        consecutive chunks per warp-step with every load in flight before the first store (one
+        chunk per thread-step left the copy latency-bound)."""
         x_chunks, chunks = self.dispatch_chunks_per_row()
         seg = 32 * unroll
         buf = cute.make_rmem_tensor((8, unroll), BFloat16)  # 16 bytes per chunk, whatever they hold
+        pool_base = Int64(gm.pool_x.iterator.toint())
         i0 = lo + warp * seg + lane
         while i0 < hi:
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
-                    src, _ = self.chunk_addresses(gm, i, x_chunks, chunks)
+                    if const_expr(self.w8a8):
+                        addr, _ = self.chunk_addresses_w8a8(gm, i, x_chunks, chunks)
+                    else:
+                        row = i // chunks
+                        addr = Int64(gm.peer_x[gm.pool_src[row, 0]]) + (Int64(gm.pool_src[row, 1]) * self.hidden
+                                                                        + Int64((i % chunks) * 8)) * 2
                     src_t = cute.make_tensor(
-                        cute.make_ptr(BFloat16, src, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
+                        cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
                     buf[None, j].store(src_t.load())
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
-                    _, dst = self.chunk_addresses(gm, i, x_chunks, chunks)  # (its source loads are dead code)
+                    dst = pool_base + Int64(i) * 16
+                    if const_expr(self.w8a8):
+                        _, dst = self.chunk_addresses_w8a8(gm, i, x_chunks, chunks)  # (its loads are dead code)
                     dst_t = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.gmem,
                                                            assumed_align=16), cute.make_layout(8))
                     dst_t.store(buf[None, j].load())

@@ -89,8 +89,11 @@ class EpilogueMixin:
                     while u < rows * chunks_l1:
                         m, c = u // chunks_l1, u % chunks_l1
                         k = self.stage_index(m, 4 * c)
-                        xdev.store_v4(h_base + Int64(row0 + m) * (self.intermediate * eb) + c * 16,
-                                      sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
+                        if const_expr(self.w8a8):
+                            addr = h_base + Int64(row0 + m) * self.intermediate + c * 16
+                        else:
+                            addr = h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2
+                        xdev.store_v4(addr, sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
                         u = u + self.num_epi_threads
                     if const_expr(self.w8a8):  # the rows' h scales (one 1x128 group per L1 tile)
                         m = et

@@ -421,7 +421,7 @@ def test_no_dispatch_copy_moe_compiles_its_own_kernel(monkeypatch):
     cute_compile._CACHE[("MegaMoESm90", 256, 128, shipped.config.kernel_key())] = "shipped"
     assert shipped._kernel() == "shipped" and nocopy._kernel() == "compiled NoDispatchCopy"
     (kernel, nargs), = built
-    assert type(kernel) is diag.NoDispatchCopy and kernel.config == nocopy.config.kernel_key() and nargs == 13 + 4 + 1
+    assert type(kernel) is diag.NoDispatchCopy and kernel.config == nocopy.config.kernel_key() and nargs == 18 + 4 + 1  # tensors (config.tensor_argument_spec), scalars, stream
     assert nocopy._kernel() == "compiled NoDispatchCopy" and len(built) == 1  # cached
 
 
