@@ -134,8 +134,7 @@ class MegaMoE:
 
     ``config.precision`` "w8a8" selects the FP8 recipe (:mod:`~megamoe_interleave.quant`): a
     config field, not an eleventh constructor parameter (the constructor stays at ten), since it
-    decides what the kernel is compiled for and which tiles resolve. ``enqueue`` / ``capture``
-    run bf16 only so far.
+    decides what the kernel is compiled for and which tiles resolve.
 
     ``poison_combine`` (default True): NaN into the Combine slots the top-k reduction reads before
     each call, so a slot the kernel failed to write shows up as NaN in ``y`` (correctness tests keep
@@ -604,16 +603,17 @@ class MegaMoE:
         read run first; an expert id out of range and a timed-out wait go to the error word, raised
         by :meth:`check`. Returns y per local rank (valid once the stream reaches it).
 
-        Single-process worlds (loopback, loopback+host, host), bf16, ``trace`` off. The first call
-        allocates each rank's worst-case pool scratch, (P * max_tokens * k + 128) x (H + I) bf16
-        (every pick of every source on one rank), since the host does not see the routing."""
+        Single-process worlds (loopback, loopback+host, host), ``trace`` off; W8A8 takes bf16 x
+        and quantizes it on the device. The first call allocates each rank's worst-case pool
+        scratch, (P * max_tokens * k + 128) x (H + I) elements (every pick of every source on one
+        rank), since the host does not see the routing."""
         if self.backend != "fused":
             raise ValueError("enqueue() launches the fused kernel: backend='fused' only")
         if not single_process(self.world):
             raise NotImplementedError("the device-side plan reads every source's routing in one process; "
                                       "multi-process worlds (torch-symm, nvshmem) use forward()")
-        if self.config.precision != "bf16" or self.config.trace:
-            raise NotImplementedError("enqueue() runs the bf16 kernel without the per-tile trace")
+        if self.config.trace:
+            raise NotImplementedError("enqueue() runs the kernel without the per-tile trace")
         if self.world.device.type != "cuda":
             raise RuntimeError("backend='fused' needs a CUDA device")
         xs, idxs, ws = self._as_rank_list(x), self._as_rank_list(topk_idx), self._as_rank_list(topk_weights)
@@ -686,14 +686,19 @@ class MegaMoE:
                 raise ValueError(f"the device-side plan's worst-case pool ({n_pad} rows x {self.hidden // 8} 16-byte "
                                  "chunks) exceeds the kernel's int32 indexing; lower max_tokens_per_rank")
             dev = self.world.device
+            f32 = dict(dtype=torch.float32, device=dev)
+            scales = ((torch.empty(n_pad, self.hidden // QUANT_BLOCK, **f32),
+                       torch.empty(n_pad, self.intermediate // QUANT_BLOCK, **f32))
+                      if self.config.precision == "w8a8" else None)
             scratch[d] = (torch.empty(n_pad, self.hidden, dtype=buf.x.dtype, device=dev),
                           torch.empty(n_pad, self.intermediate, dtype=buf.x.dtype, device=dev),
-                          torch.zeros(1, 1, len(TRACE_FIELDS), dtype=torch.int64, device=dev))  # trace: unused
-        pool_x, h, no_trace = scratch[d]
+                          torch.zeros(1, 1, len(TRACE_FIELDS), dtype=torch.int64, device=dev),  # trace: unused
+                          scales)
+        pool_x, h, no_trace, scales = scratch[d]
         tensors = (buf.x.peer_table(d), buf.combine.peer_table(d), plans.pool_src[d], plans.pool_weight[d], pool_x, h,
                    self.w1[d], self.w2[d], plans.row_record[d], plans.schedule_table[d], buf.counters[d], no_trace,
-                   plans.sizes[d]) + self._scale_arguments(d, None)  # mPlan, the (bf16) scale stand-ins
-        check_launch_arguments(self.hidden, self.intermediate, tensors)
+                   plans.sizes[d]) + self._scale_arguments(d, scales)  # mPlan, the scales (or their stand-ins)
+        check_launch_arguments(self.hidden, self.intermediate, tensors, self.config.precision)
         return tensors
 
     def capture(self, num_tokens, *, warmup: int = 1):

@@ -33,8 +33,10 @@ class MegaMoEGraph:
     local rank, or one per local rank, each in [1, max_tokens_per_rank]).
 
     ``x`` / ``topk_idx`` / ``topk_weights``: per local rank, the tensors a replay reads (views of
-    the layer's symmetric buffers; write new values in place). They start as a valid dummy problem
-    (zero activations, expert ids spread over every expert, zero weights) for the warm-up and capture.
+    the layer's symmetric buffers; write new values in place; W8A8: ``x`` is a bf16 tensor of the
+    graph's own, quantized into the E4M3 buffer by every replay). They start as a valid dummy
+    problem (zero activations, expert ids spread over every expert, zero weights) for the warm-up
+    and capture.
     ``warmup``: eager calls on a side stream before the capture (compile, allocator).
     ``capture_error_mode``: :class:`torch.cuda.graph`'s."""
 
@@ -58,7 +60,11 @@ class MegaMoEGraph:
         if warmup < 1:
             raise ValueError("warmup must be >= 1 (the first call compiles and allocates; capture cannot)")
         self.moe, self.num_tokens = moe, counts
-        self.x: List[torch.Tensor] = [buf.x.local(r)[:T] for r, T in zip(ranks, counts)]
+        if moe.config.precision == "w8a8":
+            self.x: List[torch.Tensor] = [torch.zeros(T, moe.hidden, dtype=buf.dtype, device=moe.world.device)
+                                          for T in counts]
+        else:
+            self.x = [buf.x.local(r)[:T] for r, T in zip(ranks, counts)]
         self.topk_idx: List[torch.Tensor] = [buf.topk_idx.local(r)[:T] for r, T in zip(ranks, counts)]
         self.topk_weights: List[torch.Tensor] = [buf.topk_weights.local(r)[:T] for r, T in zip(ranks, counts)]
         dev = moe.world.device

@@ -74,6 +74,33 @@ def test_device_launch_arguments_are_the_host_plans(schedule):
     assert again[4].data_ptr() == dev["mPoolX"].data_ptr() and again[5].data_ptr() == dev["mH"].data_ptr()
 
 
+def test_w8a8_device_launch_arguments():
+    """W8A8 (H 512, I 256): the device-side path hands the kernel E4M3 pool / h scratch, worst-case
+    FP32 scale scratch, the x_scales table and the block scales, in the W8A8 signature, on the CPU."""
+    from megamoe_interleave import quant
+
+    P, k, Hq, Iq = 2, 2, 512, 256
+    g = torch.Generator().manual_seed(5)
+    w1 = (torch.randn(E, 2 * Iq, Hq, generator=g) / Hq ** 0.5).bfloat16()
+    w2 = (torch.randn(E, Hq, Iq, generator=g) / Iq ** 0.5).bfloat16()
+    moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, Hq, Iq, k, 64,
+                  MegaMoEConfig("interleaved", precision="w8a8"), backend="fused")
+    moe.load_weights(w1, w2)
+    idx, w = _routing([40, 9], k, 0.1, seed=2)
+    moe.stage_inputs([torch.randn(t, Hq).bfloat16() for t in (40, 9)], idx, w)
+    names = [n for n, _, _ in tensor_argument_spec(Hq, Iq, "w8a8")]
+    plans = moe.device_plans(*_stacked(moe))
+    for d in range(P):
+        dev = dict(zip(names, moe.device_launch_arguments(d, plans)))
+        check_launch_arguments(Hq, Iq, tuple(dev.values()), "w8a8")
+        assert dev["mPoolX"].dtype == dev["mH"].dtype == quant.E4M3
+        n_pad = moe.device_plan_sizes.max_pool + BLOCK_M
+        assert dev["mPoolXScale"].shape == (n_pad, Hq // 128) and dev["mHScale"].shape == (n_pad, Iq // 128)
+        assert dev["mW1Scale"] is moe.w1_scales[d] and torch.equal(dev["mPeerXScale"], moe.buffer.x_scales.peer_table(d))
+    with pytest.raises(ValueError):  # a bf16 signature check rejects the W8A8 arguments
+        check_launch_arguments(Hq, Iq, tuple(dev.values()))
+
+
 def test_call_preparation_poisons_and_flags_out_of_range_ids():
     """Poison on exactly the read slots (the padding row and the slots past T untouched),
     ERR_ROUTING into every rank's error word for a live out-of-range id and not for a stale one
