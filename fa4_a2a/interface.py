@@ -46,6 +46,7 @@ class KernelConfig:
     has_lse: bool = False
     num_sms: int = 132
     o_staging: str = "own"  # persistent only: "own" O buffer or "defer_q" (see kernel.py)
+    trace: bool = False  # per-tile timestamps (kernel.TRACE_FIELDS; fa4_a2a.trace)
 
     def key(self) -> tuple:
         return (FlashAttentionUlyssesSm90.__qualname__, LAYOUT) + tuple(sorted(asdict(self).items(), key=lambda kv: kv[0]))
@@ -82,6 +83,7 @@ def build_kernel(cfg: KernelConfig) -> FlashAttentionUlyssesSm90:
         persistent=cfg.persistent,
         o_staging=cfg.o_staging,
         num_sms=cfg.num_sms,
+        trace=cfg.trace,
     )
 
 
@@ -99,16 +101,19 @@ def _fake_operands(cfg: KernelConfig):
         )
         lse = torch.empty(B, Hl, S, dtype=torch.float32, device="cuda") if cfg.has_lse else None
         table = torch.empty(P, dtype=torch.int64, device="cuda") if cfg.ulysses else None
-        return q, out, lse, table
+        trace = torch.empty(B, Hl, S // 128, 5, dtype=torch.int64, device="cuda") if cfg.trace else None
+        return q, out, lse, table, trace
 
 
 def _compile(cfg: KernelConfig, options: str = ""):
     kernel = build_kernel(cfg)
-    q, out, lse, table = _fake_operands(cfg)
+    q, out, lse, table, trace = _fake_operands(cfg)
     q_t = to_cute_tensor(q)
     out_t = to_cute_tensor(out, assumed_align=16)
     lse_t = to_cute_tensor(lse, assumed_align=4) if lse is not None else None
     aux = AuxData([to_cute_tensor(table, assumed_align=8, leading_dim=0)], None) if table is not None else AuxData()
+    if trace is not None:
+        aux = AuxData([aux.tensors[0], to_cute_tensor(trace, assumed_align=8)], None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel,
@@ -142,9 +147,9 @@ def compile_ptx(cfg: KernelConfig) -> str:
     return "\n".join(open(os.path.join(dump, f)).read() for f in files)
 
 
-def _launch(cfg, q, k, v, out, lse, peer_table, softmax_scale):
+def _launch(cfg, q, k, v, out, lse, peer_table, softmax_scale, trace=None):
     fn = compile_kernel(cfg)
-    aux = AuxData([peer_table], None) if cfg.ulysses else AuxData()
+    aux = AuxData([peer_table] + ([trace] if cfg.trace else []), None) if cfg.ulysses else AuxData()
     fn(
         q.detach(), k.detach(), v.detach(), out.detach(), lse, float(softmax_scale),
         None, None, None, None, None, None, None, None, None, aux, None, None,

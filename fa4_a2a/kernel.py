@@ -41,7 +41,15 @@ from flash_attn.cute.tile_scheduler import SingleTileScheduler, StaticPersistent
 from flash_attn.cute.utils import AuxData
 from quack import layout_utils
 
+from xstage import device as xdev
 from xstage.device import peer_address
+
+# Per-tile trace row (``trace=True``, Ulysses builds; fa4_a2a.trace decodes it), int64 %globaltimer
+# ns unless named otherwise: the CTA's start (non-persistent: the tile's own CTA; persistent: the
+# CTA's first tile), epilogue entry (this tile's mainloop done, thread 0), the first remote store's
+# issue (min over the epilogue threads), the last one's (max: the tile's store-issue span ends),
+# the SM id. The host fills the min field with INT64_MAX and the rest with 0.
+TRACE_FIELDS = ("t_cta_start", "t_epilogue", "t_first_store", "t_last_store", "smid")
 
 # Positions of the tile-scheduler arguments in FlashAttentionForwardSm90.kernel(...) as called by
 # its __call__ (flash-attn-4 4.0.0b36).  Checked at trace time; a mismatch raises, never guesses.
@@ -104,9 +112,13 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         persistent: bool = False,
         o_staging: str = "own",
         num_sms: int = 132,
+        trace: bool = False,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if trace and not ulysses:
+            raise ValueError("trace records the Ulysses epilogue's remote stores: it needs ulysses=True")
+        self.trace = trace
         if o_staging not in ("own", "defer_q"):
             raise ValueError(f"o_staging must be 'own' or 'defer_q', got {o_staging!r}")
         if self.Q_in_regs:
@@ -226,6 +238,9 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         # the parent's MMA/softmax role exactly as stock (no aux tensors, no fastdiv mods).
         if const_expr(self.ulysses):
             self._peer_table = aux_data.tensors[0]
+        if const_expr(self.trace):
+            self._trace = aux_data.tensors[1]  # [B, Hl, m_blocks, len(TRACE_FIELDS)] int64
+            self._t_cta_start = xdev.globaltimer_ns()
         self._pipeline_q = pipeline_q
         super().mma(
             tiled_mma_qk,
@@ -311,6 +326,15 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         head_idx: Int32,
         batch_idx: Int32,
     ):
+        t_row = Int64(0)
+        if const_expr(self.trace):
+            trace_row = self._trace[batch_idx, head_idx, m_block, None]
+            t_row = Int64(trace_row.iterator.toint())
+            t_cta_start = self._t_cta_start
+            if tidx == 0:
+                trace_row[0] = t_cta_start
+                trace_row[1] = xdev.globaltimer_ns()
+                trace_row[4] = Int64(xdev.smid())
         # 1. Accumulator -> output dtype -> smem staging (sO aliases sQ: every MMA warpgroup must
         #    be done with its last QK^T before anyone overwrites it).
         rO = cute.make_fragment_like(acc_O, self.dtype)
@@ -350,6 +374,8 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         head_batch_offset = Int64(head_idx) * stride_h + Int64(batch_idx) * stride_b
         peer_table = self._peer_table
         vec = cute.size(tOrO.shape[0])
+        if const_expr(self.trace):
+            xdev.red_min_u64(t_row + 2 * 8, xdev.globaltimer_ns())
         for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
             row = m_block * self.tile_m + tOcO[0, rest_m, 0][0]
             if row < seqlen.seqlen_q:
@@ -369,6 +395,8 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
                     dst = cute.make_tensor(dst_ptr, cute.make_layout(vec))
                     src = tOrO[None, rest_m, rest_k]
                     cute.copy(gmem_tiled_copy_O, src, cute.make_tensor(dst.iterator, src.layout))
+        if const_expr(self.trace):  # this thread's stores are issued (accepted by the LSU)
+            xdev.red_max_u64(t_row + 3 * 8, xdev.globaltimer_ns())
 
     @cute.jit
     def _store_lse_local(

@@ -92,3 +92,38 @@ def test_persistent_defer_q_releases_q_after_reading_the_o_tile():
     releases_in_epilogue = [i for i in q_empty_arrive if epi_bars[-1] < i < stores[0]]
     assert releases_in_epilogue, (q_empty_arrive, epi_bars, stores[:1])
     assert len(q_empty_arrive) == 1, "the parent's early Q release must be suppressed"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("persistent", [False, True])
+def test_trace_build_records_and_untraced_build_is_free(persistent):
+    """The trace build (issue 29) reads %globaltimer at the CTA start, the epilogue entry and
+    around the remote stores, reduces the stores' first / last issue into the tile's row
+    (red.global.min / max.u64) and records %smid; the shipped build has none of it."""
+    traced = compile_ptx(KernelConfig(BF16, 128, 8, True, persistent, trace=True))
+    assert traced.count("%globaltimer") >= 4 and "%smid" in traced
+    assert "red.relaxed.gpu.global.min.u64" in traced and "red.relaxed.gpu.global.max.u64" in traced
+    plain = compile_ptx(KernelConfig(BF16, 128, 8, True, persistent))
+    assert "%globaltimer" not in plain and "red.relaxed.gpu.global" not in plain
+
+
+def test_trace_decode_and_statistics():
+    """Synthetic rows: store spans, the overlap count at each tile's first store, per-SM gaps
+    from a tile's last store to the next CTA's start, the tail; unrun tiles are skipped."""
+    import torch
+
+    from fa4_a2a.trace import UNSET_MIN, decode_trace, trace_rows, trace_statistics
+
+    t = trace_rows(1, 1, 3 * 128, 128, "cpu")
+    assert t.shape == (1, 1, 3, 5) and (t[..., 2] == UNSET_MIN).all()
+    # tile 0 on SM 0: start 0, epilogue 100, stores 110-150; tile 1 on SM 0 after it: start 170,
+    # epilogue 300, stores 305-400; tile 2 did not run (its epilogue stamp stays 0)
+    t[0, 0, 0] = torch.tensor([0, 100, 110, 150, 0])
+    t[0, 0, 1] = torch.tensor([170, 300, 305, 400, 0])
+    rows = decode_trace(t)
+    assert [r["m_block"] for r in rows] == [0, 1] and [r["store_span_ns"] for r in rows] == [40, 95]
+    s = trace_statistics(rows)
+    assert s["tiles"] == 2 and s["retire_to_next_start"]["median"] == 20 and s["sms"] == 1
+    assert s["overlap_at_start"]["max"] == 1 and s["tail_ns"] == 100 and s["kernel_span_ns"] == 400
+    assert s["epilogue_to_first_store"]["median"] == 7.5
+    assert "retire_to_next_start" not in trace_statistics(rows, persistent=True)

@@ -150,3 +150,31 @@ def test_pinned_destinations(world_name):
     ref, _, _ = _run_fused(make_world("loopback", P), qs, ks, vs, persistent=True)
     for a, b in zip(outs, ref):
         assert torch.equal(a.to("cuda"), b)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_trace_build_stores_the_same_bits_and_records_every_tile(persistent):
+    """The trace build (fa4_a2a.trace) writes the shipped build's destinations bit for bit, and
+    every tile's row is ordered: CTA start <= epilogue entry <= first store issue <= last one,
+    on an SM of this GPU."""
+    from fa4_a2a.trace import decode_trace, traced_attention_a2a
+
+    P, B, C, Hl, D, dtype = 4, 2, 300, 2, 128, torch.bfloat16  # straddling tiles, several tiles per CTA
+    world = make_world("loopback", P)
+    qs, ks, vs = _inputs(P, B, C, Hl, D, dtype, seed=77)
+    want, _, (qh, kh, vh) = _run_fused(world, qs, ks, vs, persistent=persistent)
+    dest = world.alloc((B, C, Hl * P, D), dtype, remote=True)
+    dest.fill_(float("nan"))
+    head_bytes = Hl * D * qs[0].element_size()
+    traces = [traced_attention_a2a(qh[r], kh[r], vh[r], dest.local(r), dest.peer_table(r) + r * head_bytes,
+                                   num_ranks=P, persistent=persistent) for r in range(P)]
+    torch.cuda.synchronize()
+    for j in range(P):
+        assert torch.equal(dest.local(j), want[j])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for tr in traces:
+        rows = decode_trace(tr)
+        assert len(rows) == tr.shape[0] * tr.shape[1] * tr.shape[2]
+        for r in rows:
+            assert 0 < r["t_cta_start"] <= r["t_epilogue"] <= r["t_first_store"] <= r["t_last_store"]
+            assert 0 <= r["smid"] < sms

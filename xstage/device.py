@@ -264,6 +264,25 @@ def store_shared_b16(address, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def red_max_u64(address, value, *, loc=None, ip=None) -> None:
+    """``red.relaxed.gpu.global.max.u64 [address], value`` (e.g. the latest of many threads'
+    timestamps into one word)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)],
+                    "red.relaxed.gpu.global.max.u64 [$0], $1;", "l,l", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_min_u64(address, value, *, loc=None, ip=None) -> None:
+    """``red.relaxed.gpu.global.min.u64 [address], value`` (the earliest of many timestamps)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [Int64(address).ir_value(loc=loc, ip=ip), Int64(value).ir_value(loc=loc, ip=ip)],
+                    "red.relaxed.gpu.global.min.u64 [$0], $1;", "l,l", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def load_f32_cg(address, *, loc=None, ip=None) -> Float32:
     """``ld.global.cg.f32``: an FP32 load cached in L2 only, so a value another SM published
     (behind a release this thread's CTA acquired) is never read from a stale L1 line."""
