@@ -161,7 +161,7 @@ def run_points(world_name: str, P: int, heads: Sequence[int], seqs: Sequence[int
               f"{out[-1]['e_res_us']:.1f} us, trace overhead {out[-1]['trace_overhead']:.3f}; store span median "
               f"{stats['store_span']['median']} ns, overlap median {stats['overlap_at_start']['median']}, "
               f"tail {stats['tail_ns']} ns", flush=True)
-        del dest
+        dest = fns = timed = None  # the launches' buffers go before the next shape allocates
         torch.cuda.empty_cache()
     return out
 

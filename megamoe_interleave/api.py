@@ -591,7 +591,6 @@ class MegaMoE:
         replays): a timed-out wait in the kernel, an expert id out of range found by the device-side
         plan (:data:`xstage.device.ERR_ROUTING`). Reads every local rank's error word: one device
         sync, so call it outside the hot path (after a step, in a debug mode)."""
-        ranks = self.world.local_ranks
         self._raise_device_errors(self.buffer.counters_all[:, 0].tolist())
 
     # -- the device-side plan: no host sync, CUDA-graph capturable ----------------------

@@ -155,6 +155,23 @@ def grouped_gemms(shape, P, w1, w2, idx, wts, ranks=None):
 # ----------------------------------------------------------------------------- the fused layer
 
 
+def add_problem_arguments(ap, *, tokens) -> None:
+    """The problem's command-line options shared by the MegaMoE benches: --shape, --routing,
+    --strength (skewed routing's Zipf exponent), --P, --tokens (per rank; default ``tokens``)."""
+    ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
+    ap.add_argument("--routing", nargs="+", default=["balanced"])
+    ap.add_argument("--strength", type=float, default=1.0)
+    ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(tokens))
+
+
+def problem_cases(args) -> list:
+    """(shape, routing, P, tokens per rank) of every case the options of
+    :func:`add_problem_arguments` select, shape-major."""
+    return [(get_shape(s), kind, P, T) for s in args.shape for kind in args.routing for P in args.P
+            for T in args.tokens]
+
+
 def build_moe(shape, P, tokens, config, w1, w2, *, world="loopback", poison_combine=False, weight_cache=None,
               moe_class=MegaMoE):
     """A fused MegaMoE of ``shape`` on a fresh ``world`` of P ranks on this GPU, ``tokens`` tokens

@@ -29,9 +29,8 @@ import torch
 
 from xstage import bench, timing
 
-from .bench import build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from .bench import add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
 from .reference import unfused_pipeline
-from .shapes import get_shape
 
 BASELINE = "fused kernels"
 SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that would block the host
@@ -165,8 +164,6 @@ def report(json_paths, out_dir) -> list:
     (layer time per case against the fused kernels and the baselines); returns the rows."""
     import json
 
-    from .evaluation import _pyplot
-
     cases = []
     for path in json_paths:
         with open(path) as f:
@@ -174,40 +171,21 @@ def report(json_paths, out_dir) -> list:
     rows = [dict(row, **kernel_shares(res)) for row, res in zip(summary_rows(cases), cases)]
     rows.sort(key=lambda r: (r["P"], r["tokens_per_rank"]))
     bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
-    plt = _pyplot()
-    if plt is not None and rows:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        labels = [f"P={r['P']}\nT={r['tokens_per_rank']}" for r in rows]
+    if rows:
         series = [("fused kernels", "fused_kernels_us"), ("graph replay (layer)", "graph_replay_us"),
                   ("grouped_mm x2 only", "grouped_mm_us"), ("unfused torch pipeline", "unfused_us")]
-        width = 0.2
-        for i, (name, key) in enumerate(series):
-            ax.bar([x + (i - 1.5) * width for x in range(len(rows))],
-                   [r[key] / r["fused_kernels_us"] for r in rows], width, label=name)
-        ax.axhline(1.03, color="k", lw=0.8, ls="--", label="fused kernels + 3 %")
-        ax.set_xticks(range(len(rows)), labels)
-        ax.set_ylabel("time / fused kernels (paired medians)")
-        ax.set_yscale("log")
-        from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
-
-        ax.yaxis.set_major_locator(FixedLocator([1, 1.1, 1.25, 1.5, 2, 3, 5, 8]))
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
-        ax.set_title("MegaMoE layer as one CUDA-graph replay, DeepSeek-V4-Flash, loopback, H200")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "graph_layer.png"), dpi=130)
-        plt.close(fig)
+        bench.ratio_bars(os.path.join(out_dir, "graph_layer.png"),
+                         [f"P={r['P']}\nT={r['tokens_per_rank']}" for r in rows],
+                         [(name, [r[key] / r["fused_kernels_us"] for r in rows]) for name, key in series],
+                         ylabel="time / fused kernels (paired medians)", ticks=[1, 1.1, 1.25, 1.5, 2, 3, 5, 8],
+                         title="MegaMoE layer as one CUDA-graph replay, DeepSeek-V4-Flash, loopback, H200",
+                         ref=(1.03, "fused kernels + 3 %", "--"))
     return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
-    ap.add_argument("--routing", nargs="+", default=["balanced"])
-    ap.add_argument("--strength", type=float, default=1.0)
-    ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 8192])
+    add_problem_arguments(ap, tokens=[256, 1024, 2048, 8192])
     ap.add_argument("--world", default="loopback")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--cooldown-s", type=float, default=0.0)
@@ -230,8 +208,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     os.makedirs(args.out, exist_ok=True)
-    cases = [(get_shape(s), kind, P, T) for s in args.shape for kind in args.routing for P in args.P
-             for T in args.tokens]
+    cases = problem_cases(args)
     results = []
     for case in bench.progress(cases, desc="graph cases"):
         results.append(run_case(*case, args))

@@ -28,7 +28,7 @@ import torch
 
 from xstage import bench
 
-from .bench import build_moe, kernel_time_call, make_problem, rank_weight_views
+from .bench import add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
 from .config import MegaMoEConfig
 from .reference import (
     W8A8_FP32_REL_ERROR, gather_rows, permute_for_rank, relative_error, slot_rows, swiglu, topk_reduce,
@@ -187,43 +187,20 @@ def report(json_paths, out_dir) -> list:
         rows += summary_rows(payload["cases"], payload["dense_fp8_tflops"])
     os.makedirs(out_dir, exist_ok=True)
     bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return rows
     series = [("fused bf16", "fused_bf16_over_w8a8"), ("FP8 scaled_grouped_mm x2 only", "scaled_grouped_mm_x2_over_w8a8"),
               ("unfused FP8 pipeline", "unfused_fp8_pipeline_over_w8a8")]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.25
-    for i, (name, key) in enumerate(series):
-        ax.bar([x + (i - 1) * width for x in range(len(rows))], [r[key] or 0 for r in rows], width, label=name)
-    ax.axhline(1.0, color="k", lw=0.8, label="fused W8A8")
-    ax.set_xticks(range(len(rows)), [f"P={r['P']} T={r['tokens_per_rank']}\n{r['protocol']}" for r in rows])
-    ax.set_ylabel("time / fused W8A8 (paired medians)")
-    ax.set_yscale("log")
-    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
-
-    ax.yaxis.set_major_locator(FixedLocator([0.9, 1, 1.1, 1.3, 1.5, 2, 3, 5]))
-    ax.yaxis.set_major_formatter(ScalarFormatter())
-    ax.yaxis.set_minor_formatter(NullFormatter())
-    ax.set_title("MegaMoE W8A8 fused kernel, DeepSeek-V4-Flash, loopback, H200", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "w8a8.png"), dpi=130)
-    plt.close(fig)
+    bench.ratio_bars(os.path.join(out_dir, "w8a8.png"),
+                     [f"P={r['P']} T={r['tokens_per_rank']}\n{r['protocol']}" for r in rows],
+                     [(name, [r[key] or 0 for r in rows]) for name, key in series],
+                     ylabel="time / fused W8A8 (paired medians)", ticks=[0.9, 1, 1.1, 1.3, 1.5, 2, 3, 5],
+                     title="MegaMoE W8A8 fused kernel, DeepSeek-V4-Flash, loopback, H200", ref=(1.0, "fused W8A8", "-"),
+                     figsize=(7, 3.6))
     return rows
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", nargs="+", default=["deepseek-v4-flash"])
-    ap.add_argument("--routing", nargs="+", default=["balanced"])
-    ap.add_argument("--strength", type=float, default=1.0)
-    ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    add_problem_arguments(ap, tokens=[8192])
     ap.add_argument("--schedule", default="interleaved")
     ap.add_argument("--trials", type=int, default=20, help="sustained protocol (no cooldown)")
     ap.add_argument("--cooled-trials", type=int, default=10)
@@ -248,8 +225,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     dense = dense_fp8_tflops()
     print(f"dense FP8 rate (torch._scaled_mm 8192^3, rowwise): {dense:.1f} TFLOP/s", flush=True)
-    cases = [(get_shape(s), kind, P, T) for s in args.shape for kind in args.routing for P in args.P
-             for T in args.tokens]
+    cases = problem_cases(args)
     results = []
     for case in bench.progress(cases, desc="w8a8 cases"):
         results.append(run_case(*case, args))

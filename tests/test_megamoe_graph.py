@@ -199,7 +199,7 @@ def _fresh_inputs(g, layer, k, step):
                                       mask_ratio=0.2 if step % 3 == 0 else 0.0, strength=2.0)
         if step % 5 == 0:
             new_idx = torch.where(new_idx >= 0, new_idx % 3, new_idx)  # experts 3.. get no token
-        x.copy_(torch.randn(T, H, generator=g).bfloat16())
+        x.copy_(torch.randn(T, x.shape[1], generator=g).bfloat16())
         idx.copy_(new_idx)
         w.copy_(new_w)
         out.append((x.clone(), new_idx.cuda(), new_w.cuda()))

@@ -150,7 +150,7 @@ def test_w8a8_graph_replays_equal_eager_forward(P, schedule):
     experts on some) give eager forward's y bit for bit; every 10th within the emulation's
     tolerance; no device error."""
     from megamoe_interleave import quant
-    from megamoe_interleave.routing import make_routing
+    from test_megamoe_graph import _fresh_inputs  # pytest puts tests/ on sys.path
 
     k, hidden, inter = 4, 512, 256
     w1, w2, _, _, _ = _problem(P, [1] * P, k, "balanced", 0.0, 21, hidden, inter)
@@ -162,17 +162,7 @@ def test_w8a8_graph_replays_equal_eager_forward(P, schedule):
     layer = moe.capture([200, 37, 256, 129][:P])
     g = torch.Generator().manual_seed(4)
     for step in range(30):
-        xs, idxs, ws = [], [], []
-        for r, (x, idx, w) in enumerate(zip(layer.x, layer.topk_idx, layer.topk_weights)):
-            T = x.shape[0]
-            new_idx, new_w = make_routing("skewed" if step % 2 else "balanced", T, E, k, seed=step * 97 + r,
-                                          mask_ratio=0.2 if step % 3 == 0 else 0.0, strength=2.0)
-            if step % 5 == 0:
-                new_idx = torch.where(new_idx >= 0, new_idx % 3, new_idx)  # experts 3.. get no token
-            x.copy_(torch.randn(T, hidden, generator=g).bfloat16())
-            idx.copy_(new_idx)
-            w.copy_(new_w)
-            xs.append(x.clone()), idxs.append(new_idx.cuda()), ws.append(new_w.cuda())
+        xs, idxs, ws = (list(v) for v in zip(*_fresh_inputs(g, layer, k, step)))
         ys = [y.clone() for y in layer.replay()]
         for r, (a, b) in enumerate(zip(ys, eager.forward(xs, idxs, ws))):
             assert torch.equal(a, b), f"step {step}, rank {r}: replay != eager forward"

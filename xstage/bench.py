@@ -207,3 +207,36 @@ def log(text: str) -> None:
 
     tqdm.write(str(text), file=sys.stdout)
     sys.stdout.flush()
+
+
+def ratio_bars(path, labels: Sequence[str], series: Sequence, *, ylabel: str, title: str, ticks: Sequence[float],
+               ref: Optional[tuple] = None, figsize=(8, 4)) -> Optional[Path]:
+    """A grouped bar chart of time ratios on a log axis with plain tick labels at ``ticks``:
+    ``series`` = [(name, one value per label)], ``ref`` = (y, label, linestyle) of a reference
+    line. Returns ``path``, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=figsize)
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))], values, width, label=name)
+    if ref is not None:
+        ax.axhline(ref[0], color="k", lw=0.8, ls=ref[2], label=ref[1])
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(FixedLocator(list(ticks)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return Path(path)
