@@ -165,6 +165,16 @@ def add_problem_arguments(ap, *, tokens) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=list(tokens))
 
 
+def add_output_arguments(ap, *, out: str, figure: str) -> None:
+    """The result options shared by the MegaMoE benches: --clock-tol-mhz (paired matching),
+    --out (default ``out``), --tag, --report (no GPU run: summary.csv and ``figure`` in --out)."""
+    ap.add_argument("--clock-tol-mhz", type=float, default=30.0)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--report", nargs="+", metavar="JSON",
+                    help=f"no GPU run: summary.csv and {figure} in --out from these result files")
+
+
 def problem_cases(args) -> list:
     """(shape, routing, P, tokens per rank) of every case the options of
     :func:`add_problem_arguments` select, shape-major."""

@@ -249,13 +249,13 @@ class MegaMoEConfig:
             raise ValueError("precision='w8a8' dispatches with dispatch_copy='lsu' (the bulk copy does not move the "
                              "activation scales)")
         if copy is None:
-            try:
-                if w8a8:
-                    raise ValueError
-                smem_plan(hidden, block_n, stages, "bulk")
-                copy = "bulk"
-            except ValueError:  # no room for the bounce buffers
-                copy = "lsu"
+            copy = "lsu"
+            if not w8a8:  # W8A8: the bulk copy does not move the scales
+                try:
+                    smem_plan(hidden, block_n, stages, "bulk")
+                    copy = "bulk"
+                except ValueError:  # no room for the bounce buffers
+                    pass
         smem_plan(hidden, block_n, stages, copy, w8a8=w8a8)
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window

@@ -29,7 +29,7 @@ import torch
 
 from xstage import bench, timing
 
-from .bench import add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from .bench import add_output_arguments, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
 from .reference import unfused_pipeline
 
 BASELINE = "fused kernels"
@@ -189,11 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--world", default="loopback")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--cooldown-s", type=float, default=0.0)
-    ap.add_argument("--clock-tol-mhz", type=float, default=30.0)
-    ap.add_argument("--out", default="results/h200/megamoe/graph")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--report", nargs="+", metavar="JSON",
-                    help="no GPU run: summary.csv and graph_layer.png in --out from these result files")
+    add_output_arguments(ap, out="results/h200/megamoe/graph", figure="graph_layer.png")
     return ap
 
 

@@ -28,7 +28,7 @@ import torch
 
 from xstage import bench
 
-from .bench import add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
+from .bench import add_output_arguments, add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
 from .config import MegaMoEConfig
 from .reference import (
     W8A8_FP32_REL_ERROR, gather_rows, permute_for_rank, relative_error, slot_rows, swiglu, topk_reduce,
@@ -205,11 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trials", type=int, default=20, help="sustained protocol (no cooldown)")
     ap.add_argument("--cooled-trials", type=int, default=10)
     ap.add_argument("--cooldown-s", type=float, default=1.0, help="cooled protocol: sleep before each timed call")
-    ap.add_argument("--clock-tol-mhz", type=float, default=30.0)
-    ap.add_argument("--out", default="results/h200/megamoe/w8a8")
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--report", nargs="+", metavar="JSON",
-                    help="no GPU run: summary.csv and w8a8.png in --out from these result files")
+    add_output_arguments(ap, out="results/h200/megamoe/w8a8", figure="w8a8.png")
     return ap
 
 
