@@ -47,10 +47,11 @@ def pair_tiles_per_row(n_cols: int, block_n: int) -> int:
     return n_cols // block_n
 
 
-def bulk_piece_bytes(hidden: int) -> int:
-    """Bytes per bounce buffer of the bulk Dispatch: a dispatched row (2 H bytes) in the fewest
-    equal pieces of at most BULK_PIECE_BYTES, each a multiple of 16 bytes."""
-    row = 2 * hidden
+def bulk_piece_bytes(hidden: int, elem_bytes: int = 2) -> int:
+    """Bytes per bounce buffer of the bulk Dispatch: a dispatched row (``elem_bytes`` H bytes: 2
+    bf16, 1 E4M3) in the fewest equal pieces of at most BULK_PIECE_BYTES, each a multiple of 16
+    bytes. W8A8's scales (H/128 FP32 <= a piece) travel as one more piece."""
+    row = elem_bytes * hidden
     pieces = next(k for k in range(1, row // 16 + 1) if row % k == 0 and (row // k) % 16 == 0
                   and row // k <= BULK_PIECE_BYTES)
     return row // pieces
@@ -86,7 +87,7 @@ def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str, *, w8a
     if w8a8:
         other += 4 * BLOCK_M + 4 * 2 * 64
     if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers
-        other += 2 * bulk_piece_bytes(hidden) + 128 + 16
+        other += 2 * bulk_piece_bytes(hidden, 1 if w8a8 else 2) + 128 + 16
     handoffs = 1 if ring + BLOCK_M * block_n * 2 + other <= SMEM_BYTES else 2
     plan = SmemPlan(ring, BLOCK_M * block_n * 2 // handoffs, other, handoffs)
     if plan.total_bytes > SMEM_BYTES:
@@ -216,7 +217,7 @@ class MegaMoEConfig:
         K = I, N = H for Linear-2) and block_n = 256: an L1 tile of block_n interleaved w1 rows
         yields block_n / 2 columns of h, and its epilogue quantizes h per token and 128 columns,
         so a tile must hold whole groups (hence H % 512 and I % 256 with the CTA pairs). Its
-        Dispatch is "lsu" (the bulk copy does not move the scales).
+        Dispatch is resolved as the bf16 one's (the bulk copy moves the scales as one more piece).
         """
         if self.schedule == AUTO:
             raise ValueError("schedule='auto' is chosen for a world first (choose_schedule; MegaMoE does it)")
@@ -245,17 +246,13 @@ class MegaMoEConfig:
             rows_per_expert = world_size * tokens * topk / experts
             stages = 3 if block_n == 256 and rows_per_expert >= DEEP_RING_MAX_ROWS else 4
         copy = self.dispatch_copy
-        if w8a8 and copy == "bulk":
-            raise ValueError("precision='w8a8' dispatches with dispatch_copy='lsu' (the bulk copy does not move the "
-                             "activation scales)")
         if copy is None:
             copy = "lsu"
-            if not w8a8:  # W8A8: the bulk copy does not move the scales
-                try:
-                    smem_plan(hidden, block_n, stages, "bulk")
-                    copy = "bulk"
-                except ValueError:  # no room for the bounce buffers
-                    pass
+            try:
+                smem_plan(hidden, block_n, stages, "bulk", w8a8=w8a8)
+                copy = "bulk"
+            except ValueError:  # no room for the bounce buffers
+                pass
         smem_plan(hidden, block_n, stages, copy, w8a8=w8a8)
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window

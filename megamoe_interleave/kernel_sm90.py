@@ -55,6 +55,11 @@ ERR_RING_TIMEOUT = xdev.ERR_MBARRIER_TIMEOUT  # a full/empty barrier of the A/B 
 # consumers: 128 * 88 + 256 * 208 <= 64512 (the launch's pool; 80 / 216 fails at run time).
 AUX_WARPGROUP_REGS = 88
 MMA_WARPGROUP_REGS = 208
+# W8A8: the consumers' promoted sums (128) and two ping-pong slice fragments (2 x 32) need 216
+# (at 208 ptxas spilled inside the mainloop); the aux warps get 72 and a shallower Dispatch unroll.
+W8A8_AUX_WARPGROUP_REGS = 72
+W8A8_MMA_WARPGROUP_REGS = 216
+W8A8_DISPATCH_WARP_UNROLL = 8
 NUM_AUX_THREADS = 96  # warps 1-3 of the producer warpgroup: two epilogue warps, one dispatch warp
 
 
@@ -162,8 +167,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             raise ValueError(f"H={hidden} and 2I={2 * intermediate} must be multiples of 2*block_n and of {BLOCK_K}")
         self.hidden, self.intermediate, self.config = hidden, intermediate, config
         self.w8a8 = config.precision == "w8a8"
-        if self.w8a8 and (config.block_n != 256 or config.dispatch_copy != "lsu"):
-            raise ValueError("the W8A8 kernel needs block_n=256 and dispatch_copy='lsu' (MegaMoEConfig.resolve)")
+        if self.w8a8 and config.block_n != 256:
+            raise ValueError("the W8A8 kernel needs block_n=256 (MegaMoEConfig.resolve)")
         # One ring stage is a 128-byte swizzle row either way: 64 bf16 or 128 E4M3 (one scale block) of K.
         self.ab_dtype = Float8E4M3FN if self.w8a8 else BFloat16
         self.ab_bytes = 1 if self.w8a8 else 2
@@ -174,7 +179,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.timeout_ns = config.timeout_ns
         plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy, w8a8=self.w8a8)
         self.l2_handoffs, self.stage_words = plan.l2_handoffs, plan.stage_words
-        self.bulk_piece_bytes = bulk_piece_bytes(hidden)
+        self.bulk_piece_bytes = bulk_piece_bytes(hidden, 1 if self.w8a8 else 2)
         self.num_mma_threads = 2 * BLOCK_M
         self.num_threads = self.num_mma_threads + 128
         self.num_epi_threads = NUM_AUX_THREADS - 32
@@ -333,7 +338,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         producer = self.num_mma_threads // 32
         dispatch_warp = producer + 1 + self.num_epi_threads // 32
         if warp >= producer:
-            cute.arch.setmaxregister_decrease(AUX_WARPGROUP_REGS)
+            cute.arch.setmaxregister_decrease(W8A8_AUX_WARPGROUP_REGS if self.w8a8 else AUX_WARPGROUP_REGS)
             if warp == producer:
                 self.producer_tiles(ctx, gm, sm, ops, ab_pipe)
             if warp > producer and warp < dispatch_warp:
@@ -346,9 +351,10 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
                     cute.arch.sync_warp()
                 else:
                     self.dispatch_rows(gm, ctx, self.prologue_rows(ctx.grid, ctx.nctas), ctx.grid.num_rows,
-                                       warp - dispatch_warp, 1, tidx % 32, DISPATCH_WARP_UNROLL)
+                                       warp - dispatch_warp, 1, tidx % 32,
+                                       W8A8_DISPATCH_WARP_UNROLL if self.w8a8 else DISPATCH_WARP_UNROLL)
         else:
-            cute.arch.setmaxregister_increase(MMA_WARPGROUP_REGS)
+            cute.arch.setmaxregister_increase(W8A8_MMA_WARPGROUP_REGS if self.w8a8 else MMA_WARPGROUP_REGS)
             self.consumer_tiles(ctx, tidx, gm, sm, ab_pipe, tiled_mma)
 
     @cute.jit

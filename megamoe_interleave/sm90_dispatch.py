@@ -119,6 +119,24 @@ class DispatchMixin:
             row = row + 1
 
     @cute.jit
+    def bulk_piece(self, sm, src: Int64, dst: Int64, nbytes: cutlass.Constexpr, j: Int32, ok: Boolean, err):
+        """Piece ``j`` of the bulk Dispatch: ``nbytes`` (<= the bounce buffer) from ``src`` into
+        buffer j % 2 (once the store two pieces back has read it), then to ``dst``; returns
+        (j + 1, ok)."""
+        b = j % 2
+        buf = sm.bulk_buf + b * self.bulk_piece_bytes
+        cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
+        cute.arch.mbarrier_arrive_and_expect_tx(sm.bulk_mbar + b, nbytes)
+        xdev.bulk_copy_g2s(buf, src, nbytes, sm.bulk_mbar + b, "evict_first")
+        # bounded by a count of try_waits: a %globaltimer loop here made ptxas
+        # serialize the consumers' WGMMAs of the interleaved build
+        ok = ok & xdev.mbarrier_wait_tries(sm.bulk_mbar + b, (j // 2) % 2, BULK_WAIT_TRIES, err,
+                                           self.ERR_RING_TIMEOUT)
+        xdev.bulk_copy_s2g(dst, buf, nbytes, "evict_first")
+        cute.arch.cp_async_bulk_commit_group()
+        return j + 1, ok
+
+    @cute.jit
     def dispatch_rows_bulk(self, gm, ctx, sm, row_begin: Int32):
         """One thread, rows [row_begin, num_rows): this CTA's share of each row's pool rows, each in
         pieces: bulk load into bounce buffer j % 2 (completing on its mbarrier), bulk store into
@@ -131,7 +149,8 @@ class DispatchMixin:
         waits at; every dispatch thread is past r - W, so row r - W is dispatched and the tiles
         ahead of its L1 tiles depend on lower rows only (tests/test_megamoe_scheduler.py)."""
         piece = self.bulk_piece_bytes
-        row_bytes = 2 * self.hidden
+        row_bytes = self.ab_bytes * self.hidden
+        scale_bytes = self.hidden // QUANT_BLOCK * 4  # W8A8: the row's scales, one more piece
         ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
         err = gm.counters.iterator + self.COUNTER_ERROR
         pool_base = Int64(gm.pool_x.iterator.toint())
@@ -153,18 +172,12 @@ class DispatchMixin:
                 src = Int64(gm.peer_x[gm.pool_src[i, 0]]) + Int64(gm.pool_src[i, 1]) * row_bytes
                 dst = pool_base + Int64(i) * row_bytes
                 for q in cutlass.range_constexpr(row_bytes // piece):
-                    b = j % 2
-                    buf = sm.bulk_buf + b * piece
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)  # the store from this buffer has read it
-                    cute.arch.mbarrier_arrive_and_expect_tx(sm.bulk_mbar + b, piece)
-                    xdev.bulk_copy_g2s(buf, src + q * piece, piece, sm.bulk_mbar + b, "evict_first")
-                    # bounded by a count of try_waits: a %globaltimer loop here made ptxas
-                    # serialize the consumers' WGMMAs of the interleaved build
-                    ok = ok & xdev.mbarrier_wait_tries(sm.bulk_mbar + b, (j // 2) % 2, BULK_WAIT_TRIES, err,
-                                                       self.ERR_RING_TIMEOUT)
-                    xdev.bulk_copy_s2g(dst + q * piece, buf, piece, "evict_first")
-                    cute.arch.cp_async_bulk_commit_group()
-                    j = j + 1
+                    j, ok = self.bulk_piece(sm, src + q * piece, dst + q * piece, piece, j, ok, err)
+                if const_expr(self.w8a8):
+                    tok = Int64(gm.pool_src[i, 1])
+                    j, ok = self.bulk_piece(sm, Int64(gm.peer_x_scale[gm.pool_src[i, 0]]) + tok * scale_bytes,
+                                            Int64(gm.pool_x_scale.iterator.toint()) + Int64(i) * scale_bytes,
+                                            scale_bytes, j, ok, err)
                 i = i + 1
             cute.arch.cp_async_bulk_wait_group(0)  # the row's stores are complete
             cute.arch.fence_proxy("async.global")

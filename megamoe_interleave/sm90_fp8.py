@@ -6,10 +6,11 @@ Promotion (DeepSeek-V3 report Section 3.3.2; DeepGEMM ``sm90_fp8_gemm_1d2d``): a
 128-deep K block; its WGMMAs accumulate into a zeroed FP32 fragment, which is then added to the
 tile's FP32 sums scaled by ``sa[row, kb] * sb[n block, kb]``, so the tensor core's limited
 accumulation precision never spans more than 128 products. A 128 x 256 tile's sums take 128
-registers per thread, so the block's WGMMAs run in four 64-column slices through one 32-register
-fragment (slices 0-1 and 2-3 share a weight scale block: 128 rows of w1 / w2): 160 accumulator
-registers instead of 256 (with two 128-column slices, 192, ptxas spilled in the mainloop at every
-register split). A 64-row half tile (a warpgroup per 128 columns) runs one 128-column slice per
+registers per thread, so the block's WGMMAs run in four 64-column slices through two 32-register
+fragments in ping-pong (slices 0-1 and 2-3 share a weight scale block: 128 rows of w1 / w2):
+slice j's WGMMAs are in flight (``wait_group(1)``) while slice j - 1 is promoted, 192 accumulator
+registers instead of 256 (one fragment and a wait per slice was about 6 % slower at P = 8; two
+128-column slices spilled in the mainloop at every register split). A 64-row half tile (a warpgroup per 128 columns) runs one 128-column slice per
 warpgroup through its own 64 registers (the full tile's upper sums are dead there).
 
 h quantization: an L1 tile of 256 interleaved w1 rows holds 128 h columns of its rows, one 1x128
@@ -21,6 +22,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float8E4M3FN, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import warpgroup
 from quack import sm90_utils
 
 from xstage import device as xdev
@@ -50,7 +52,8 @@ class Fp8ConsumerMixin:
         sB = [cute.local_tile(sm.sB, (SLICE_N, BK, S), (j, 0, 0)) for j in range(BN // SLICE_N)]
         part, tCrA, tCrB0 = sm90_utils.partition_fragment_ABC(thr_s, (BLOCK_M, SLICE_N, BK), sm.sA, sB[0])
         tCrB = (tCrB0,) + tuple(thr_s.make_fragment_B(thr_s.partition_B(b)) for b in sB[1:])
-        full = (mma_s, acc, tCrA, tCrB, tCcC, part)
+        part2 = cute.make_rmem_tensor(part.layout, Float32)
+        full = (mma_s, acc, tCrA, tCrB, tCcC, (part, part2))
         mma_h = sm90_utils.make_tiled_mma(Float8E4M3FN, "K", "K", QUANT_BLOCK, atom_layout_mnk=(1, 2, 1))
         thr_h = mma_h.get_slice(tidx)
         sA_h = cute.local_tile(sm.sA, (64, BK, S), (0, 0, 0))
@@ -102,13 +105,21 @@ class Fp8ConsumerMixin:
                 sb1 = xdev.load_f32_cg(pb + ks * 4 + kt * 4)
                 c00, c01 = sa0 * sb0, sa1 * sb0
                 c10, c11 = sa0 * sb1, sa1 * sb1
-                for j in cutlass.range_constexpr(len(tCrB)):
-                    sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB[j], True, A_idx=state.index, B_idx=state.index,
-                                          wg_wait=0)
-                    if const_expr(j * SLICE_N < QUANT_BLOCK):
-                        self.promote(acc, part, j * cute.size(part), c00, c01)
+                # ping-pong: slice j's WGMMAs run while slice j - 1 is promoted
+                n = len(tCrB)
+                sm90_utils.gemm_w_idx(mma, part[0], tCrA, tCrB[0], True, A_idx=state.index, B_idx=state.index,
+                                      wg_wait=-1)
+                for j in cutlass.range_constexpr(1, n + 1):
+                    if const_expr(j < n):
+                        sm90_utils.gemm_w_idx(mma, part[j % 2], tCrA, tCrB[j], True, A_idx=state.index,
+                                              B_idx=state.index, wg_wait=1)
                     else:
-                        self.promote(acc, part, j * cute.size(part), c10, c11)
+                        warpgroup.wait_group(0)
+                    p = part[(j - 1) % 2]
+                    if const_expr((j - 1) * SLICE_N < QUANT_BLOCK):
+                        self.promote(acc, p, (j - 1) * cute.size(p), c00, c01)
+                    else:
+                        self.promote(acc, p, (j - 1) * cute.size(p), c10, c11)
             ab_pipe.consumer_release(state)
             state.advance()
         return state, t1, ok

@@ -170,3 +170,18 @@ def test_w8a8_graph_replays_equal_eager_forward(P, schedule):
             emulated = reference_moe_w8a8(xs, idxs, ws, *wq)
             _check(ys, emulated, reference_moe_fp32(xs, idxs, ws, w1, w2))
     layer.check()
+
+
+@pytest.mark.parametrize("schedule,window", [("interleaved", 0), ("expert_wave", 0), ("expert_wave", 2)])
+def test_w8a8_bulk_dispatch_equals_lsu_bitwise(schedule, window):
+    """The bulk Dispatch (E4M3 row pieces plus the scales as one more piece through the bounce
+    buffers; windowed for expert_wave) gives the LSU copy's y bit for bit, 3-stage ring."""
+    P, k, hidden, inter = 4, 6, 1024, 256
+    w1, w2, xs, idx, w = _problem(P, [65, 3, 130, 17], k, "skewed", 0.1, 31, hidden, inter)
+    outs = []
+    for copy, win in (("lsu", 0), ("bulk", window)):
+        moe = _make(P, k, schedule, hidden, inter, stages=3, dispatch_copy=copy, dispatch_window=win)
+        moe.load_weights(w1, w2)
+        outs.append([y.clone() for y in moe.forward(xs, idx, w)])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
