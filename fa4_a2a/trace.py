@@ -33,6 +33,11 @@ from .kernel import TRACE_FIELDS
 from .validate import check_attention_a2a
 
 UNSET_MIN = torch.iinfo(torch.int64).max  # the min-reduced field before any store (host fill)
+# The designs the trace compares: the piggyback epilogue (one CTA per tile, LSU stores) and the
+# reshaped one (persistent, bulk async O copies); the persistent LSU build for reference.
+DESIGNS = {"piggyback": dict(persistent=False, o_staging="own"),
+           "persistent": dict(persistent=True, o_staging="own"),
+           "bulk": dict(persistent=True, o_staging="bulk")}
 
 
 def trace_rows(batch: int, heads_local: int, seqlen: int, tile_m: int, device) -> torch.Tensor:
@@ -87,7 +92,9 @@ def trace_statistics(rows: Sequence[Dict], *, persistent: bool = False) -> Dict:
     """The numbers of the module docstring over :func:`decode_trace`'s rows (ns):
     ``store_span`` and ``epilogue_to_first_store`` quantiles; ``overlap_at_start`` (tiles whose
     store spans contain another tile's first store, quantiles over tiles); ``retire_to_next_start``
-    per SM (non-persistent only: the next CTA's start after a tile's last store issue); ``tail_ns``
+    per SM (non-persistent only: the next CTA's start after a tile's last store issue);
+    ``tile_mainloop`` quantiles (a tile's start -> its epilogue entry); ``sm_time_mean_ns``
+    (per SM, the sums of mainloop, store-issue and retire-gap time, mean over SMs); ``tail_ns``
     (last store issue - last epilogue entry) and ``kernel_span_ns`` (first CTA start -> last
     store issue)."""
     if not rows:
@@ -103,29 +110,50 @@ def trace_statistics(rows: Sequence[Dict], *, persistent: bool = False) -> Dict:
                overlap_at_start=_quantiles(overlap),
                tail_ns=max(r["t_last_store"] for r in rows) - max(r["t_epilogue"] for r in rows),
                kernel_span_ns=max(r["t_last_store"] for r in rows) - min(r["t_cta_start"] for r in rows))
+    by_sm: Dict[int, List[Dict]] = {}
+    for r in rows:
+        by_sm.setdefault(r["smid"], []).append(r)
+    gaps, computes, per_sm = [], [], []
+    for tiles in by_sm.values():
+        tiles.sort(key=lambda r: r["t_epilogue"])
+        sm = dict(compute_ns=0, store_ns=0, gap_ns=0)
+        for i, r in enumerate(tiles):
+            # a tile's mainloop starts at its CTA's start (non-persistent, or a persistent CTA's
+            # first tile) or where the same CTA's previous tile finished issuing its stores
+            begin = r["t_cta_start"] if not persistent or i == 0 else tiles[i - 1]["t_last_store"]
+            computes.append(r["t_epilogue"] - begin)
+            sm["compute_ns"] += r["t_epilogue"] - begin
+            sm["store_ns"] += r["t_last_store"] - r["t_epilogue"]
+            if not persistent and i + 1 < len(tiles):
+                gaps.append(tiles[i + 1]["t_cta_start"] - r["t_last_store"])
+                sm["gap_ns"] += gaps[-1]
+        per_sm.append(sm)
+    out["tile_mainloop"] = _quantiles(computes)
+    # SM time by phase, mean over SMs: where an SM's time goes (mainloops, store issue incl. any
+    # wait for the path, retire -> next CTA start)
+    out["sm_time_mean_ns"] = {k: statistics.mean(sm[k] for sm in per_sm) for k in ("compute_ns", "store_ns", "gap_ns")}
+    out["sms"] = len(by_sm)
     if not persistent:
-        gaps = []
-        by_sm: Dict[int, List[Dict]] = {}
-        for r in rows:
-            by_sm.setdefault(r["smid"], []).append(r)
-        for tiles in by_sm.values():
-            tiles.sort(key=lambda r: r["t_cta_start"])
-            gaps += [nxt["t_cta_start"] - cur["t_last_store"] for cur, nxt in zip(tiles, tiles[1:])]
         out["retire_to_next_start"] = _quantiles(gaps)
-        out["sms"] = len(by_sm)
     return out
 
 
+ROW_CSV_FIELDS = ("head", "m_block", "smid") + TRACE_FIELDS[:4]
+
+
 def run_points(world_name: str, P: int, heads: Sequence[int], seqs: Sequence[int], *, head_dim: int = 128,
-               dtype=torch.bfloat16, persistent: bool = False, calls: int = 5) -> List[Dict]:
+               dtype=torch.bfloat16, designs: Sequence[str] = ("piggyback",), trials: int = 7,
+               calls: int = 3) -> List[Dict]:
     """Rank 0's fused kernel of a single-process world (``host``: every destination in pinned host
-    memory over PCIe; ``loopback``: the control) per (H, M): the trace statistics of ``calls``
-    traced launches (the last one's, and its store-span medians per call), and the untraced
-    fused / traced fused / FA-only medians (CUDA events, ``calls`` each after a warm-up), so the
-    trace's own overhead (the traced call includes its trace tensor's fill) and E_res = T_fused -
-    T_FA come from the same run."""
+    memory over PCIe; ``loopback``: the control) per (H, M) and design (:data:`DESIGNS`): the
+    trace statistics of the last of ``calls`` eager traced launches (a trace's timeline is the
+    device's own, so host launch overhead does not enter it) with its per-tile rows, and the
+    CUDA-graph replay times of FA-only, each design and each design's trace build in ``trials``
+    paired, rotated trials with the SM clock (so E_res = T_design - T_FA and the trace overhead
+    come from the same trials)."""
     import fa4_a2a
     from xstage import bench
+    from xstage.timing import capture_graph
     from xstage.world import make_world
 
     world = make_world(world_name, P)
@@ -140,28 +168,34 @@ def run_points(world_name: str, P: int, heads: Sequence[int], seqs: Sequence[int
         dest = world.alloc((1, M // P, H, head_dim), dtype, remote=True)
         table = dest.peer_table(0).contiguous()  # rank 0: no head offset to fold in
         o_local = torch.empty_like(q)
-        fns = {"fused": lambda: fa4_a2a.attention_a2a(q, k, v, dest.local(0), table, num_ranks=P,
-                                                      persistent=persistent),
-               "fused traced": lambda: traced_attention_a2a(q, k, v, dest.local(0), table, num_ranks=P,
-                                                            persistent=persistent),
-               "fa_only": lambda: fa4_a2a.attention_local(q, k, v, o_local, persistent=persistent)}
-        timed = {name: bench.event_timed(fn) for name, fn in fns.items()}  # one warm-up each
-        medians = {name: statistics.median(t() for _ in range(calls)) for name, t in timed.items()}
-        per_call = []
-        for _ in range(calls):
-            tr = traced_attention_a2a(q, k, v, dest.local(0), table, num_ranks=P, persistent=persistent)
+        fns = {"fa_only": lambda: fa4_a2a.attention_local(q, k, v, o_local)}
+        for d in designs:
+            kw = DESIGNS[d]
+            fns[d] = lambda kw=kw: fa4_a2a.attention_a2a(q, k, v, dest.local(0), table, num_ranks=P, **kw)
+            fns[f"{d} traced"] = lambda kw=kw: traced_attention_a2a(q, k, v, dest.local(0), table, num_ranks=P, **kw)
+        graphs = {name: capture_graph(fn) for name, fn in fns.items()}
+        samples, clocks = bench.paired_trials({n: bench.event_timed(gr.replay, warmup=0) for n, gr in graphs.items()},
+                                              trials)
+        med = {n: statistics.median(v) for n, v in samples.items()}
+        point = dict(world=world_name, P=P, H=H, H_local=Hl, M=M, head_dim=head_dim, median_us=med,
+                     samples_us=samples, clocks_mhz=clocks, designs={})
+        for d in designs:
+            kw = DESIGNS[d]
+            for _ in range(calls):
+                tr = traced_attention_a2a(q, k, v, dest.local(0), table, num_ranks=P, **kw)
             torch.cuda.synchronize()
-            stats = trace_statistics(decode_trace(tr), persistent=persistent)
-            per_call.append(stats["store_span"]["median"])
-        out.append(dict(world=world_name, P=P, H=H, H_local=Hl, M=M, head_dim=head_dim, persistent=persistent,
-                        median_us=medians, e_res_us=medians["fused"] - medians["fa_only"],
-                        trace_overhead=medians["fused traced"] / medians["fused"],
-                        store_span_median_per_call_ns=per_call, stats=stats))
-        print(f"H={H} M={M}: fused {medians['fused']:.1f} us, FA {medians['fa_only']:.1f} us, E_res "
-              f"{out[-1]['e_res_us']:.1f} us, trace overhead {out[-1]['trace_overhead']:.3f}; store span median "
-              f"{stats['store_span']['median']} ns, overlap median {stats['overlap_at_start']['median']}, "
-              f"tail {stats['tail_ns']} ns", flush=True)
-        dest = fns = timed = None  # the launches' buffers go before the next shape allocates
+            rows = decode_trace(tr)
+            stats = trace_statistics(rows, persistent=kw["persistent"])
+            point["designs"][d] = dict(e_res_us=med[d] - med["fa_only"], trace_overhead=med[f"{d} traced"] / med[d],
+                                       stats=stats, rows=[[r[f] for f in ROW_CSV_FIELDS] for r in rows])
+            sm = stats["sm_time_mean_ns"]
+            print(f"H={H} M={M} {d}: T {med[d]:.1f} us vs FA {med['fa_only']:.1f} us, E_res "
+                  f"{med[d] - med['fa_only']:.1f} us, trace x{med[f'{d} traced'] / med[d]:.3f}; store span p50/p90/max "
+                  f"{stats['store_span']['median']}/{stats['store_span']['p90']}/{stats['store_span']['max']} ns, "
+                  f"overlap p50 {stats['overlap_at_start']['median']}; per SM us: mainloop {sm['compute_ns'] / 1e3:.1f} "
+                  f"store {sm['store_ns'] / 1e3:.1f} gap {sm['gap_ns'] / 1e3:.1f}", flush=True)
+        out.append(point)
+        dest = fns = graphs = None  # the launches' buffers go before the next shape allocates
         torch.cuda.empty_cache()
     return out
 
@@ -178,18 +212,27 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, nargs="+", default=[24, 40])
     ap.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--persistent", action="store_true")
-    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--designs", nargs="+", default=["piggyback"], choices=sorted(DESIGNS))
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--out", default="results/h200/fa4_a2a/trace")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    rows = run_points(args.world, args.P, args.heads, args.seqs, head_dim=args.head_dim, persistent=args.persistent,
-                      calls=args.calls)
-    flat = [{k: v for k, v in r.items() if k not in ("stats", "median_us", "store_span_median_per_call_ns")}
-            | {f"{n.replace(' ', '_')}_us": t for n, t in r["median_us"].items()}
-            | {"store_span_median_ns": r["stats"]["store_span"]["median"],
-               "overlap_median": r["stats"]["overlap_at_start"]["median"], "tail_ns": r["stats"]["tail_ns"]}
-            for r in rows]
-    bench.write_result(args.out, f"trace_fa4_a2a{args.tag}", {"args": vars(args), "points": rows}, flat)
+    points = run_points(args.world, args.P, args.heads, args.seqs, head_dim=args.head_dim, designs=args.designs,
+                        trials=args.trials, calls=args.calls)
+    flat = []
+    for p in points:
+        for d, r in p["designs"].items():
+            st = r["stats"]
+            flat.append({k: p[k] for k in ("world", "P", "H", "H_local", "M", "head_dim")}
+                        | dict(design=d, t_us=p["median_us"][d], fa_only_us=p["median_us"]["fa_only"],
+                               e_res_us=r["e_res_us"], trace_overhead=r["trace_overhead"],
+                               store_span_p50_ns=st["store_span"]["median"], store_span_p90_ns=st["store_span"]["p90"],
+                               store_span_max_ns=st["store_span"]["max"], overlap_p50=st["overlap_at_start"]["median"],
+                               tile_mainloop_p50_ns=st["tile_mainloop"]["median"], tail_ns=st["tail_ns"],
+                               kernel_span_ns=st["kernel_span_ns"])
+                        | {f"sm_{k}": v for k, v in st["sm_time_mean_ns"].items()})
+    bench.write_result(args.out, f"trace_fa4_a2a{args.tag}",
+                       {"args": vars(args), "row_fields": ROW_CSV_FIELDS, "points": points}, flat)
