@@ -31,7 +31,6 @@ from fa4_a2a.validate import check_attention_a2a
 
 _TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 LAYOUT = "bshd-contiguous"
-O_STAGINGS = ("own", "defer_q", "bulk")
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class KernelConfig:
     causal: bool = False
     has_lse: bool = False
     num_sms: int = 132
-    o_staging: str = "own"  # persistent only: "own" O buffer, "defer_q" or "bulk" (see kernel.py)
+    o_staging: str = "own"  # persistent only: "own" O buffer or "defer_q" (see kernel.py)
     trace: bool = False  # per-tile timestamps (kernel.TRACE_FIELDS; fa4_a2a.trace)
 
     def key(self) -> tuple:
@@ -176,10 +175,7 @@ def attention_a2a(
     q, k, v: [B, S, Hl, D] this rank's heads over the full sequence.  out: this rank's own
     destination buffer [B, S/P, Hl*P, D] (the layout every peer's buffer shares).  peer_table:
     int64 [P] from ``ulysses_peer_table``.  Completion on the destination ranks needs a world
-    barrier (or stream order in the loopback world) after the launch.  ``persistent`` /
-    ``o_staging``: the tile order and the O store (kernel.py): the default is the piggyback
-    design (one CTA per tile, the owning warpgroups' 16-byte stores); ``persistent=True,
-    o_staging="bulk"`` is the reshaped one (bulk async O copies; issue 29).
+    barrier (or stream order in the loopback world) after the launch.
     """
     _check_and_launch(q, k, v, out, lse, peer_table, num_ranks, True, softmax_scale, causal, persistent, o_staging)
 
@@ -203,11 +199,6 @@ def attention_local(
 def _check_and_launch(q, k, v, out, lse, peer_table, num_ranks: int, ulysses: bool, softmax_scale, causal: bool,
                       persistent: bool, o_staging: str) -> None:
     """Validate (before any launch), pick the compiled kernel for the configuration, launch."""
-    if o_staging not in O_STAGINGS:
-        raise ValueError(f"o_staging must be one of {O_STAGINGS}, got {o_staging!r}")
-    if o_staging == "bulk" and not (persistent and ulysses and not causal):
-        raise ValueError("o_staging='bulk' (bulk O copies) is a persistent, non-causal attention_a2a variant: "
-                         "pass persistent=True")
     check_attention_a2a(q, k, v, out, lse, peer_table, num_ranks, ulysses=ulysses)
     D = q.shape[-1]
     cfg = KernelConfig(q.dtype, D, num_ranks, ulysses, persistent, causal, lse is not None,

@@ -22,13 +22,7 @@ Compile-time switches (one class, no copies):
                     "own"     a separate O staging buffer in smem (+ tile_m*D*elem bytes); Q is
                               released early exactly as stock, the next Q load overlaps the epilogue;
                     "defer_q" keep the alias, defer Q's release until the epilogue has read the O
-                              tile back out of smem (no extra smem; the next Q load waits);
-                    "bulk"    the reshaped injection (issue 29): an own, row-major O buffer whose
-                              rows leave as bulk async copies (``cp.async.bulk``, one per row,
-                              issued by the owning warpgroups' threads). The warpgroups go on to
-                              the next tile at once; the buffer is rewritten only after its copies
-                              have read it, a whole tile later, so a full path back-pressures the
-                              copy engine instead of the warpgroups' store issue.
+                              tile back out of smem (no extra smem; the next Q load waits).
 """
 
 # No ``from __future__ import annotations`` here: @cute.struct needs evaluated field annotations.
@@ -125,10 +119,8 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         if trace and not ulysses:
             raise ValueError("trace records the Ulysses epilogue's remote stores: it needs ulysses=True")
         self.trace = trace
-        if o_staging not in ("own", "defer_q", "bulk"):
-            raise ValueError(f"o_staging must be 'own', 'defer_q' or 'bulk', got {o_staging!r}")
-        if o_staging == "bulk" and not (persistent and ulysses):
-            raise ValueError("o_staging='bulk' is the persistent Ulysses epilogue's (persistent=True, ulysses=True)")
+        if o_staging not in ("own", "defer_q"):
+            raise ValueError(f"o_staging must be 'own' or 'defer_q', got {o_staging!r}")
         if self.Q_in_regs:
             raise ValueError("Q_in_regs (sV sharing sQ) is not supported")
         if num_ranks < 1:
@@ -139,8 +131,7 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         self.ulysses = ulysses
         self.persistent = persistent
         # Only the persistent variant has a next tile that could overwrite sO through sQ.
-        self.own_o_staging = persistent and o_staging in ("own", "bulk")
-        self.bulk_o_store = persistent and o_staging == "bulk"
+        self.own_o_staging = persistent and o_staging == "own"
         self.defer_q_release = persistent and o_staging == "defer_q"
         self.num_sms = num_sms
 
@@ -155,12 +146,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         self._use_tma_O = value
 
     # ------------------------------------------------------------------ O staging buffer
-    def _bulk_row_stride(self) -> int:
-        """Elements per row of the bulk O buffer: D plus 16 bytes, so that a row stays one
-        contiguous, 16-byte aligned copy source and the 8 rows of an stmatrix land in different
-        banks (a 2D-byte stride would be an 8-way conflict)."""
-        return self.tile_hdimv + 128 // self.dtype.width
-
     def _get_shared_storage_cls(self):
         """Stock layout, plus (own O staging) an sO buffer placed right after sQ."""
         if not self.own_o_staging:
@@ -174,8 +159,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         def smem(layout):
             return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], align]
 
-        sO_elems = self.tile_m * self._bulk_row_stride() if self.bulk_o_store else cute.cosize(self.sO_layout)
-
         mbar = lambda n: cute.struct.MemRange[cutlass.Int64, n]  # noqa: E731
         cosize_sP = cute.cosize(self.sP_layout) if self.sP_layout is not None else 0
 
@@ -186,7 +169,7 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
             mbar_ptr_V: mbar(self.num_stages * 2)
             sV: smem(self.sV_layout)
             sQ: smem(self.sQ_layout)
-            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, sO_elems], align]  # directly after sQ (_own_sO)
+            sO: smem(self.sO_layout)  # must directly follow sQ (see _own_sO)
             sK: smem(self.sK_layout)
             sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_sP], 1024]
 
@@ -194,11 +177,7 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
 
     @cute.jit
     def _own_sO(self, sO_alias: cute.Tensor) -> cute.Tensor:
-        """The separate O staging buffer, sQ's bytes further on: the stock (swizzled) layout, or
-        (bulk) row-major with :meth:`_bulk_row_stride`."""
-        if const_expr(self.bulk_o_store):
-            layout = cute.make_layout((self.tile_m, self.tile_hdimv), stride=(self._bulk_row_stride(), 1))
-            return cute.make_tensor(sO_alias.iterator + self._sO_offset_elems, layout)
+        """The separate O staging buffer: same (swizzled) layout, sQ's bytes further on."""
         return cute.make_tensor(sO_alias.iterator + self._sO_offset_elems, sO_alias.layout)
 
     # ------------------------------------------------------------------ persistent tile order
@@ -290,9 +269,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
             AuxData(),
             None,
         )
-        if const_expr(self.bulk_o_store):
-            if tidx < self.tile_m:  # the CTA's last tile's copies have left shared memory
-                cute.arch.cp_async_bulk_wait_group(0)
 
     # ------------------------------------------------------------------ epilogue
     @cute.jit
@@ -360,13 +336,9 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
                 trace_row[1] = xdev.globaltimer_ns()
                 trace_row[4] = Int64(xdev.smid())
         # 1. Accumulator -> output dtype -> smem staging (sO aliases sQ: every MMA warpgroup must
-        #    be done with its last QK^T before anyone overwrites it; bulk: the previous tile's
-        #    copies must have read the buffer, which they had a whole tile's mainloop to do).
+        #    be done with its last QK^T before anyone overwrites it).
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if const_expr(self.bulk_o_store):
-            if tidx < self.tile_m:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
         self._epilogue_sync()
         smem_copy_atom_O = fa_utils.get_smem_store_atom(
             self.arch.major * 10 + self.arch.minor, self.dtype
@@ -378,16 +350,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         if const_expr(mLSE is not None):
             self._store_lse_local(lse, mLSE, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
 
-        if const_expr(self.bulk_o_store):
-            self._bulk_store_rows(sO, seqlen, tidx, m_block, head_idx, batch_idx, mO, t_row)
-        else:
-            self._lsu_store_rows(sO, seqlen, gmem_tiled_copy_O, tidx, m_block, head_idx, batch_idx, mO, t_row)
-
-    @cute.jit
-    def _lsu_store_rows(self, sO: cute.Tensor, seqlen: SeqlenInfoQK, gmem_tiled_copy_O: cute.TiledCopy, tidx: Int32,
-                        m_block: Int32, head_idx: Int32, batch_idx: Int32, mO: cute.Tensor, t_row: Int64):
-        """The piggyback O store: the staged tile back into registers, then 16-byte vector stores
-        to every row's Ulysses position (the issuing threads wait while the path is full)."""
         # 3. smem -> registers in 16-byte row segments (rows spread over threads).
         self._epilogue_sync()
         gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
@@ -435,33 +397,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
                     cute.copy(gmem_tiled_copy_O, src, cute.make_tensor(dst.iterator, src.layout))
         if const_expr(self.trace):  # this thread's stores are issued (accepted by the LSU)
             xdev.red_max_u64(t_row + 3 * 8, xdev.globaltimer_ns())
-
-    @cute.jit
-    def _bulk_store_rows(self, sO: cute.Tensor, seqlen: SeqlenInfoQK, tidx: Int32, m_block: Int32, head_idx: Int32,
-                         batch_idx: Int32, mO: cute.Tensor, t_row: Int64):
-        """Bulk O store: thread ``r < tile_m`` sends row r of the staged tile (D elements, one
-        ``cp.async.bulk`` from shared memory) to its Ulysses position on rank ``row // (S/P)``
-        and commits it as its own bulk group; nobody waits here (the next tile's epilogue and the
-        CTA's exit do)."""
-        cute.arch.fence_view_async_shared()  # this thread's sO writes -> the async proxy
-        self._epilogue_sync()
-        elem_bytes = self.dtype.width // 8
-        stride_s = Int64(mO.stride[0])  # mO is (S/P, D, H, B) after the parent's transpose
-        head_batch_offset = Int64(head_idx) * Int64(mO.stride[2]) + Int64(batch_idx) * Int64(mO.stride[3])
-        shard_len = seqlen.seqlen_q // self.num_ranks
-        row = m_block * self.tile_m + tidx
-        if tidx < self.tile_m:
-            if const_expr(self.trace):
-                xdev.red_min_u64(t_row + 2 * 8, xdev.globaltimer_ns())
-            if row < seqlen.seqlen_q:
-                dst_rank = row // shard_len
-                dst = peer_address(self._peer_table, dst_rank,
-                                   (Int64(row - dst_rank * shard_len) * stride_s + head_batch_offset) * elem_bytes)
-                src = sO.iterator + tidx * self._bulk_row_stride()
-                xdev.bulk_copy_s2g(dst, src, self.tile_hdimv * elem_bytes)
-                cute.arch.cp_async_bulk_commit_group()
-            if const_expr(self.trace):  # issued: the copy engine has it
-                xdev.red_max_u64(t_row + 3 * 8, xdev.globaltimer_ns())
 
     @cute.jit
     def _store_lse_local(

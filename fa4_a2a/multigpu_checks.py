@@ -50,8 +50,7 @@ def run_checks(ctx, quick: bool = False) -> list:
         qh, kh, vh = seq_to_head_shards(qs), seq_to_head_shards(ks), seq_to_head_shards(vs)
         head_bytes = Hl * D * qs[0].element_size()
         variants = [("fused", False, "own")] if causal else [
-            ("fused", False, "own"), ("fused_pers", True, "own"), ("fused_pers_dq", True, "defer_q"),
-            ("fused_bulk", True, "bulk")]
+            ("fused", False, "own"), ("fused_pers", True, "own"), ("fused_pers_dq", True, "defer_q")]
         outs = {}
         for vname, pers, staging in variants:
             rec = {"kernel": "fa4", "case": name, "variant": vname, "P": P, "B": B, "C": C, "Hl": Hl, "D": D,

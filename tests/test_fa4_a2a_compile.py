@@ -22,8 +22,7 @@ ULYSSES_VARIANTS = (
     + [KernelConfig(dt, d, p, True, pers) for (dt, d) in ((BF16, 128), (FP16, 64)) for p in (1, 2) for pers in (False, True)]
     + [KernelConfig(BF16, 128, 8, True, False, has_lse=True), KernelConfig(FP16, 64, 2, True, True, has_lse=True)]
     + [KernelConfig(BF16, 128, 8, True, False, causal=True), KernelConfig(FP16, 64, 4, True, False, causal=True, has_lse=True)]
-    + [KernelConfig(dt, d, 8, True, True, o_staging=st) for (dt, d) in ((BF16, 128), (FP16, 64))
-       for st in ("defer_q", "bulk")]
+    + [KernelConfig(dt, d, 8, True, True, o_staging="defer_q") for (dt, d) in ((BF16, 128), (FP16, 64))]
 )
 LOCAL_VARIANTS = [KernelConfig(dt, d, 1, False, pers) for dt in (BF16, FP16) for d in (64, 128) for pers in (False, True)] + [
     KernelConfig(BF16, 128, 1, False, False, causal=True, has_lse=True),
@@ -96,15 +95,15 @@ def test_persistent_defer_q_releases_q_after_reading_the_o_tile():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("persistent,o_staging", [(False, "own"), (True, "own"), (True, "bulk")])
-def test_trace_build_records_and_untraced_build_is_free(persistent, o_staging):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_trace_build_records_and_untraced_build_is_free(persistent):
     """The trace build (issue 29) reads %globaltimer at the CTA start, the epilogue entry and
     around the remote stores, reduces the stores' first / last issue into the tile's row
     (red.global.min / max.u64) and records %smid; the shipped build has none of it."""
-    traced = compile_ptx(KernelConfig(BF16, 128, 8, True, persistent, o_staging=o_staging, trace=True))
+    traced = compile_ptx(KernelConfig(BF16, 128, 8, True, persistent, trace=True))
     assert traced.count("%globaltimer") >= 4 and "%smid" in traced
     assert "red.relaxed.gpu.global.min.u64" in traced and "red.relaxed.gpu.global.max.u64" in traced
-    plain = compile_ptx(KernelConfig(BF16, 128, 8, True, persistent, o_staging=o_staging))
+    plain = compile_ptx(KernelConfig(BF16, 128, 8, True, persistent))
     assert "%globaltimer" not in plain and "red.relaxed.gpu.global" not in plain
 
 
@@ -133,34 +132,3 @@ def test_trace_decode_and_statistics():
     p = trace_statistics(rows, persistent=True)  # one CTA: tile 1's mainloop starts at tile 0's last store
     assert "retire_to_next_start" not in p
     assert p["sm_time_mean_ns"] == {"compute_ns": 250, "store_ns": 150, "gap_ns": 0}
-
-
-@pytest.mark.compile
-def test_bulk_o_store_issues_bulk_copies_and_no_vector_stores():
-    """o_staging='bulk' (issue 29's reshaped injection): the epilogue hands each O row to the copy
-    engine (cp.async.bulk.global.shared::cta, committed per thread) after a proxy fence, waits
-    for the previous tile's copies to have read the buffer before overwriting it, and for all of
-    them before the CTA exits; no 16-byte vector stores remain. The piggyback build has none of it."""
-    bulk = compile_ptx(KernelConfig(BF16, 128, 8, True, True, o_staging="bulk"))
-    assert "cp.async.bulk.global.shared::cta.bulk_group" in bulk
-    assert "cp.async.bulk.commit_group" in bulk and "fence.proxy.async.shared::cta" in bulk
-    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", bulk) and re.search(r"cp\.async\.bulk\.wait_group\s+0;", bulk)
-    assert "st.global.v4" not in bulk
-    plain = compile_ptx(KernelConfig(BF16, 128, 8, True, True))
-    assert "cp.async.bulk.global.shared::cta" not in plain and "st.global.v4.b32" in plain
-
-
-def test_bulk_o_store_needs_the_persistent_ulysses_kernel():
-    import torch
-
-    from fa4_a2a import attention_a2a, attention_local
-
-    q = torch.empty(1, 256, 1, 128, dtype=BF16)
-    out = torch.empty(1, 32, 8, 128, dtype=BF16)
-    table = torch.zeros(8, dtype=torch.int64)
-    with pytest.raises(ValueError, match="persistent=True"):
-        attention_a2a(q, q, q, out, table, num_ranks=8, o_staging="bulk")
-    with pytest.raises(ValueError, match="o_staging must be one of"):
-        attention_a2a(q, q, q, out, table, num_ranks=8, persistent=True, o_staging="tma")
-    with pytest.raises(ValueError, match="persistent=True"):
-        attention_local(q, q, q, torch.empty_like(q), persistent=True, o_staging="bulk")
