@@ -175,6 +175,20 @@ def add_output_arguments(ap, *, out: str, figure: str) -> None:
                     help=f"no GPU run: summary.csv and {figure} in --out from these result files")
 
 
+def report_or_gpu_run(args, report) -> bool:
+    """The start of a bench's ``main`` with :func:`add_output_arguments`: with --report, print the
+    rows ``report(args.report, args.out)`` writes and return False (no GPU run); else exit unless
+    a CUDA GPU is present, create --out and return True."""
+    if args.report:
+        for row in report(args.report, args.out):
+            print(row)
+        return False
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    os.makedirs(args.out, exist_ok=True)
+    return True
+
+
 def problem_cases(args) -> list:
     """(shape, routing, P, tokens per rank) of every case the options of
     :func:`add_problem_arguments` select, shape-major."""

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
 from xstage import bench, timing
 
-from .bench import add_output_arguments, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from .bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
 from .reference import unfused_pipeline
 
 BASELINE = "fused kernels"
@@ -197,13 +196,8 @@ def main(argv=None):
     """bench_megamoe_graph{tag}.json (everything, with provenance), .csv (the summary rows) and
     _paired.csv under ``--out``."""
     args = build_parser().parse_args(argv)
-    if args.report:
-        for row in report(args.report, args.out):
-            print(row)
+    if not report_or_gpu_run(args, report):
         return
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    os.makedirs(args.out, exist_ok=True)
     cases = problem_cases(args)
     results = []
     for case in bench.progress(cases, desc="graph cases"):

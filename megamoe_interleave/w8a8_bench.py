@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
 from xstage import bench
 
-from .bench import add_output_arguments, add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
+from .bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
 from .config import MegaMoEConfig
 from .reference import (
     W8A8_FP32_REL_ERROR, gather_rows, permute_for_rank, relative_error, slot_rows, swiglu, topk_reduce,
@@ -212,13 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     """bench_megamoe_w8a8{tag}.json (everything, with provenance) and .csv (the summary rows)."""
     args = build_parser().parse_args(argv)
-    if args.report:
-        for row in report(args.report, args.out):
-            print(row)
+    if not report_or_gpu_run(args, report):
         return
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    os.makedirs(args.out, exist_ok=True)
     dense = dense_fp8_tflops()
     print(f"dense FP8 rate (torch._scaled_mm 8192^3, rowwise): {dense:.1f} TFLOP/s", flush=True)
     cases = problem_cases(args)
