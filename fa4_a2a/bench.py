@@ -18,8 +18,6 @@ Hl = H / P heads per rank):
   fused          FA4 whose epilogue stores every tile at its Ulysses destination    [T_fused]
   fused_pers     ... static persistent tile order, own O staging buffer in smem
   fused_pers_dq  ... static persistent, sO aliasing sQ with Q's release deferred past the epilogue
-  fused_chunked  ... static persistent, own sO; each tile's O leaves in row chunks paced over the
-                 next tile's KV iterations (o_staging="chunked")
 
 Method: every variant is captured once in a CUDA graph; a trial times ``replays`` back-to-back
 replays between two CUDA events (sender-side boundary, paper Section 5.1: in multi-process worlds
@@ -67,8 +65,8 @@ from xstage.paired import acceptance, matched_medians, paired_stats, reference_c
 from xstage.world import single_process
 
 VARIANTS = ("stock", "fa_only", "fa_only_pers", "a2a_only", "serial", "a2a_symm", "serial_symm", "fused",
-            "fused_pers", "fused_pers_dq", "fused_chunked")
-FUSED = ("fused", "fused_pers", "fused_pers_dq", "fused_chunked")
+            "fused_pers", "fused_pers_dq")
+FUSED = ("fused", "fused_pers", "fused_pers_dq")
 SERIALS = ("serial", "serial_symm")
 TILE_M = TILE_N = 128
 
@@ -205,8 +203,6 @@ def analyse_row(row: dict, samples: dict, clocks: dict, tol_mhz: float, min_matc
         if "fused_pers" in med and "fa_only_pers" in med:
             # residual of the persistent fused kernel over its own (persistent) FA-only path
             row["E_res_pers_vs_fa_pers_us"] = med["fused_pers"] - med["fa_only_pers"]
-        if "fused_chunked" in med and "fa_only_pers" in med:
-            row["E_res_chunked_vs_fa_pers_us"] = med["fused_chunked"] - med["fa_only_pers"]
         for fused in FUSED:
             if fused in med:
                 e_res = med[fused] - t_fa
@@ -344,8 +340,6 @@ def variant_fns(world, rank, q, k, v, o_local, dest, table, P):
         "fused_pers": lambda: fa4_a2a.attention_a2a(q, k, v, out, table, num_ranks=P, persistent=True),
         "fused_pers_dq": lambda: fa4_a2a.attention_a2a(q, k, v, out, table, num_ranks=P, persistent=True,
                                                        o_staging="defer_q"),
-        "fused_chunked": lambda: fa4_a2a.attention_a2a(q, k, v, out, table, num_ranks=P, persistent=True,
-                                                       o_staging="chunked"),
     }
 
 
@@ -553,8 +547,7 @@ def plot(payload, path):
         rs = sorted((r for r in rows if r["H"] == H), key=lambda r: r["M"])
         Ms = [r["M"] for r in rs]
         for key, label in (("E_res_fused_us", "fused"), ("E_res_fused_pers_us", "fused (persistent, own sO)"),
-                           ("E_res_fused_pers_dq_us", "fused (persistent, deferred Q)"),
-                           ("E_res_fused_chunked_us", "fused (persistent, chunked O stores)")):
+                           ("E_res_fused_pers_dq_us", "fused (persistent, deferred Q)")):
             if key in rs[0]:
                 ax.plot(Ms, [100 * r[key] / r["median_us"]["fa_only"] for r in rs], "o-", label=f"measured {label}")
         mdl = rs[0].get("model", {})

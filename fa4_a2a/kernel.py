@@ -22,11 +22,7 @@ Compile-time switches (one class, no copies):
                     "own"     a separate O staging buffer in smem (+ tile_m*D*elem bytes); Q is
                               released early exactly as stock, the next Q load overlaps the epilogue;
                     "defer_q" keep the alias, defer Q's release until the epilogue has read the O
-                              tile back out of smem (no extra smem; the next Q load waits);
-                    "chunked" the own buffer, and the tile's O leaves it in row chunks paced over
-                              the next tile's KV iterations (issue 29's reshaped injection: a
-                              CTA keeps ~1/8 of a tile in flight instead of the whole tile). The
-                              same warpgroups issue every store, from smem, between their WGMMAs.
+                              tile back out of smem (no extra smem; the next Q load waits).
 """
 
 # No ``from __future__ import annotations`` here: @cute.struct needs evaluated field annotations.
@@ -59,10 +55,6 @@ TRACE_FIELDS = ("t_cta_start", "t_epilogue", "t_first_store", "t_last_store", "s
 # its __call__ (flash-attn-4 4.0.0b36).  Checked at trace time; a mismatch raises, never guesses.
 _KERNEL_ARG_TILE_SCHED_PARAMS = 31
 _KERNEL_ARG_TILE_SCHEDULER = 32
-
-O_STAGINGS = ("own", "defer_q", "chunked")
-# Fields of the chunked variant's pending-tile record (an Int32 register array).
-_PENDING_VALID, _PENDING_M_BLOCK, _PENDING_HEAD, _PENDING_BATCH, _PENDING_SEQLEN_Q = range(5)
 
 
 class _DeferredQRelease:
@@ -127,8 +119,8 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         if trace and not ulysses:
             raise ValueError("trace records the Ulysses epilogue's remote stores: it needs ulysses=True")
         self.trace = trace
-        if o_staging not in O_STAGINGS:
-            raise ValueError(f"o_staging must be one of {O_STAGINGS}, got {o_staging!r}")
+        if o_staging not in ("own", "defer_q"):
+            raise ValueError(f"o_staging must be 'own' or 'defer_q', got {o_staging!r}")
         if self.Q_in_regs:
             raise ValueError("Q_in_regs (sV sharing sQ) is not supported")
         if num_ranks < 1:
@@ -139,11 +131,8 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         self.ulysses = ulysses
         self.persistent = persistent
         # Only the persistent variant has a next tile that could overwrite sO through sQ.
-        self.own_o_staging = persistent and o_staging in ("own", "chunked")
+        self.own_o_staging = persistent and o_staging == "own"
         self.defer_q_release = persistent and o_staging == "defer_q"
-        self.chunked_o_stores = persistent and ulysses and o_staging == "chunked"
-        if self.chunked_o_stores and not self.intra_wg_overlap:
-            raise ValueError("chunked O stores are paced by the intra-warpgroup-overlap mainloop")
         self.num_sms = num_sms
 
     # The parent sets use_tma_O from use_tma_Q in __call__; the Ulysses epilogue does pointer math
@@ -253,15 +242,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
             self._trace = aux_data.tensors[1]  # [B, Hl, m_blocks, len(TRACE_FIELDS)] int64
             self._t_cta_start = xdev.globaltimer_ns()
         self._pipeline_q = pipeline_q
-        if const_expr(self.chunked_o_stores):
-            own_sO = self._own_sO(sO)
-            self._o_stage = (own_sO, gmem_tiled_copy_O, mO, tidx)
-            self._o_chunks = cute.size(
-                gmem_tiled_copy_O.get_slice(tidx).partition_S(own_sO).shape[1])
-            # The tile whose O waits in sO for its paced stores (a register array: it is carried
-            # from one tile's epilogue through the next tile's mainloop by the tile loop).
-            self._o_pending = cute.make_rmem_tensor(5, Int32)
-            self._o_pending[_PENDING_VALID] = Int32(0)
         super().mma(
             tiled_mma_qk,
             tiled_mma_pv,
@@ -289,78 +269,6 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
             AuxData(),
             None,
         )
-        if const_expr(self.chunked_o_stores):
-            # The CTA's last tile has no next mainloop: all of its chunks leave now.
-            if self._o_pending[_PENDING_VALID] != 0:
-                for chunk in cutlass.range_constexpr(self._o_chunks):
-                    self._store_o_chunk(chunk)
-
-    @cute.jit
-    def mma_one_n_block_intrawg_overlap(
-        self,
-        smem_pipe_read,
-        n_block: Int32,
-        mma_qk_fn,
-        mma_pv_fn,
-        pipeline_k,
-        pipeline_v,
-        acc_O: cute.Tensor,
-        tOrP: cute.Tensor,
-        smem_copy_params,
-        softmax,
-        seqlen: SeqlenInfoQK,
-        scores_scale=None,
-        score_mod_fn=None,
-        mask_fn=None,
-        check_inf: cutlass.Constexpr = True,
-    ):
-        """One KV iteration as stock; the chunked variant then sends one chunk of the previous
-        tile's O every ``stride`` iterations (stride = iterations // chunks, so the chunks spread
-        over the whole mainloop)."""
-        smem_pipe_read = super().mma_one_n_block_intrawg_overlap(
-            smem_pipe_read, n_block, mma_qk_fn, mma_pv_fn, pipeline_k, pipeline_v, acc_O, tOrP,
-            smem_copy_params, softmax, seqlen, scores_scale, score_mod_fn, mask_fn, check_inf,
-        )
-        if const_expr(self.chunked_o_stores):
-            if self._o_pending[_PENDING_VALID] != 0:
-                # Non-causal, non-local: n_block runs n_max - 2 .. 0 here (the first half block
-                # took n_max - 1), so this is iteration j of n_iters = n_max - 1.
-                n_iters = self._kv_iterations(seqlen)
-                j = n_iters - 1 - n_block
-                stride = cutlass.max(n_iters // self._o_chunks, Int32(1))
-                chunk = j // stride
-                if j - chunk * stride == 0 and chunk < self._o_chunks:
-                    self._store_o_chunk(chunk)
-        return smem_pipe_read
-
-    @cute.jit
-    def _kv_iterations(self, seqlen: SeqlenInfoQK) -> Int32:
-        """KV iterations that run mma_one_n_block_intrawg_overlap per tile (non-causal)."""
-        return (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n - 1
-
-    @cute.jit
-    def _store_o_chunk(self, chunk):
-        """Row chunk ``chunk`` (this thread's rest_m index) of the pending tile: smem -> remote."""
-        sO, gmem_tiled_copy_O, mO, tidx = self._o_stage
-        pending = self._o_pending
-        m_block = pending[_PENDING_M_BLOCK]
-        head_idx = pending[_PENDING_HEAD]
-        batch_idx = pending[_PENDING_BATCH]
-        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
-        tOsO = gmem_thr_copy_O.partition_S(sO)
-        tOcO = gmem_thr_copy_O.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
-        t_row = Int64(0)
-        if const_expr(self.trace):
-            t_row = Int64(self._trace[batch_idx, head_idx, m_block, None].iterator.toint())
-            xdev.red_min_u64(t_row + 2 * 8, xdev.globaltimer_ns())
-        for rest_m in cutlass.range_constexpr(self._o_chunks):
-            if chunk == rest_m:
-                tOrO = cute.make_fragment_like(tOsO[None, rest_m, None], self.dtype)
-                cute.autovec_copy(tOsO[None, rest_m, None], tOrO)
-                self._remote_store_row(tOrO, tOcO[None, rest_m, None], gmem_tiled_copy_O, mO,
-                                       m_block, head_idx, batch_idx, pending[_PENDING_SEQLEN_Q])
-        if const_expr(self.trace):
-            xdev.red_max_u64(t_row + 3 * 8, xdev.globaltimer_ns())
 
     # ------------------------------------------------------------------ epilogue
     @cute.jit
@@ -427,17 +335,8 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
                 trace_row[0] = t_cta_start
                 trace_row[1] = xdev.globaltimer_ns()
                 trace_row[4] = Int64(xdev.smid())
-        if const_expr(self.chunked_o_stores):
-            # Whatever of the previous tile's O is still in sO leaves before sO is overwritten
-            # (only when the mainloop had fewer iterations than chunks).
-            if self._o_pending[_PENDING_VALID] != 0:
-                n_issued = cutlass.min(self._kv_iterations(seqlen), Int32(self._o_chunks))
-                for chunk in cutlass.range_constexpr(self._o_chunks):
-                    if chunk >= n_issued:
-                        self._store_o_chunk(chunk)
         # 1. Accumulator -> output dtype -> smem staging (sO aliases sQ: every MMA warpgroup must
-        #    be done with its last QK^T before anyone overwrites it; chunked: everyone's reads of
-        #    the previous tile's O are done).
+        #    be done with its last QK^T before anyone overwrites it).
         rO = cute.make_fragment_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         self._epilogue_sync()
@@ -453,76 +352,51 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
 
         # 3. smem -> registers in 16-byte row segments (rows spread over threads).
         self._epilogue_sync()
-        if const_expr(self.chunked_o_stores):
-            # The tile's O stays in sO; the next tile's KV iterations send it (or the CTA's exit).
-            pending = self._o_pending
-            pending[_PENDING_VALID] = Int32(1)
-            pending[_PENDING_M_BLOCK] = m_block
-            pending[_PENDING_HEAD] = head_idx
-            pending[_PENDING_BATCH] = batch_idx
-            pending[_PENDING_SEQLEN_Q] = seqlen.seqlen_q
-        else:
-            gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
-            tOsO = gmem_thr_copy_O.partition_S(sO)
-            tOrO = cute.make_fragment_like(tOsO, self.dtype)
-            cute.autovec_copy(tOsO, tOrO)
-            if const_expr(self.defer_q_release):
-                # Everyone has read sO: let the producer bring the next tile's Q into sQ.
-                self._epilogue_sync()
-                self._pipeline_q.consumer_release_w_index(0)
+        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+        tOsO = gmem_thr_copy_O.partition_S(sO)
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        if const_expr(self.defer_q_release):
+            # Everyone has read sO: let the producer bring the next tile's Q into sQ.
+            self._epilogue_sync()
+            self._pipeline_q.consumer_release_w_index(0)
 
-            # 4. Remote stores, all of the tile's rows at once.
-            tOcO = gmem_thr_copy_O.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
-            if const_expr(self.trace):
-                xdev.red_min_u64(t_row + 2 * 8, xdev.globaltimer_ns())
-            for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-                self._remote_store_row(tOrO[None, rest_m, None], tOcO[None, rest_m, None],
-                                       gmem_tiled_copy_O, mO, m_block, head_idx, batch_idx,
-                                       seqlen.seqlen_q)
-            if const_expr(self.trace):  # this thread's stores are issued (accepted by the LSU)
-                xdev.red_max_u64(t_row + 3 * 8, xdev.globaltimer_ns())
-
-    @cute.jit
-    def _remote_store_row(
-        self,
-        tOrO_m: cute.Tensor,
-        tOcO_m: cute.Tensor,
-        gmem_tiled_copy_O: cute.TiledCopy,
-        mO: cute.Tensor,
-        m_block: Int32,
-        head_idx: Int32,
-        batch_idx: Int32,
-        seqlen_q: Int32,
-    ):
-        """One row's 16-byte segments of this thread (registers ``tOrO_m`` (vec, rest_k), their
-        tile coordinates ``tOcO_m``) to rank j = row // (S/P) at its Ulysses position. The
-        destination layout is mO's ([B, S/P, H, D], identical on every rank)."""
+        # 4. Remote stores: each 16-byte segment goes to rank j = row // (S/P) at its Ulysses
+        #    position. The destination layout is mO's ([B, S/P, H, D], identical on every rank).
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdimv))
+        tOcO = gmem_thr_copy_O.partition_S(cO)
         elem_bytes = self.dtype.width // 8
         # mO here is (S/P, D, H, B) after the parent's transpose.
         stride_s = Int64(mO.stride[0])
         stride_h = Int64(mO.stride[2])
         stride_b = Int64(mO.stride[3])
-        shard_len = seqlen_q // self.num_ranks
+        shard_len = seqlen.seqlen_q // self.num_ranks
         head_batch_offset = Int64(head_idx) * stride_h + Int64(batch_idx) * stride_b
-        vec = cute.size(tOrO_m.shape[0])
-        row = m_block * self.tile_m + tOcO_m[0, 0][0]
-        if row < seqlen_q:
-            dst_rank = row // shard_len
-            row_in_shard = row - dst_rank * shard_len
-            row_base = peer_address(
-                self._peer_table, dst_rank, (Int64(row_in_shard) * stride_s + head_batch_offset) * elem_bytes
-            )
-            for rest_k in cutlass.range_constexpr(cute.size(tOrO_m.shape[1])):
-                col = tOcO_m[0, rest_k][1]
-                dst_ptr = cute.make_ptr(
-                    self.dtype,
-                    row_base + Int64(col) * elem_bytes,
-                    cute.AddressSpace.gmem,
-                    assumed_align=16,
+        peer_table = self._peer_table
+        vec = cute.size(tOrO.shape[0])
+        if const_expr(self.trace):
+            xdev.red_min_u64(t_row + 2 * 8, xdev.globaltimer_ns())
+        for rest_m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            row = m_block * self.tile_m + tOcO[0, rest_m, 0][0]
+            if row < seqlen.seqlen_q:
+                dst_rank = row // shard_len
+                row_in_shard = row - dst_rank * shard_len
+                row_base = peer_address(
+                    peer_table, dst_rank, (Int64(row_in_shard) * stride_s + head_batch_offset) * elem_bytes
                 )
-                dst = cute.make_tensor(dst_ptr, cute.make_layout(vec))
-                src = tOrO_m[None, rest_k]
-                cute.copy(gmem_tiled_copy_O, src, cute.make_tensor(dst.iterator, src.layout))
+                for rest_k in cutlass.range_constexpr(cute.size(tOrO.shape[2])):
+                    col = tOcO[0, rest_m, rest_k][1]
+                    dst_ptr = cute.make_ptr(
+                        self.dtype,
+                        row_base + Int64(col) * elem_bytes,
+                        cute.AddressSpace.gmem,
+                        assumed_align=16,
+                    )
+                    dst = cute.make_tensor(dst_ptr, cute.make_layout(vec))
+                    src = tOrO[None, rest_m, rest_k]
+                    cute.copy(gmem_tiled_copy_O, src, cute.make_tensor(dst.iterator, src.layout))
+        if const_expr(self.trace):  # this thread's stores are issued (accepted by the LSU)
+            xdev.red_max_u64(t_row + 3 * 8, xdev.globaltimer_ns())
 
     @cute.jit
     def _store_lse_local(

@@ -36,8 +36,7 @@ UNSET_MIN = torch.iinfo(torch.int64).max  # the min-reduced field before any sto
 # The designs the trace compares: the piggyback epilogue (one CTA per tile) and the static
 # persistent order with its own O buffer (both issue 16-byte LSU stores).
 DESIGNS = {"piggyback": dict(persistent=False, o_staging="own"),
-           "persistent": dict(persistent=True, o_staging="own"),
-           "chunked": dict(persistent=True, o_staging="chunked")}
+           "persistent": dict(persistent=True, o_staging="own")}
 
 
 def trace_rows(batch: int, heads_local: int, seqlen: int, tile_m: int, device) -> torch.Tensor:
@@ -88,7 +87,7 @@ def _quantiles(xs: Sequence[float]) -> Dict:
     return dict(n=len(s), median=statistics.median(s), p10=q(0.1), p90=q(0.9), max=s[-1])
 
 
-def trace_statistics(rows: Sequence[Dict], *, persistent: bool = False, chunked: bool = False) -> Dict:
+def trace_statistics(rows: Sequence[Dict], *, persistent: bool = False) -> Dict:
     """The numbers of the module docstring over :func:`decode_trace`'s rows (ns):
     ``store_span`` and ``epilogue_to_first_store`` quantiles; ``overlap_at_start`` (tiles whose
     store spans contain another tile's first store, quantiles over tiles); ``retire_to_next_start``
@@ -96,8 +95,7 @@ def trace_statistics(rows: Sequence[Dict], *, persistent: bool = False, chunked:
     ``tile_mainloop`` quantiles (a tile's start -> its epilogue entry); ``sm_time_mean_ns``
     (per SM, the sums of mainloop, store-issue and retire-gap time, mean over SMs); ``tail_ns``
     (last store issue - last epilogue entry) and ``kernel_span_ns`` (first CTA start -> last
-    store issue). ``chunked``: a tile's stores are issued during its successor's mainloop, so a
-    mainloop starts at the previous tile's epilogue entry and no SM time is counted as store issue."""
+    store issue)."""
     if not rows:
         return {}
     spans = [r["store_span_ns"] for r in rows]
@@ -121,14 +119,10 @@ def trace_statistics(rows: Sequence[Dict], *, persistent: bool = False, chunked:
         for i, r in enumerate(tiles):
             # a tile's mainloop starts at its CTA's start (non-persistent, or a persistent CTA's
             # first tile) or where the same CTA's previous tile finished issuing its stores
-            if not persistent or i == 0:
-                begin = r["t_cta_start"]
-            else:
-                begin = tiles[i - 1]["t_epilogue" if chunked else "t_last_store"]
+            begin = r["t_cta_start"] if not persistent or i == 0 else tiles[i - 1]["t_last_store"]
             computes.append(r["t_epilogue"] - begin)
             sm["compute_ns"] += r["t_epilogue"] - begin
-            if not chunked:
-                sm["store_ns"] += r["t_last_store"] - r["t_epilogue"]
+            sm["store_ns"] += r["t_last_store"] - r["t_epilogue"]
             if not persistent and i + 1 < len(tiles):
                 gaps.append(tiles[i + 1]["t_cta_start"] - r["t_last_store"])
                 sm["gap_ns"] += gaps[-1]
@@ -190,7 +184,7 @@ def run_points(world_name: str, P: int, heads: Sequence[int], seqs: Sequence[int
                 tr = traced_attention_a2a(q, k, v, dest.local(0), table, num_ranks=P, **kw)
             torch.cuda.synchronize()
             rows = decode_trace(tr)
-            stats = trace_statistics(rows, persistent=kw["persistent"], chunked=kw["o_staging"] == "chunked")
+            stats = trace_statistics(rows, persistent=kw["persistent"])
             point["designs"][d] = dict(e_res_us=med[d] - med["fa_only"], trace_overhead=med[f"{d} traced"] / med[d],
                                        stats=stats, rows=[[r[f] for f in ROW_CSV_FIELDS] for r in rows])
             sm = stats["sm_time_mean_ns"]

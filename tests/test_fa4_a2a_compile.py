@@ -23,7 +23,6 @@ ULYSSES_VARIANTS = (
     + [KernelConfig(BF16, 128, 8, True, False, has_lse=True), KernelConfig(FP16, 64, 2, True, True, has_lse=True)]
     + [KernelConfig(BF16, 128, 8, True, False, causal=True), KernelConfig(FP16, 64, 4, True, False, causal=True, has_lse=True)]
     + [KernelConfig(dt, d, 8, True, True, o_staging="defer_q") for (dt, d) in ((BF16, 128), (FP16, 64))]
-    + [KernelConfig(dt, d, p, True, True, o_staging="chunked") for (dt, d, p) in ((BF16, 128, 8), (FP16, 64, 2))]
 )
 LOCAL_VARIANTS = [KernelConfig(dt, d, 1, False, pers) for dt in (BF16, FP16) for d in (64, 128) for pers in (False, True)] + [
     KernelConfig(BF16, 128, 1, False, False, causal=True, has_lse=True),
@@ -47,8 +46,7 @@ def test_cache_key_distinguishes_every_switch():
     others = [KernelConfig(FP16, 128, 8), KernelConfig(BF16, 64, 8), KernelConfig(BF16, 128, 2),
               KernelConfig(BF16, 128, 8, ulysses=False), KernelConfig(BF16, 128, 8, persistent=True),
               KernelConfig(BF16, 128, 8, causal=True), KernelConfig(BF16, 128, 8, has_lse=True),
-              KernelConfig(BF16, 128, 8, num_sms=78), KernelConfig(BF16, 128, 8, persistent=True, o_staging="defer_q"),
-              KernelConfig(BF16, 128, 8, persistent=True, o_staging="chunked")]
+              KernelConfig(BF16, 128, 8, num_sms=78), KernelConfig(BF16, 128, 8, persistent=True, o_staging="defer_q")]
     keys = {base.key()} | {c.key() for c in others}
     assert len(keys) == len(others) + 1
     assert "FlashAttentionUlyssesSm90" in base.key()
@@ -62,18 +60,6 @@ def test_ulysses_epilogue_emits_16_byte_remote_stores_and_no_tma_store():
     assert set(stores) == {"st.global.v4.b32"}, stores
     assert "cp.async.bulk.tensor.4d.global.shared" not in ptx
     assert "ld.global.b64" in ptx  # peer-table loads
-
-
-def test_chunked_o_stores_issue_each_chunk_from_smem_in_three_places():
-    """o_staging='chunked': the 8 row chunks (one 16-byte vector per thread each) are sent from
-    sO by the paced mainloop hook, by the next epilogue (chunks the mainloop had no iteration for)
-    and at the CTA's exit (its last tile): 3 x 8 stores, each after an ld.shared.v4 of sO; still no
-    TMA store."""
-    ptx = compile_ptx(KernelConfig(BF16, 128, 8, True, True, o_staging="chunked"))
-    stores = re.findall(r"st\.global[\w.:]*", ptx)
-    assert stores.count("st.global.v4.b32") == 24 and set(stores) == {"st.global.v4.b32"}, stores
-    assert len(re.findall(r"ld\.shared\.v4", ptx)) >= 24
-    assert "cp.async.bulk.tensor.4d.global.shared" not in ptx
 
 
 def test_fa_only_keeps_the_stock_tma_store():
