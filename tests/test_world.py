@@ -294,7 +294,7 @@ class _FakeNvshmem:
     def __init__(self, pe, n_pes, initialized=True, reachable=None):
         self.pe, self.npes, self.initialized = pe, n_pes, initialized
         self.reachable = set(range(n_pes)) if reachable is None else reachable
-        self.calls, self.peers = [], {}
+        self.calls, self.peers, self.freed, self.finalized = [], {}, [], False
 
     def init_status(self):
         return types.SimpleNamespace(name="STATUS_IS_INITIALIZED" if self.initialized else "STATUS_NOT_INITIALIZED")
@@ -319,6 +319,12 @@ class _FakeNvshmem:
 
     def get_peer_tensor(self, t, pe):
         return self.peers[t.data_ptr()][pe] if pe in self.reachable else None
+
+    def free_tensor(self, t):
+        self.freed.append(t.data_ptr())
+
+    def finalize(self):
+        self.finalized = True
 
 
 def _nv_world(nv, rank=1, P=4, **kw):
@@ -349,6 +355,20 @@ def test_nvshmem_world_initializes_nvshmem_from_a_broadcast_unique_id():
     assert call[0] == "init" and call[2:] == ("uid-of-pe0", 0, 2, "uid")
 
 
+def test_nvshmem_world_close_frees_its_heap_buffers_and_finalizes_only_its_own_init():
+    for initialized in (False, True):
+        nv = _FakeNvshmem(0, 2, initialized=initialized)
+        factory = lambda i: types.SimpleNamespace(set_current=lambda: None)  # noqa: E731
+        dist = _fake_dist(0, 2)
+        dist.broadcast_object_list = lambda objs, src, group=None: None
+        w = W.NvshmemWorld(2, torch.device("cpu"), nvshmem=nv, interop=nv, dist=dist, device_factory=factory)
+        bufs = [w.alloc((8,), torch.float32).local(0) for _ in range(2)]
+        w.close()
+        assert dist.calls == ["barrier"]  # no PE still stores into what is freed
+        assert nv.freed == [bufs[1].data_ptr(), bufs[0].data_ptr()]
+        assert nv.finalized == (not initialized)  # a joined NVSHMEM belongs to the stack
+
+
 def test_nvshmem_world_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="PE 3 is rank 1"):
         _nv_world(_FakeNvshmem(3, 4))
@@ -377,16 +397,36 @@ def test_nvshmem_world_without_nvshmem4py_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_nvshmem_world_one_pe_runs_the_fused_attention(one_rank_nccl_group):
-    """One PE on the GPU: NVSHMEM initialised by the world, the Ulysses output buffer on its heap,
-    the fused attention storing through the world's peer table, against fp32."""
+def test_nvshmem_world_one_pe_runs_both_kernels(one_rank_nccl_group):
+    """One PE on the GPU: NVSHMEM initialised by the world (UID bootstrap over the group), every
+    symmetric buffer on its heap, the fused attention and the fused MegaMoE storing through the
+    world's peer tables: attention against fp32, both bitwise equal to the loopback world's; then
+    close() frees the heap buffers and finalizes."""
     pytest.importorskip("nvshmem.core")
     from fa4_a2a import ulysses_attention
     from fa4_a2a.reference import attention_fp32
+    from megamoe_interleave import MegaMoE, MegaMoEConfig
+    from megamoe_interleave.routing import make_routing
 
     w = W.make_world("nvshmem", 1)
+    assert w.backend == "nvshmem" and w.rank == 0 and w._owns_nvshmem
     g = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(1, 2048, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = ulysses_attention(q, k, v, w)
+    out = ulysses_attention(q, k, v, w).clone()
     ref, _ = attention_fp32(q, k, v, 128 ** -0.5, False)
-    assert (out.float() - ref).abs().max().item() <= 1e-2
+    assert not torch.isnan(out).any() and (out.float() - ref).abs().max().item() <= 1e-2
+    assert torch.equal(out, ulysses_attention([q], [k], [v], W.make_world("loopback", 1))[0])
+
+    E, H, I, topk, T = 8, 512, 256, 2, 200
+    w1 = (torch.randn(E, 2 * I, H, generator=g, device="cuda") / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g, device="cuda") / I ** 0.5).bfloat16()
+    x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+    idx, wts = (t.cuda() for t in make_routing("skewed", T, E, topk, seed=3, strength=2.0))
+    ys = []
+    for world in (w, W.make_world("loopback", 1)):
+        moe = MegaMoE(world, E, H, I, topk, 256, MegaMoEConfig("interleaved", lead=2), backend="fused")
+        moe.load_weights(w1, w2)
+        ys.append(moe.forward([x], [idx], [wts])[0].clone())
+    assert torch.isfinite(ys[0].float()).all() and torch.equal(ys[0], ys[1])
+    w.close()
+    assert w._heap_tensors == [] and not w._owns_nvshmem

@@ -502,7 +502,9 @@ class NvshmemWorld(_ProcessGroupWorld):
             except ImportError as e:
                 raise RuntimeError("the nvshmem world needs nvshmem4py: pip install 'xstage[nvshmem]'") from e
         self._nv, self._interop = nvshmem, interop
-        if not _nvshmem_initialized(nvshmem):
+        self._heap_tensors = []  # every buffer alloc() took from the symmetric heap, for close()
+        self._owns_nvshmem = not _nvshmem_initialized(nvshmem)  # close() finalizes only what it initialized
+        if self._owns_nvshmem:
             self._init_nvshmem(device_factory)
         pe, n_pes = nvshmem.my_pe(), nvshmem.n_pes()
         if n_pes != world_size:
@@ -536,7 +538,19 @@ class NvshmemWorld(_ProcessGroupWorld):
             addrs.append(peer.data_ptr())
         if addrs[self.rank] != t.data_ptr():
             raise RuntimeError("NVSHMEM's own-PE pointer differs from the tensor's address")
+        self._heap_tensors.append(t)
         return SymmetricTensor(self, shape, dtype, {self.rank: t}, {self.rank: addrs}, keepalive=[t])
+
+    def close(self) -> None:
+        """Free every buffer this world took from the symmetric heap and, if this world initialised
+        NVSHMEM, finalize it (a joined NVSHMEM belongs to the stack). Collective, like NVSHMEM's
+        free: every PE calls it. Tensors of this world must not be used afterwards."""
+        self.barrier()  # no kernel of any PE still stores into the buffers
+        while self._heap_tensors:
+            self._interop.free_tensor(self._heap_tensors.pop())
+        if self._owns_nvshmem:
+            self._nv.finalize()
+            self._owns_nvshmem = False
 
 
 def single_process(world) -> bool:
