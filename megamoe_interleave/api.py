@@ -165,19 +165,24 @@ class MegaMoE:
                 if world.device.type == "cuda" else 132
         shape = MoEShape("MegaMoE", hidden, intermediate, num_experts, topk, "caller")
         config = config or MegaMoEConfig()
-        # schedule="auto": the model picks the schedule for this world's remote path (host arithmetic).
-        config, self.schedule_choice = config.choose_schedule(shape, P, max_tokens_per_rank, num_sms,
-                                                              _remote_path(world) if config.schedule == AUTO else None)
-        self.config = config.resolve(shape, P, max_tokens_per_rank, num_sms)
-        self.schedule = self.config.schedule_spec()
+        # schedule="auto": the model picks the schedule for this world's remote path (host arithmetic):
+        # here for balanced routing at max_tokens_per_rank (enqueue / capture keep it), and in each
+        # forward again from the call's routing where there is a remote path (_choose_for_call).
+        platform = _remote_path(world) if config.schedule == AUTO else None
+        self._auto = (config, shape, max_tokens_per_rank, platform) if platform is not None else None
+        config, self.schedule_choice = config.choose_schedule(shape, P, max_tokens_per_rank, num_sms, platform)
+        self.last_schedule_choice = self.schedule_choice  # the last forward's (per call with a remote path)
+        self._configs = {s: dataclasses.replace(config, schedule=s).resolve(shape, P, max_tokens_per_rank, num_sms)
+                         for s in ((config.schedule,) if self._auto is None else ("interleaved", "expert_wave"))}
         self.world, self.backend, self.num_sms = world, backend, num_sms
         self.num_experts, self.hidden, self.intermediate, self.topk = num_experts, hidden, intermediate, topk
         self.experts_per_rank = num_experts // P
-        self.block_n = self.config.block_n
+        self._use_schedule(config.schedule)
         if backend == "fused":  # the kernel's own checks now (no compile, no launch)
             from .kernel_sm90 import MegaMoESm90
 
-            MegaMoESm90(hidden, intermediate, self.config)
+            for c in self._configs.values():
+                MegaMoESm90(hidden, intermediate, c)
         # Largest pool of one rank (every pick of every source) + the BLOCK_M padding rows.
         self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + BLOCK_M
         if backend == "fused" and self._max_pool_rows * (hidden // 8) >= 2 ** 31:
@@ -187,11 +192,12 @@ class MegaMoE:
         # The device-side plan's launch: a fixed grid (the host cannot see the routing) and its static
         # sizes; its worst-case scheduler rows also size the counter workspace of both paths.
         self.device_ctas = max(2, num_sms - num_sms % 2)
-        self.device_plan_sizes = plan_sizes(P, max_tokens_per_rank, topk, self.experts_per_rank, block_m=BLOCK_M,
-                                            schedule=self.schedule, num_pairs=self.device_ctas // 2,
-                                            experts_per_wave=self.config.experts_per_wave)
+        sizes = {s: plan_sizes(P, max_tokens_per_rank, topk, self.experts_per_rank, block_m=BLOCK_M,
+                               schedule=c.schedule_spec(), num_pairs=self.device_ctas // 2,
+                               experts_per_wave=c.experts_per_wave) for s, c in self._configs.items()}
+        self.device_plan_sizes = sizes[config.schedule]
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
-                                    num_counters=2 + 2 * self.device_plan_sizes.max_rows,
+                                    num_counters=2 + 2 * max(z.max_rows for z in sizes.values()),
                                     precision=self.config.precision)
         self.poison_combine = poison_combine
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
@@ -300,7 +306,26 @@ class MegaMoE:
         overhead, :mod:`megamoe_interleave.sweep`). Only the compiled kernel changes (its own
         compile-cache key; compiled on the first call that uses it). ``last_trace`` keeps the
         last traced call's tensors."""
-        self.config = dataclasses.replace(self.config, trace=bool(enabled))
+        self._configs = {s: dataclasses.replace(c, trace=bool(enabled)) for s, c in self._configs.items()}
+        self.config = self._configs[self.config.schedule]
+
+    def _use_schedule(self, schedule: str) -> None:
+        """Make ``schedule``'s resolved config the one the next plan and launch use."""
+        self.config = self._configs[schedule]
+        self.schedule = self.config.schedule_spec()
+        self.block_n = self.config.block_n
+
+    def _choose_for_call(self, perms) -> None:
+        """``schedule="auto"`` with a remote path: the schedule for this call from its routing, the
+        rows per local expert of every local rank (``perms``, the host plan's one device read;
+        no further sync). The choice is per process: a multi-process world's ranks may differ,
+        which the kernels allow (their dependencies are the Dispatch publish and the Combine)."""
+        config, shape, max_tokens, platform = self._auto
+        rows = [perms[d].counts_host[: self.experts_per_rank] for d in sorted(perms)]
+        _, choice = config.choose_schedule(shape, self.world.world_size, max_tokens, self.num_sms, platform,
+                                           expert_rows=rows)
+        self.last_schedule_choice = choice
+        self._use_schedule(choice.schedule)
 
     def stage_inputs(self, xs, idxs, ws, x_scales=None) -> None:
         """Validate every rank's inputs, copy them into its symmetric buffers, schedule the
@@ -409,6 +434,8 @@ class MegaMoE:
     def _plan_local_ranks(self):
         idxs, ws = self._all_routing()
         perms = reference.permute_ranks(idxs, ws, self.world.local_ranks, self.experts_per_rank)
+        if self._auto is not None:
+            self._choose_for_call(perms)
         out = {}
         for d, perm in perms.items():
             grid = make_row_grid(perm.counts_host, block_m=BLOCK_M, n_blocks_l1=2 * self.intermediate // self.block_n,
@@ -613,6 +640,7 @@ class MegaMoE:
                                       "multi-process worlds (torch-symm, nvshmem) use forward()")
         if self.config.trace:
             raise NotImplementedError("enqueue() runs the kernel without the per-tile trace")
+        self._use_schedule(self.schedule_choice.schedule if self._auto is not None else self.config.schedule)
         if self.world.device.type != "cuda":
             raise RuntimeError("backend='fused' needs a CUDA device")
         xs, idxs, ws = self._as_rank_list(x), self._as_rank_list(topk_idx), self._as_rank_list(topk_weights)

@@ -155,24 +155,25 @@ class MegaMoEConfig:
         if self.timeout_ns <= 0:
             raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
 
-    def choose_schedule(self, shape, world_size: int, max_tokens: int, num_sms: int, platform):
+    def choose_schedule(self, shape, world_size: int, max_tokens: int, num_sms: int, platform, expert_rows=None):
         """``schedule="auto"``: (this config with the schedule the model picks, the
         :class:`xstage.planner.ScheduleChoice`) -- :func:`xstage.planner.choose_megamoe_schedule`
         on ``platform``, the calibrated remote path of the layer's world (None: none), at the
-        block_n the config resolves to. Host arithmetic only. Other schedules: (self, None).
-
-        Chosen once per layer: the model's pick cannot change with a call's token count (its
-        interleaved bound never exceeds its expert_wave bound), so a per-call choice would only
-        add host work."""
+        block_n the config resolves to and expert_wave's wave count. ``expert_rows``: a call's
+        rows per local expert of each deciding rank (None: balanced at ``max_tokens``, the layer's
+        choice at construction). Host arithmetic only. Other schedules: (self, None)."""
         if self.schedule != AUTO:
             return self, None
         from xstage import planner
 
-        block_n = dataclasses.replace(self, schedule="interleaved").resolve(shape, world_size, max_tokens,
-                                                                           num_sms).block_n
+        resolved = {s: dataclasses.replace(self, schedule=s).resolve(shape, world_size, max_tokens, num_sms)
+                    for s in ("interleaved", "expert_wave")}
+        local = shape.num_experts // world_size
+        waves = -(-local // resolved["expert_wave"].experts_per_wave)
         choice = planner.choose_megamoe_schedule(platform, hidden=shape.hidden, intermediate=shape.intermediate,
                                                  experts=shape.num_experts, topk=shape.topk, tokens=max_tokens,
-                                                 world=world_size, block_n=block_n)
+                                                 world=world_size, block_n=resolved["interleaved"].block_n,
+                                                 waves=waves, expert_rows=expert_rows)
         return dataclasses.replace(self, schedule=choice.schedule), choice
 
     @property

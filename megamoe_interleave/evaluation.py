@@ -45,6 +45,27 @@ def measured_cells(payload: Mapping) -> list:
             if r.get("status") == "ok" and (r.get("timing") or {}).get("speedup") is not None]
 
 
+def apply_rechecks(payload: Mapping, rechecks: Sequence[tuple]) -> dict:
+    """``payload`` with the timing of each cell re-measured in a recheck sweep (same protocol, more
+    trials; ``rechecks``: (name, payload) pairs) in place of the sweep's, traces kept. The
+    replaced cells are listed under ``rechecked`` (cell, file, trials, both speedups) for the
+    README. A recheck cell absent from the sweep is an error."""
+    cells = [dict(r) for r in payload.get("cells", [])]
+    index = {tuple(sorted(r["cell"].items())): i for i, r in enumerate(cells)}
+    done = []
+    for name, rp in rechecks:
+        for r in measured_cells(rp):
+            key = tuple(sorted(r["cell"].items()))
+            if key not in index:
+                raise ValueError(f"recheck {name}: cell {r['cell']} is not in the sweep")
+            old = cells[index[key]]
+            done.append(dict(cell=r["cell"], file=name, trials=r["timing"]["n_trials"],
+                             matched=r["timing"]["n_matched"], sweep_speedup=old["timing"]["speedup"],
+                             recheck_speedup=r["timing"]["speedup"]))
+            cells[index[key]] = dict(old, timing=r["timing"])
+    return dict(payload, cells=cells, rechecked=done)
+
+
 def _c(rec, field):
     return rec["cell"][field]
 
@@ -287,26 +308,45 @@ def planner_verdict_summary(rows: Sequence[Mapping]) -> list:
     return out
 
 
-def auto_rows(cells: Sequence[Mapping]) -> list:
-    """``schedule="auto"`` over the sweep: per cell the schedule
-    :func:`xstage.planner.choose_megamoe_schedule` picks for the cell's shape, tokens, P and world
-    (the choice the layer makes at construction: host arithmetic, no measurement), and its time
-    against the better fixed schedule from the cell's paired trials (auto runs the kernel of the
-    schedule it picks, so its time is that schedule's)."""
-    from xstage import planner, profiles
+def call_expert_rows(shape, kind: str, P: int, tokens: int, strength: float = 1.0) -> list:
+    """Rows per local expert of every destination rank for the sweep's routing of a cell (the
+    routing :func:`bench.make_inputs` draws, regenerated on the CPU): what a fused ``forward``
+    of that cell hands ``schedule="auto"`` per call."""
+    import torch
 
+    from .routing import make_routing
+
+    load = torch.zeros(shape.num_experts, dtype=torch.long)
+    for src in range(P):
+        idx, _ = make_routing(kind, tokens, shape.num_experts, shape.topk, seed=src, strength=strength)
+        idx = idx.flatten()
+        load += torch.bincount(idx[idx >= 0], minlength=shape.num_experts)
+    el = shape.num_experts // P
+    return [load[d * el:(d + 1) * el].tolist() for d in range(P)]
+
+
+def auto_rows(cells: Sequence[Mapping], num_sms: int = 132) -> list:
+    """``schedule="auto"`` over the sweep: per cell the schedule ``MegaMoEConfig("auto")`` picks
+    for the cell's call (:meth:`MegaMoEConfig.choose_schedule`, the function ``forward`` calls:
+    with a remote path from the call's routing, :func:`call_expert_rows`; host arithmetic, no
+    measurement), and its time against the better fixed schedule from the cell's paired trials
+    (auto runs the kernel of the schedule it picks, so its time is that schedule's)."""
+    from xstage import profiles
+
+    from .config import MegaMoEConfig
     from .shapes import get_shape
-    from .sweep import PLATFORM_OF_WORLD
+    from .sweep import PLATFORM_OF_WORLD, ROUTINGS
 
     out = []
     for rec in cells:
         c, t = rec["cell"], rec["timing"]
         shape = get_shape(c["shape"])
         name = PLATFORM_OF_WORLD[c["world"]]
-        block_n = rec["schedules"]["interleaved"]["config"]["block_n"]
-        choice = planner.choose_megamoe_schedule(profiles.load(name) if name else None, hidden=shape.hidden,
-                                                 intermediate=shape.intermediate, experts=shape.num_experts,
-                                                 topk=shape.topk, tokens=c["tokens"], world=c["P"], block_n=block_n)
+        platform = profiles.load(name) if name else None
+        kind, strength = ROUTINGS[c["routing"]]
+        rows = None if platform is None else call_expert_rows(shape, kind, c["P"], c["tokens"], strength or 1.0)
+        _, choice = MegaMoEConfig("auto", precision=c.get("precision", "bf16")).choose_schedule(
+            shape, c["P"], c["tokens"], num_sms, platform, expert_rows=rows)
         sp = t["speedup"]  # expert_wave / interleaved, paired median
         over_better = max(1.0, 1.0 / sp) if choice.schedule == "interleaved" else max(1.0, sp)
         out.append(dict(c, pick=choice.schedule, speedup=sp, auto_over_better=over_better,
@@ -532,6 +572,13 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
          f"{payload.get('time_scope', '')}. Worlds: `loopback` = no remote path (the control), "
          "`loopback+host` = the Combine stores over PCIe into pinned host memory (profile `h200-pcie-host`). "
          f"The paper's numbers are for {PAPER['setting']}: a different platform and precision.", ""]
+    if payload.get("rechecked"):
+        L += ["Cells re-measured with more paired trials (same protocol; their timing replaces the sweep's "
+              "everywhere below, traces kept):", ""]
+        L += _table(["cell", "recheck", "trials (matched)", "speedup in the sweep", "speedup rechecked"],
+                    [[" ".join(str(v) for v in r["cell"].values()), r["file"], f"{r['trials']} ({r['matched']})",
+                      f"{r['sweep_speedup']:.4f}x", f"{r['recheck_speedup']:.4f}x"] for r in payload["rechecked"]])
+        L.append("")
     if findings:
         L += [findings.strip(), ""]
 
@@ -626,13 +673,13 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
     ar = auto_rows(cells)
     if ar:
         L += ["## `schedule=\"auto\"`", "",
-              "What `MegaMoEConfig(schedule=\"auto\")` picks in each cell (`xstage.planner.choose_megamoe_schedule`: "
-              "eq. 11 over the kernel on the world's calibrated path, interleaved scaled by the locality ratio the "
-              "loopback control measured, 1/1.022; no remote path: the locality ratio alone) and its time against the "
-              "better fixed schedule from the cell's paired trials (`auto.csv` per cell)."
-              + (" It picks interleaved in every cell (the drain bound never prefers expert_wave, and the locality "
-                 "ratio is below 1): its geometric mean is interleaved's." if all(r["pick"] == "interleaved" for r in ar)
-                 else ""), ""]
+              "What `MegaMoEConfig(schedule=\"auto\")` picks for each cell's call "
+              "(`MegaMoEConfig.choose_schedule` -> `xstage.planner.choose_megamoe_schedule`, from the call's routing "
+              "on the world's calibrated path: expert_wave where eq. 10's capacity bound holds per expert wave on "
+              "every rank, V - R T_L2 <= W Q, since it then has no backpressure to remove; otherwise eq. 11 over the "
+              "kernel with interleaved scaled by the loopback locality ratio 1/1.022; no remote path: that ratio "
+              "alone) and its time against the better fixed schedule from the cell's paired trials (`auto.csv` per "
+              "cell; auto runs the kernel of the schedule it picks).", ""]
         L += _table(["world", "cells", "picks interleaved", "> 1 % slower than the better", "worst",
                      "geomean auto / interleaved", "geomean auto / expert_wave"],
                     [[r["world"], r["cells"], r["picks_interleaved"], r["over_1pct"], f"{r['worst']:.4f}x",
@@ -727,12 +774,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fig10-shapes", nargs="+", default=None, help="default: the first three shapes measured")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "w8a8"),
                     help="the cells reported (a W8A8 report belongs in its own --out folder)")
+    ap.add_argument("--recheck", nargs="+", default=(), metavar="JSON",
+                    help="sweeps that re-measured some cells with more trials: their timing replaces the sweep's")
     return ap
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     payload = load_sweep(args.sweep)
+    if args.recheck:
+        payload = apply_rechecks(payload, [(Path(f).name, load_sweep(f)) for f in args.recheck])
     out = Path(args.out) if args.out else Path(args.sweep).parent
     paths = write_report(payload, out, precision=args.precision, table2_world=args.table2_world, table2_routing=args.table2_routing,
                          table2_P=args.table2_P, fig10_routing=args.fig10_routing, fig10_shapes=args.fig10_shapes,

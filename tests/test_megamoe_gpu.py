@@ -344,3 +344,42 @@ def test_row_metadata_handoff_with_consecutive_l1_tiles():
     w = [10 ** (3 * torch.rand(i.shape, generator=g, device="cuda") - 2) for i in idx]
     _variants_bitwise_equal((w1, w2, xs, idx, w), [
         lambda n=n: _make(P, k, "expert_wave", num_sms=n, experts_per_wave=8) for n in (2, 132)], calls=5)
+
+
+def test_schedule_auto_per_call_on_the_pcie_path(monkeypatch):
+    """schedule="auto" in the loopback+host world: each forward picks from its routing and runs
+    that schedule's kernel. On the calibrated PCIe path this small layer's waves absorb the Combine
+    (expert_wave); on a path 50000x slower with no capacity nothing is absorbed (interleaved).
+    y matches the fp32 reference and the fixed schedules' y bitwise; enqueue keeps the pick made
+    at construction."""
+    import dataclasses
+
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, api, make_world
+    from megamoe_interleave.reference import reference_moe_fp32
+    from xstage import profiles
+
+    P, k = 2, 6
+    w1, w2, xs, idx, w = _problem(P, [120, 77], k, "skewed", 0.1, seed=11)
+    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    fixed = {}
+    for s in ("expert_wave", "interleaved"):
+        moe = MegaMoE(make_world("loopback+host", world_size=P, device="cuda"), E, H, I, k, 256,
+                      MegaMoEConfig(s), backend="fused")
+        moe.load_weights(w1, w2)
+        fixed[s] = [y.clone() for y in moe.forward(xs, idx, w)]
+    pcie = profiles.load("h200-pcie-host")
+    for platform, want in ((pcie, "expert_wave"), (dataclasses.replace(pcie, R=pcie.R / 5e4, Q=1.0), "interleaved")):
+        monkeypatch.setattr(api, "_remote_path", lambda world, p=platform: p)
+        moe = MegaMoE(make_world("loopback+host", world_size=P, device="cuda"), E, H, I, k, 256,
+                      MegaMoEConfig("auto"), backend="fused")
+        moe.load_weights(w1, w2)
+        ys = moe.forward(xs, idx, w)
+        assert moe.last_schedule_choice.schedule == want == moe.config.schedule, moe.last_schedule_choice.reason
+        _check(ys, refs)
+        for a, b in zip(ys, fixed[want]):
+            assert torch.equal(a, b)
+        ys = moe.enqueue(xs, idx, w)
+        moe.check()
+        assert moe.config.schedule == moe.schedule_choice.schedule
+        for a, b in zip(ys, fixed[want]):
+            assert torch.equal(a, b)

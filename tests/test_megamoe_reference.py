@@ -310,3 +310,29 @@ def test_schedule_auto_is_chosen_for_the_world_before_the_config_resolves():
     assert moe.schedule_choice.platform is None and "locality" in moe.schedule_choice.reason
     assert MegaMoE(make_world("loopback", world_size=2, device="cpu"), num_experts=16, hidden=256, intermediate=128,
                    topk=2, max_tokens_per_rank=64, backend="torch").schedule_choice is None
+
+
+def test_schedule_auto_with_a_remote_path_chooses_per_call_from_the_routing(monkeypatch):
+    """With a remote path, auto is chosen again in each forward from the call's rows per local
+    expert (the host plan's counts): expert_wave where its waves absorb the Combine (DeepSeek-V4-Pro
+    dims, balanced 2048 tokens), interleaved for a skewed call; the resolved config, the scheduler
+    and block_n follow (tests/test_megamoe_gpu.py runs it)."""
+    import types
+
+    from megamoe_interleave import api
+    from megamoe_interleave.config import MegaMoEConfig
+    from xstage import profiles
+
+    monkeypatch.setattr(api, "_remote_path", lambda world: profiles.load("h200-pcie-host"))
+    moe = MegaMoE(make_world("loopback", world_size=1, device="cpu"), num_experts=384, hidden=7168,
+                  intermediate=3072, topk=6, max_tokens_per_rank=64, config=MegaMoEConfig("auto"), backend="torch")
+    # at construction: balanced at 64 tokens per rank (one row per expert, all padding): absorbed
+    assert set(moe._configs) == {"interleaved", "expert_wave"} and moe.schedule_choice.schedule == "expert_wave"
+    per_call = {0: types.SimpleNamespace(counts_host=[32] * 384 + [0])}  # + the masked-pick sentinel
+    moe._choose_for_call(per_call)
+    assert moe.last_schedule_choice.schedule == "expert_wave" == moe.config.schedule == moe.schedule.name
+    assert moe.block_n == moe.config.block_n and moe.config.resolved
+    moe._choose_for_call({0: types.SimpleNamespace(counts_host=[128] * 96 + [0] * 289)})
+    assert moe.config.schedule == "interleaved" == moe.schedule.name
+    moe.set_trace(True)
+    assert all(c.trace for c in moe._configs.values()) and moe.config.trace

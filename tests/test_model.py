@@ -235,3 +235,40 @@ def test_schedule_auto_follows_the_drain_bound_and_the_locality_ratio():
     assert planner.choose_megamoe_schedule(pcie, locality_ratio=flip, **dims).schedule == "expert_wave"
     with pytest.raises(ValueError):
         planner.choose_megamoe_schedule(pcie, locality_ratio=0.0, **dims)
+
+
+def test_expert_wave_absorbs_is_eq10_capacity_bound_per_wave():
+    from xstage.model import expert_wave_absorbs
+
+    # 10 GB drained at 1 GB/s during 8 s of L2 leaves 2 GB, against 4 waves x 0.5 GB: just absorbed
+    assert expert_wave_absorbs(10e9, 1e9, 8.0, 4, 0.5e9) == (True, pytest.approx(2e9))
+    assert expert_wave_absorbs(10e9, 1e9, 8.0, 3, 0.5e9) == (False, pytest.approx(2e9))
+    assert expert_wave_absorbs(1e9, 1e9, 8.0, 1, 0.0) == (True, 0.0)  # the L2 phase drains it all
+    for bad in (dict(waves=0), dict(waves=1.5), dict(capacity=-1.0), dict(rate=0.0)):
+        args = dict(dict(volume=1e9, rate=1e9, t_l2=1.0, waves=2, capacity=1e6), **bad)
+        with pytest.raises(ValueError):
+            expert_wave_absorbs(**args)
+
+
+def test_schedule_auto_picks_expert_wave_where_its_waves_absorb_the_combine():
+    """DeepSeek-V4-Pro at 2048 tokens, P = 1 over PCIe: 32 rows per expert pad to one 128-row
+    block, so T_L2 nearly covers the drain and the backlog fits 4 waves x Q: expert_wave. The
+    same layer under a skewed call (fewer padded blocks) does not fit: interleaved. The call's
+    rows decide, the balanced default equals rows of 32 per expert."""
+    from xstage import planner, profiles
+
+    pcie = profiles.load("h200-pcie-host")
+    dims = dict(hidden=7168, intermediate=3072, experts=384, topk=6, tokens=2048, world=1, block_n=256, waves=4)
+    c = planner.choose_megamoe_schedule(pcie, **dims)
+    assert c.schedule == "expert_wave" and "no backpressure" in c.reason
+    assert c.wave_backlog_bytes <= c.wave_capacity_bytes == pytest.approx(4 * pcie.q_at(pcie.num_sms))
+    balanced = planner.choose_megamoe_schedule(pcie, expert_rows=[[32] * 384], **dims)
+    assert balanced.schedule == "expert_wave" and balanced.wave_backlog_bytes == pytest.approx(c.wave_backlog_bytes)
+    skewed = [[128] * 96 + [0] * 288]  # the same 12288 rows on a quarter of the experts: 96 blocks
+    s = planner.choose_megamoe_schedule(pcie, expert_rows=skewed, **dims)
+    assert s.schedule == "interleaved" and s.wave_backlog_bytes > s.wave_capacity_bytes
+    assert planner.choose_megamoe_schedule(pcie, **dict(dims, waves=1)).schedule == "interleaved"
+    assert planner.choose_megamoe_schedule(None, expert_rows=skewed, **dims).schedule == "interleaved"
+    for bad in ([[32] * 383], [], [[32.0] * 384], [[-1] + [32] * 383]):
+        with pytest.raises(ValueError, match="expert_rows"):
+            planner.choose_megamoe_schedule(pcie, expert_rows=bad, **dims)

@@ -103,6 +103,7 @@ def _fmt_fa(p: planner.FAPlan) -> str:
 
 
 def _fmt_moe(p: planner.MoEPlan) -> str:
+    choice = planner.schedule_choice_of(p)
     rows = [
         ("platform", p.platform),
         ("shape", f"hidden={p.hidden} inter={p.intermediate} experts={p.experts} top-k={p.topk}"),
@@ -125,8 +126,7 @@ def _fmt_moe(p: planner.MoEPlan) -> str:
          f"{_us(p.kernel_wave_s)} / {_us(p.kernel_interleaved_s)} "
          f"({p.kernel_wave_s / p.kernel_interleaved_s:.2f}x; eq. 11 over the kernel)"),
         ("verdict", p.verdict),
-        ("schedule=\"auto\" picks", f"{planner.schedule_choice_of(p).schedule} (x measured locality "
-                                    f"{planner.INTERLEAVED_LOCALITY_RATIO:.3f} on interleaved)"),
+        ("schedule=\"auto\" picks", f"{choice.schedule} (balanced routing, 4 expert waves: {choice.reason})"),
     ]
     return _table(rows, "MegaMoE design test") + "\n" + "\n".join(f"  - {r}" for r in p.reasons)
 

@@ -49,6 +49,7 @@ __all__ = [
     "critical_path_stall",
     "d_knee",
     "kernel_rate_bounds",
+    "expert_wave_absorbs",
     "fa_burst_volume",
     "completion_coupled_exposure",
     "qloop_gap",
@@ -484,6 +485,28 @@ def kernel_rate_bounds(t_l1: float, t_l2: float, volume: float, rate: float) -> 
     _check_pos(rate=rate)
     drain = volume / rate
     return max(t_l1 + t_l2, drain), t_l1 + max(t_l2, drain)
+
+
+def expert_wave_absorbs(volume: float, rate: float, t_l2: float, waves: int, capacity: float) -> tuple[bool, float]:
+    """Eq. (10)'s single-burst capacity bound, V − R·T_iss ≤ Q, with one expert wave's Linear-2
+    phase as the burst (our reading at wave granularity, not an equation of the paper): a wave
+    issues its Combine while its L2 tiles run, the path drains R·T_L2,w meanwhile, and a backlog
+    up to Q is absorbed without holding the issuer back and drains under the next wave's Linear-1
+    work. Over ``waves`` equal waves of a kernel with Combine bytes ``volume`` and Linear-2 compute
+    ``t_l2``::
+
+        V − R·T_L2 ≤ W·Q
+
+    Returns ``(holds, backlog)`` with backlog = [V − R·T_L2]_+ in bytes. Where it holds, expert_wave
+    sees no backpressure: there is nothing for interleaving to remove (Section 4.1, "criterion
+    satisfied").
+    """
+    _check_nonneg(volume=volume, t_l2=t_l2, capacity=capacity)
+    _check_pos(rate=rate)
+    if not isinstance(waves, int) or waves < 1:
+        raise ValueError(f"waves must be a positive integer, got {waves!r}")
+    backlog = max(volume - rate * t_l2, 0.0)
+    return backlog <= waves * capacity, backlog
 
 
 # ---------------------------------------------------------------------------

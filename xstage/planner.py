@@ -16,6 +16,7 @@ audit); ``producers`` overrides K.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from . import model
@@ -197,6 +198,8 @@ class MoEPlan:
     kernel_interleaved_s: float
     verdict: str
     reasons: list[str] = field(default_factory=list)
+    rate_bytes_s: float = 0.0  # the platform's R and Q(K) the plan used (schedule_choice_of)
+    capacity_bytes: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -297,7 +300,7 @@ def plan_megamoe(
         interleaved_gap_s=g_int, interleaved_overhead_s=int_dt, interleaved_rate_ratio=int_ratio,
         interleave_sufficient=suff, capacity_ok=wave_test.capacity_ok, d_knee_rows=knee, combine_bytes=combine,
         kernel_l1_s=t_l1_kernel, kernel_l2_s=t_l2_kernel, drain_s=combine / platform.R, kernel_wave_s=t_wave_kernel,
-        kernel_interleaved_s=t_int_kernel, verdict=verdict, reasons=reasons,
+        kernel_interleaved_s=t_int_kernel, verdict=verdict, reasons=reasons, rate_bytes_s=platform.R, capacity_bytes=q,
     )
 
 
@@ -310,29 +313,41 @@ INTERLEAVED_LOCALITY_RATIO = 1 / 1.022
 
 @dataclass(frozen=True)
 class ScheduleChoice:
-    """What ``schedule="auto"`` picked for a MegaMoE layer, and why."""
+    """What ``schedule="auto"`` picked for a MegaMoE layer (or one call), and why."""
 
     schedule: str
     platform: str | None
-    predicted_interleaved_s: float | None  # model.kernel_rate_bounds x the locality ratio
+    predicted_interleaved_s: float | None  # model.kernel_rate_bounds x the locality ratio (slowest rank)
     predicted_wave_s: float | None
     reason: str
+    wave_backlog_bytes: float | None = None  # eq. 10 per wave: [V - R T_L2]_+ of the worst rank
+    wave_capacity_bytes: float | None = None  # ... against W Q
 
 
 def choose_megamoe_schedule(platform: Platform | None, *, hidden: int, intermediate: int, experts: int, topk: int,
-                            tokens: int, world: int, block_n: int = 256,
+                            tokens: int, world: int, block_n: int = 256, waves: int = 4,
+                            expert_rows: Sequence[Sequence[int]] | None = None,
                             locality_ratio: float = INTERLEAVED_LOCALITY_RATIO) -> ScheduleChoice:
-    """expert_wave or interleaved for one layer from the model, with no per-shape table (the
-    paper's Section 6 suggestion). ``platform``: the calibrated remote path of the world the
-    Combine stores cross (None: no remote path, e.g. the loopback world).
+    """expert_wave or interleaved from the model, with no per-shape table (the paper's Section 6
+    suggestion). ``platform``: the calibrated remote path of the world the Combine stores cross
+    (None: no remote path, e.g. the loopback world). ``waves``: expert_wave's waves per rank.
+    ``expert_rows``: the call's routing, rows per local expert of each deciding destination rank
+    (None: balanced routing at ``tokens`` per rank, the layer's choice at construction).
 
-    With a remote path: the whole-kernel drain bound of eq. (11) (:func:`model.kernel_rate_bounds`
-    through :func:`plan_megamoe`, mainloops estimated from the platform's dense rate) predicts both
-    schedules; interleaved's prediction is scaled by the measured locality ratio
-    (:data:`INTERLEAVED_LOCALITY_RATIO`), and the faster prediction wins. Without one nothing
-    drains, so the locality ratio alone decides. Both are host arithmetic on the layer's shape (no
-    device sync). Note that max(T_L1 + T_L2, V/R) <= T_L1 + max(T_L2, V/R): the bound never
-    prefers expert_wave, so only a locality ratio above 1 could -- and the one measured is below."""
+    With a remote path, two steps, both host arithmetic (no device sync):
+
+    1. Eq. (10)'s capacity bound per expert wave (:func:`model.expert_wave_absorbs`): where every
+       rank's waves absorb their Combine (V - R T_L2 <= W Q), expert_wave has no backpressure and
+       wins: interleaving would only move the drain under Linear-1 mainloops, which the sweep
+       measures slower while the path drains (interleaved's L1 mainloops 1.0-2.9x their loopback
+       time over PCIe, expert_wave's 0.7-1.05x; results/h200/megamoe/xstage/).
+    2. Otherwise the whole-kernel drain bound of eq. (11) (:func:`model.kernel_rate_bounds`,
+       mainloops from the platform's dense rate, m-blocks from ``expert_rows``) predicts both
+       schedules on the slowest rank; interleaved's prediction is scaled by the measured
+       locality ratio and the faster one wins. (The bound never prefers expert_wave:
+       max(T_L1 + T_L2, V/R) <= T_L1 + max(T_L2, V/R).)
+
+    Without a remote path nothing drains, so the locality ratio alone decides."""
     if platform is None:
         _positive_time("locality_ratio", locality_ratio)
         pick = "interleaved" if locality_ratio <= 1.0 else "expert_wave"
@@ -340,16 +355,52 @@ def choose_megamoe_schedule(platform: Platform | None, *, hidden: int, intermedi
                               f"no remote path: the measured locality ratio {locality_ratio:.3f} decides")
     plan = plan_megamoe(platform, hidden=hidden, intermediate=intermediate, experts=experts, topk=topk,
                         tokens=tokens, world=world, block_n=block_n)
-    return schedule_choice_of(plan, locality_ratio)
+    return schedule_choice_of(plan, locality_ratio, waves=waves, expert_rows=expert_rows)
 
 
-def schedule_choice_of(plan: MoEPlan, locality_ratio: float = INTERLEAVED_LOCALITY_RATIO) -> ScheduleChoice:
-    """The ``schedule="auto"`` pick from one :class:`MoEPlan`'s whole-kernel bounds (eq. 11 over
-    the kernel), interleaved's scaled by ``locality_ratio`` (:func:`choose_megamoe_schedule`)."""
+def _rank_kernel_terms(plan: MoEPlan, rows: Sequence[int]) -> tuple[float, float, float]:
+    """(T_L1, T_L2, Combine bytes) of one rank's kernel whose local experts hold ``rows`` rows
+    (each expert's rows padded to whole b_m blocks, as :func:`plan_megamoe` does for balanced)."""
+    m_blocks = 0
+    for r in rows:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"expert_rows must hold integers >= 0, got {r!r}")
+        m_blocks += -(-r // plan.block_m)
+    return (m_blocks * plan.n1 * plan.t_l1_mma_s / plan.producers, m_blocks * plan.n2 * plan.t_l2_mma_s / plan.producers,
+            float(sum(rows) * plan.hidden * plan.out_bytes))
+
+
+def schedule_choice_of(plan: MoEPlan, locality_ratio: float = INTERLEAVED_LOCALITY_RATIO, *, waves: int = 4,
+                       expert_rows: Sequence[Sequence[int]] | None = None) -> ScheduleChoice:
+    """The ``schedule="auto"`` pick from one :class:`MoEPlan` (:func:`choose_megamoe_schedule`):
+    eq. (10) per expert wave, then eq. (11) over the kernel with interleaved's bound scaled by
+    ``locality_ratio``; ``expert_rows`` as there (None: the plan's balanced kernel)."""
     _positive_time("locality_ratio", locality_ratio)
-    il, ew = plan.kernel_interleaved_s * locality_ratio, plan.kernel_wave_s
+    if expert_rows is None:
+        terms = [(plan.kernel_l1_s, plan.kernel_l2_s, float(plan.combine_bytes))]
+    else:
+        experts_per_rank = plan.experts // plan.world
+        terms = []
+        for rows in expert_rows:
+            if len(rows) != experts_per_rank:
+                raise ValueError(f"expert_rows: {len(rows)} experts for a rank, expected {experts_per_rank}")
+            terms.append(_rank_kernel_terms(plan, rows))
+        if not terms:
+            raise ValueError("expert_rows: no rank")
+    rate, q = plan.rate_bytes_s, plan.capacity_bytes
+    absorbed = [model.expert_wave_absorbs(v, rate, t2, waves, q) for _, t2, v in terms]
+    backlog = max(b for _, b in absorbed)
+    bounds = [model.kernel_rate_bounds(t1, t2, v, rate) for t1, t2, v in terms]
+    il = max(b[0] for b in bounds) * locality_ratio
+    ew = max(b[1] for b in bounds)
+    mib = 2.0 ** 20
+    if all(ok for ok, _ in absorbed):
+        return ScheduleChoice("expert_wave", plan.platform, il, ew,
+                              f"eq. 10 per wave on {plan.platform}: expert_wave's backlog {backlog / mib:.1f} MiB "
+                              f"<= {waves} waves x Q {q / mib:.1f} MiB = {waves * q / mib:.1f} MiB: no backpressure to remove",
+                              backlog, waves * q)
     pick = "interleaved" if il <= ew else "expert_wave"
     return ScheduleChoice(pick, plan.platform, il, ew,
-                          f"eq. 11 over the kernel on {plan.platform}: interleaved {il * 1e6:.0f} us "
-                          f"(x locality {locality_ratio:.3f}) vs expert_wave {ew * 1e6:.0f} us")
-
+                          f"eq. 10 per wave fails on {plan.platform} (backlog {backlog / mib:.0f} MiB > {waves} x Q); "
+                          f"eq. 11 over the kernel: interleaved {il * 1e6:.0f} us (x locality {locality_ratio:.3f}) vs "
+                          f"expert_wave {ew * 1e6:.0f} us", backlog, waves * q)
