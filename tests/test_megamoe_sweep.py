@@ -710,3 +710,24 @@ def test_command_lines_start_with_help(script):
              "megamoe_xstage_report.py": ["--sweep", "--out", "--table2-world", "--fig10-shapes"]}[script]
     assert all(f in r.stdout for f in flags)
     assert "sys.path" not in (ROOT / "scripts" / script).read_text()
+
+
+def test_rechecks_replace_a_cells_timing_keep_its_traces_and_are_listed_in_the_readme():
+    payload = _sweep_payload()
+    recheck = S.new_payload()
+    again = _record("deepseek-v4-flash", "balanced", 8192, "loopback+host", 8, 0.97, verdict="interleaved slower")
+    again["timing"].update(n_trials=40, n_matched=31)
+    del again["schedules"]  # a recheck without traces (--no-trace)
+    recheck["cells"] = [again]
+    out = evaluation.apply_rechecks(payload, [("recheck_x.json", recheck)])
+    cells = {tuple(r["cell"].values()): r for r in evaluation.measured_cells(out)}
+    cell = cells[("deepseek-v4-flash", "balanced", 8192, "loopback+host", 8, "bf16")]
+    assert cell["timing"]["speedup"] == 0.97 and cell["schedules"]["expert_wave"]["trace"]  # traces kept
+    assert payload["cells"][2]["timing"]["speedup"] == 0.90  # the input is not modified
+    (row,) = out["rechecked"]
+    assert (row["file"], row["trials"], row["matched"], row["sweep_speedup"]) == ("recheck_x.json", 40, 31, 0.90)
+    assert "recheck_x.json | 40 (31) | 0.9000x | 0.9700x" in evaluation.readme(out)
+    stray = S.new_payload()
+    stray["cells"] = [_record("mimo-v2-flash", "balanced", 2048, "loopback", 1, 1.0)]
+    with pytest.raises(ValueError, match="not in the sweep"):
+        evaluation.apply_rechecks(payload, [("stray.json", stray)])
