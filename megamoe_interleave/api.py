@@ -169,7 +169,7 @@ class MegaMoE:
         # here for balanced routing at max_tokens_per_rank (enqueue / capture keep it), and in each
         # forward again from the call's routing where there is a remote path (_choose_for_call).
         platform = _remote_path(world) if config.schedule == AUTO else None
-        self._auto = (config, shape, max_tokens_per_rank, platform) if platform is not None else None
+        self._auto = None if platform is None else config.auto_model(shape, P, max_tokens_per_rank, num_sms, platform)
         config, self.schedule_choice = config.choose_schedule(shape, P, max_tokens_per_rank, num_sms, platform)
         self.last_schedule_choice = self.schedule_choice  # the last forward's (per call with a remote path)
         self._configs = {s: dataclasses.replace(config, schedule=s).resolve(shape, P, max_tokens_per_rank, num_sms)
@@ -320,10 +320,11 @@ class MegaMoE:
         rows per local expert of every local rank (``perms``, the host plan's one device read;
         no further sync). The choice is per process: a multi-process world's ranks may differ,
         which the kernels allow (their dependencies are the Dispatch publish and the Combine)."""
-        config, shape, max_tokens, platform = self._auto
+        from xstage import planner
+
+        plan, waves = self._auto
         rows = [perms[d].counts_host[: self.experts_per_rank] for d in sorted(perms)]
-        _, choice = config.choose_schedule(shape, self.world.world_size, max_tokens, self.num_sms, platform,
-                                           expert_rows=rows)
+        choice = planner.schedule_choice_of(plan, waves=waves, expert_rows=rows)  # host arithmetic: ~40-50 us at 384 experts
         self.last_schedule_choice = choice
         self._use_schedule(choice.schedule)
 

@@ -159,22 +159,37 @@ class MegaMoEConfig:
         """``schedule="auto"``: (this config with the schedule the model picks, the
         :class:`xstage.planner.ScheduleChoice`) -- :func:`xstage.planner.choose_megamoe_schedule`
         on ``platform``, the calibrated remote path of the layer's world (None: none), at the
-        block_n the config resolves to and expert_wave's wave count. ``expert_rows``: a call's
-        rows per local expert of each deciding rank (None: balanced at ``max_tokens``, the layer's
-        choice at construction). Host arithmetic only. Other schedules: (self, None)."""
+        block_n the config resolves to and expert_wave's wave count (:meth:`auto_model`).
+        ``expert_rows``: a call's rows per local expert of each deciding rank (None: balanced at
+        ``max_tokens``, the layer's choice at construction). Host arithmetic only. Other
+        schedules: (self, None)."""
         if self.schedule != AUTO:
             return self, None
+        from xstage import planner
+
+        if platform is None:
+            choice = planner.choose_megamoe_schedule(None, hidden=shape.hidden, intermediate=shape.intermediate,
+                                                     experts=shape.num_experts, topk=shape.topk, tokens=max_tokens,
+                                                     world=world_size)
+        else:
+            plan, waves = self.auto_model(shape, world_size, max_tokens, num_sms, platform)
+            choice = planner.schedule_choice_of(plan, waves=waves, expert_rows=expert_rows)
+        return dataclasses.replace(self, schedule=choice.schedule), choice
+
+    def auto_model(self, shape, world_size: int, max_tokens: int, num_sms: int, platform):
+        """What ``schedule="auto"`` decides from on a remote path, fixed per layer: the planner's
+        :class:`~xstage.planner.MoEPlan` (balanced routing at ``max_tokens``, interleaved's
+        block_n) and expert_wave's waves per rank. A call then only adds its rows per expert
+        (:func:`xstage.planner.schedule_choice_of`)."""
         from xstage import planner
 
         resolved = {s: dataclasses.replace(self, schedule=s).resolve(shape, world_size, max_tokens, num_sms)
                     for s in ("interleaved", "expert_wave")}
         local = shape.num_experts // world_size
-        waves = -(-local // resolved["expert_wave"].experts_per_wave)
-        choice = planner.choose_megamoe_schedule(platform, hidden=shape.hidden, intermediate=shape.intermediate,
-                                                 experts=shape.num_experts, topk=shape.topk, tokens=max_tokens,
-                                                 world=world_size, block_n=resolved["interleaved"].block_n,
-                                                 waves=waves, expert_rows=expert_rows)
-        return dataclasses.replace(self, schedule=choice.schedule), choice
+        plan = planner.plan_megamoe(platform, hidden=shape.hidden, intermediate=shape.intermediate,
+                                    experts=shape.num_experts, topk=shape.topk, tokens=max_tokens, world=world_size,
+                                    block_n=resolved["interleaved"].block_n)
+        return plan, -(-local // resolved["expert_wave"].experts_per_wave)
 
     @property
     def resolved(self) -> bool:
