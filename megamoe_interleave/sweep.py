@@ -416,6 +416,22 @@ def compare_schedules(samples: Mapping, clocks: Mapping, tol_mhz: float = 30.0, 
                 reference_clock_mhz=row["reference_clock_mhz"], paired=row)
 
 
+def compare_auto(samples: Mapping, clocks: Mapping, pick: str, tol_mhz: float = 30.0, min_matched: int = 5) -> dict:
+    """``schedule="auto"`` measured in a cell (``--with-auto``: a third variant in the same paired
+    trials): the schedule it picked, and per fixed schedule the median per-trial ratio auto / that
+    schedule over their clock-matched trials; ``over_better`` = the ratio to the faster one
+    (> 1.01: auto more than 1 % slower)."""
+    out = dict(pick=pick)
+    for base in SCHEDULES:
+        row = xbench.paired_verdicts({k: samples[k] for k in (base, "auto")}, {k: clocks[k] for k in (base, "auto")},
+                                     base, tol_mhz, min_matched)
+        v = row["variants"]["auto"]
+        out[f"over_{base}"], out[f"n_matched_{base}"] = v.get("median_ratio"), v["n_matched"]
+    ratios = [out[f"over_{b}"] for b in SCHEDULES if out[f"over_{b}"] is not None]
+    out["over_better"] = max(ratios) if ratios else None
+    return out
+
+
 def trace_overhead(samples: Mapping, clocks: Mapping, tol_mhz: float = 30.0, min_matched: int = 5) -> dict:
     """Traced vs untraced kernel time of one schedule of one cell (paired trials of
     ``untraced`` and ``traced``): ratio = the median per-trial traced / untraced."""
@@ -483,6 +499,10 @@ def flat_row(rec: Mapping) -> dict:
     for k in ("speedup", "verdict", "expert_wave_median_us", "interleaved_median_us", "n_trials", "n_matched",
               "p_interleaved_faster", "p_interleaved_slower", "reference_clock_mhz"):
         row[k] = t.get(k)
+    a = rec.get("auto") or {}
+    for k in ("pick", "over_expert_wave", "over_interleaved", "over_better", "n_matched_expert_wave",
+              "n_matched_interleaved"):
+        row[f"auto_{k}"] = a.get(k)
     us = lambda v: None if v is None else v / 1e3  # noqa: E731
     for sched, tag in (("expert_wave", "ew"), ("interleaved", "il")):
         s = _get(rec, "schedules", sched) or {}
@@ -609,16 +629,17 @@ class GpuRunner:
     shape stay on the GPU for the next cell of that shape (:meth:`release` frees the rest)."""
 
     def __init__(self, *, trials: int = 20, trace: bool = True, trace_trials: int = 5, clock_tol_mhz: float = 30.0,
-                 min_matched: int = 5, cooldown_s: float = 0.0, weight_rng: str = "cuda"):
+                 min_matched: int = 5, cooldown_s: float = 0.0, weight_rng: str = "cuda", with_auto: bool = False):
         if trials < 1 or trace_trials < 0:
             raise ValueError("trials must be >= 1 and trace_trials >= 0")
-        self.trials, self.trace, self.trace_trials = trials, trace, trace_trials
+        self.trials, self.trace, self.trace_trials, self.with_auto = trials, trace, trace_trials, with_auto
         self.tol, self.min_matched, self.cooldown_s, self.weight_rng = clock_tol_mhz, min_matched, cooldown_s, weight_rng
         self._weights = None  # (shape name, (w1, w2))
 
     def settings(self) -> dict:
         return dict(trials=self.trials, trace=self.trace, trace_trials=self.trace_trials, clock_tol_mhz=self.tol,
-                    min_matched=self.min_matched, cooldown_s=self.cooldown_s, weight_rng=self.weight_rng)
+                    min_matched=self.min_matched, cooldown_s=self.cooldown_s, weight_rng=self.weight_rng,
+                    with_auto=self.with_auto)
 
     def weights(self, shape):
         """The global weights of ``shape`` (made once per run of cells of one shape)."""
@@ -649,7 +670,7 @@ class GpuRunner:
         w1, w2 = self.weights(shape)
         xs, idx, wts = bench.make_inputs(shape, cell.kind, cell.P, cell.tokens, cell.strength or 1.0)
         refs = unfused_pipeline(xs, idx, wts, *bench.rank_weight_views(shape, cell.P, w1, w2))
-        order = paired.rotated(list(SCHEDULES), position)
+        order = paired.rotated(list(SCHEDULES) + (["auto"] if self.with_auto else []), position)
         moes, cache = {}, {}
         for sched in order:
             moes[sched] = bench.warmed_moe(shape, cell.P, cell.tokens, MegaMoEConfig(sched, precision=cell.precision),
@@ -662,9 +683,14 @@ class GpuRunner:
             raise RuntimeError(f"world {cell.world!r} built a world placed as {placement!r}")
         fns = {s: bench.kernel_time_call(moes[s], rerun=True) for s in order}
         samples, clocks = xbench.paired_trials(fns, self.trials, self.cooldown_s)
+        fixed = {k: samples[k] for k in SCHEDULES}, {k: clocks[k] for k in SCHEDULES}
         rec = dict(placement=placement, time_scope=TIME_SCOPE, order=order, runner=self.settings(),
-                   timing=compare_schedules(samples, clocks, self.tol, self.min_matched), schedules={})
-        for sched in order:
+                   timing=compare_schedules(*fixed, self.tol, self.min_matched), schedules={})
+        if self.with_auto:
+            rec["auto"] = compare_auto(samples, clocks, moes["auto"].last_schedule_choice.schedule, self.tol,
+                                       self.min_matched)
+            rec["auto"]["reason"] = moes["auto"].last_schedule_choice.reason
+        for sched in SCHEDULES:
             entry = {"config": dataclasses.asdict(moes[sched].config)}
             if self.trace:
                 entry.update(self.traced(moes[sched]))
@@ -742,6 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--clock-tol-mhz", type=float, default=30.0,
                     help="trials count when both schedules ran this close to the reference clock")
     ap.add_argument("--cooldown-s", type=float, default=0.0, help="host sleep before each timed call")
+    ap.add_argument("--with-auto", action="store_true",
+                    help='also time schedule="auto" in the same paired trials (its pick and its ratio to each schedule)')
     ap.add_argument("--gpu-memory-gb", type=float, default=GPU_BUDGET / 1e9,
                     help="skip cells whose estimated GPU memory exceeds this")
     ap.add_argument("--host-memory-gb", type=float, default=HOST_BUDGET / 1e9,
@@ -798,7 +826,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (--dry-run plans without one)")
     runner = GpuRunner(trials=args.trials, trace=args.trace, trace_trials=args.trace_trials,
-                       clock_tol_mhz=args.clock_tol_mhz, cooldown_s=args.cooldown_s, weight_rng=args.weight_rng)
+                       clock_tol_mhz=args.clock_tol_mhz, cooldown_s=args.cooldown_s, weight_rng=args.weight_rng,
+                       with_auto=args.with_auto)
     meta = dict(args=vars(args), runner=runner.settings())
     return run_sweep(cells, args.out, runner, resume=args.resume, meta=meta, gpu_budget=args.gpu_memory_gb * 1e9,
                      host_budget=args.host_memory_gb * 1e9, stop_on_error=args.stop_on_error)

@@ -731,3 +731,19 @@ def test_rechecks_replace_a_cells_timing_keep_its_traces_and_are_listed_in_the_r
     stray["cells"] = [_record("mimo-v2-flash", "balanced", 2048, "loopback", 1, 1.0)]
     with pytest.raises(ValueError, match="not in the sweep"):
         evaluation.apply_rechecks(payload, [("stray.json", stray)])
+
+
+def test_compare_auto_ratios_against_each_schedule_and_the_better_one():
+    """--with-auto: auto's median per-trial ratio to each fixed schedule on their clock-matched
+    trials, and to the faster one; the CSV row carries them."""
+    clocks = {k: [1980.0] * 6 for k in ("expert_wave", "interleaved", "auto")}
+    samples = {"expert_wave": [100.0] * 6, "interleaved": [110.0] * 6, "auto": [101.0] * 6}
+    a = S.compare_auto(samples, clocks, "expert_wave")
+    assert a["pick"] == "expert_wave" and a["n_matched_expert_wave"] == 6
+    assert a["over_expert_wave"] == pytest.approx(1.01) and a["over_interleaved"] == pytest.approx(101 / 110)
+    assert a["over_better"] == pytest.approx(1.01)
+    rec = _record("deepseek-v4-pro", "balanced", 2048, "loopback+host", 1, 0.98)
+    rec["auto"] = a
+    row = S.flat_row(rec)
+    assert row["auto_pick"] == "expert_wave" and row["auto_over_better"] == pytest.approx(1.01)
+    assert S.flat_row(_record("deepseek-v4-pro", "balanced", 2048, "loopback", 1, 1.0))["auto_pick"] is None
