@@ -570,9 +570,9 @@ class MegaMoE:
         dev = self.world.device
         if dev.type != "cuda":
             raise RuntimeError("backend='fused' needs a CUDA device")
-        kernel = self._kernel()
         ranks = self.world.local_ranks
         self.plan_rank(ranks[0])  # every local rank's plan: the one planning sync
+        kernel = self._kernel()  # after planning: schedule="auto" may have switched the schedule
         self._flush_poison()  # queued now: the fill overlaps the host work below
         launches = []
         for d in ranks:  # host planning of every rank first ...

@@ -349,37 +349,60 @@ def test_row_metadata_handoff_with_consecutive_l1_tiles():
 def test_schedule_auto_per_call_on_the_pcie_path(monkeypatch):
     """schedule="auto" in the loopback+host world: each forward picks from its routing and runs
     that schedule's kernel. On the calibrated PCIe path this small layer's waves absorb the Combine
-    (expert_wave); on a path 50000x slower with no capacity nothing is absorbed (interleaved).
-    y matches the fp32 reference and the fixed schedules' y bitwise; enqueue keeps the pick made
-    at construction."""
+    (expert_wave). On a path whose rate lets one routing's waves absorb and not another's (capacity
+    1 byte), one layer switches per call, both ways. y matches the fp32 reference and the fixed
+    schedules' y bitwise; enqueue keeps the pick made at construction."""
     import dataclasses
 
     from megamoe_interleave import MegaMoE, MegaMoEConfig, api, make_world
     from megamoe_interleave.reference import reference_moe_fp32
-    from xstage import profiles
+    from xstage import planner, profiles
 
     P, k = 2, 6
-    w1, w2, xs, idx, w = _problem(P, [120, 77], k, "skewed", 0.1, seed=11)
-    refs = reference_moe_fp32(xs, idx, w, w1, w2)
+    tokens = [120, 77]
+    problems = {kind: _problem(P, tokens, k, kind, 0.0, seed=11) for kind in ("balanced", "skewed")}
+
+    def make(schedule):
+        moe = MegaMoE(make_world("loopback+host", world_size=P, device="cuda"), E, H, I, k, 256,
+                      MegaMoEConfig(schedule), backend="fused")
+        moe.load_weights(*problems["balanced"][:2])  # one set of weights for both problems
+        return moe
+
+    w1, w2 = problems["balanced"][:2]
     fixed = {}
     for s in ("expert_wave", "interleaved"):
-        moe = MegaMoE(make_world("loopback+host", world_size=P, device="cuda"), E, H, I, k, 256,
-                      MegaMoEConfig(s), backend="fused")
-        moe.load_weights(w1, w2)
-        fixed[s] = [y.clone() for y in moe.forward(xs, idx, w)]
+        moe = make(s)
+        for kind, (_, _, xs, idx, w) in problems.items():
+            fixed[kind, s] = [y.clone() for y in moe.forward(xs, idx, w)]
     pcie = profiles.load("h200-pcie-host")
-    for platform, want in ((pcie, "expert_wave"), (dataclasses.replace(pcie, R=pcie.R / 5e4, Q=1.0), "interleaved")):
+    monkeypatch.setattr(api, "_remote_path", lambda world: pcie)
+    moe = make("auto")
+    plan, waves = moe._auto
+
+    def rank_terms(kind):  # (T_L2, Combine bytes) of each destination rank for this routing
+        load = sum(torch.bincount(i.flatten().cpu(), minlength=E) for i in problems[kind][3])
+        el = E // P
+        return [planner._rank_kernel_terms(plan, load[d * el:(d + 1) * el].tolist())[1:] for d in range(P)]
+
+    # A rate at which every rank of the routing with the longer Linear-2 absorbs its Combine
+    # (backlog 0) and some rank of the other does not (backlog > Q = 1 byte).
+    (absorbs, spills) = sorted(problems, key=lambda kind: -min(t2 / v for t2, v in rank_terms(kind)))
+    rate = 1.001 * max(v / t2 for t2, v in rank_terms(absorbs))
+    assert any(v - rate * t2 > 1.0 for t2, v in rank_terms(spills)), "the two routings need different m-blocks"
+    for platform, picks in ((pcie, {"balanced": "expert_wave", "skewed": "expert_wave"}),
+                            (dataclasses.replace(pcie, R=rate, Q=1.0), {absorbs: "expert_wave", spills: "interleaved"})):
         monkeypatch.setattr(api, "_remote_path", lambda world, p=platform: p)
-        moe = MegaMoE(make_world("loopback+host", world_size=P, device="cuda"), E, H, I, k, 256,
-                      MegaMoEConfig("auto"), backend="fused")
-        moe.load_weights(w1, w2)
-        ys = moe.forward(xs, idx, w)
-        assert moe.last_schedule_choice.schedule == want == moe.config.schedule, moe.last_schedule_choice.reason
-        _check(ys, refs)
-        for a, b in zip(ys, fixed[want]):
-            assert torch.equal(a, b)
-        ys = moe.enqueue(xs, idx, w)
+        moe = make("auto")
+        for kind in ("balanced", "skewed", "balanced"):
+            _, _, xs, idx, w = problems[kind]
+            ys = moe.forward(xs, idx, w)
+            want = picks[kind]
+            assert moe.last_schedule_choice.schedule == want == moe.config.schedule, moe.last_schedule_choice.reason
+            _check(ys, reference_moe_fp32(xs, idx, w, w1, w2))
+            for a, b in zip(ys, fixed[kind, want]):
+                assert torch.equal(a, b)
+        ys = moe.enqueue(xs, idx, w)  # the balanced problem, the construction-time pick
         moe.check()
         assert moe.config.schedule == moe.schedule_choice.schedule
-        for a, b in zip(ys, fixed[want]):
+        for a, b in zip(ys, fixed["balanced", moe.schedule_choice.schedule]):
             assert torch.equal(a, b)
