@@ -49,21 +49,26 @@ def apply_rechecks(payload: Mapping, rechecks: Sequence[tuple]) -> dict:
     """``payload`` with the timing of each cell re-measured in a recheck sweep (same protocol, more
     trials; ``rechecks``: (name, payload) pairs) in place of the sweep's, traces kept. The
     replaced cells are listed under ``rechecked`` (cell, file, trials, both speedups) for the
-    README. A recheck cell absent from the sweep is an error."""
+    README; a recheck's ``auto`` (``--with-auto``) replaces the cell's too. A recheck cell absent
+    from the sweep is an error."""
     cells = [dict(r) for r in payload.get("cells", [])]
     index = {tuple(sorted(r["cell"].items())): i for i, r in enumerate(cells)}
     done = []
     for name, rp in rechecks:
-        for r in measured_cells(rp):
+        for r in [c for c in rp.get("cells", []) if c.get("status") == "ok"]:
             key = tuple(sorted(r["cell"].items()))
             if key not in index:
                 raise ValueError(f"recheck {name}: cell {r['cell']} is not in the sweep")
             old = cells[index[key]]
             done.append(dict(cell=r["cell"], file=name, trials=r["timing"]["n_trials"],
-                             matched=r["timing"]["n_matched"], sweep_speedup=old["timing"]["speedup"],
-                             recheck_speedup=r["timing"]["speedup"]))
-            cells[index[key]] = dict(old, timing=r["timing"])
+                             matched=r["timing"]["n_matched"], sweep_speedup=old["timing"].get("speedup"),
+                             recheck_speedup=r["timing"].get("speedup")))
+            cells[index[key]] = dict(old, timing=r["timing"], **({"auto": r["auto"]} if "auto" in r else {}))
     return dict(payload, cells=cells, rechecked=done)
+
+
+def _x4(ratio) -> str:
+    return "inconclusive" if ratio is None else f"{ratio:.4f}x"
 
 
 def _c(rec, field):
@@ -375,6 +380,40 @@ def auto_summary(rows: Sequence[Mapping]) -> list:
     return out
 
 
+def measured_auto_rows(cells: Sequence[Mapping], min_matched: int = 5) -> list:
+    """``schedule="auto"`` timed in the cells' own paired trials (``sweep_megamoe.py --with-auto``):
+    per cell its pick, its median per-trial ratio to each fixed schedule and to the better, and
+    whether both comparisons had ``min_matched`` clock-matched trials (``conclusive``)."""
+    out = []
+    for rec in cells:
+        a = rec.get("auto")
+        if not a or a.get("over_better") is None:
+            continue
+        matched = min(a["n_matched_expert_wave"], a["n_matched_interleaved"])
+        out.append(dict(rec["cell"], pick=a["pick"], over_expert_wave=a["over_expert_wave"],
+                        over_interleaved=a["over_interleaved"], over_better=a["over_better"], matched=matched,
+                        trials=rec["timing"]["n_trials"], conclusive=matched >= min_matched))
+    return out
+
+
+def measured_auto_summary(rows: Sequence[Mapping]) -> list:
+    """Per world and overall: cells, expert_wave picks, cells over 1 %, the worst, geometric means
+    of auto / each schedule, and the spread of auto / interleaved where auto ran interleaved's
+    kernel (identical kernels: the paired measurement's noise floor); conclusive cells only."""
+    out = []
+    for world in sorted({r["world"] for r in rows}) + ["all"]:
+        rs = [r for r in rows if world in ("all", r["world"]) and r["conclusive"]]
+        if not rs:
+            continue
+        same = [r["over_interleaved"] for r in rs if r["pick"] == "interleaved" and r["over_interleaved"] is not None]
+        out.append(dict(world=world, cells=len(rs), picks_expert_wave=sum(r["pick"] == "expert_wave" for r in rs),
+                        over_1pct=sum(r["over_better"] > 1.01 for r in rs), worst=max(r["over_better"] for r in rs),
+                        geo_over_interleaved=geomean([r["over_interleaved"] for r in rs if r["over_interleaved"]]),
+                        geo_over_expert_wave=geomean([r["over_expert_wave"] for r in rs if r["over_expert_wave"]]),
+                        same_kernel_min=min(same) if same else None, same_kernel_max=max(same) if same else None))
+    return out
+
+
 def regressions(cells: Sequence[Mapping]) -> list:
     """The cells where interleaved is slower (speedup < 1), slowest first, with what the author
     needs to explain them: the verdict, the mainloop medians of both schedules (interleaving
@@ -577,7 +616,7 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
               "everywhere below, traces kept):", ""]
         L += _table(["cell", "recheck", "trials (matched)", "speedup in the sweep", "speedup rechecked"],
                     [[" ".join(str(v) for v in r["cell"].values()), r["file"], f"{r['trials']} ({r['matched']})",
-                      f"{r['sweep_speedup']:.4f}x", f"{r['recheck_speedup']:.4f}x"] for r in payload["rechecked"]])
+                      _x4(r["sweep_speedup"]), _x4(r["recheck_speedup"])] for r in payload["rechecked"]])
         L.append("")
     if findings:
         L += [findings.strip(), ""]
@@ -690,6 +729,34 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
                 L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
                          f"{r['auto_over_better']:.4f}x the better schedule")
         L.append("")
+    ma = payload.get("auto_measured")
+    if ma:
+        mr = measured_auto_rows(ma)
+        L += ["### `schedule=\"auto\"` timed directly", "",
+              f"{len(mr)} cells timed again with auto as a third variant in the same paired trials "
+              "(`sweep_megamoe.py --with-auto`, [auto_measured/](auto_measured/)): auto / the better fixed schedule per "
+              "cell, and where auto ran interleaved's kernel, auto / interleaved of two identical kernels (the "
+              "measurement's noise floor)." + (" Cells re-measured with 40 trials replace their first run." if
+                                               payload.get("auto_rechecked") else ""), ""]
+        L += _table(["world", "cells", "picks expert_wave", "> 1 % slower than the better", "worst",
+                     "geomean auto / interleaved", "geomean auto / expert_wave", "identical kernels: auto / interleaved"],
+                    [[r["world"], r["cells"], r["picks_expert_wave"], r["over_1pct"], f"{r['worst']:.4f}x",
+                      f"{r['geo_over_interleaved']:.4f}", f"{r['geo_over_expert_wave']:.4f}",
+                      "–" if r["same_kernel_min"] is None else f"{r['same_kernel_min']:.4f} – {r['same_kernel_max']:.4f}"]
+                     for r in measured_auto_summary(mr)])
+        for r in payload.get("auto_rechecked", []):
+            L.append(f"- rechecked: {' '.join(str(v) for v in r['cell'].values())}: speedup {_x4(r['sweep_speedup'])} "
+                     f"-> {_x4(r['recheck_speedup'])} ({r['trials']} trials, {r['file']})")
+        for r in mr:
+            if not r["conclusive"]:
+                L.append(f"- inconclusive (fewer than 5 clock-matched trials, not in the table): {r['shape']} "
+                         f"{r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
+                         f"{r['over_expert_wave']:.4f}x expert_wave, {r['over_interleaved']:.4f}x interleaved "
+                         f"({r['matched']} matched of {r['trials']})")
+            elif r["over_better"] > 1.01:
+                L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
+                         f"{r['over_better']:.4f}x the better schedule ({r['matched']} matched trials)")
+        L.append("")
 
     # the sign test per cell
     L += ["## Sign test per cell", "",
@@ -776,6 +843,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the cells reported (a W8A8 report belongs in its own --out folder)")
     ap.add_argument("--recheck", nargs="+", default=(), metavar="JSON",
                     help="sweeps that re-measured some cells with more trials: their timing replaces the sweep's")
+    ap.add_argument("--auto-measured", nargs="+", default=(), metavar="JSON",
+                    help="sweeps run with --with-auto: auto timed directly (a README section)")
+    ap.add_argument("--auto-recheck", nargs="+", default=(), metavar="JSON",
+                    help="--with-auto sweeps that re-measured some of those cells with more trials")
     return ap
 
 
@@ -784,6 +855,11 @@ def main(argv=None) -> dict:
     payload = load_sweep(args.sweep)
     if args.recheck:
         payload = apply_rechecks(payload, [(Path(f).name, load_sweep(f)) for f in args.recheck])
+    if args.auto_measured:
+        auto = dict(cells=[c for f in args.auto_measured for c in load_sweep(f).get("cells", [])])
+        auto = apply_rechecks(auto, [(Path(f).name, load_sweep(f)) for f in args.auto_recheck])
+        payload = dict(payload, auto_measured=[r for r in auto["cells"] if r.get("status") == "ok" and r.get("auto")],
+                       auto_rechecked=auto["rechecked"])
     out = Path(args.out) if args.out else Path(args.sweep).parent
     paths = write_report(payload, out, precision=args.precision, table2_world=args.table2_world, table2_routing=args.table2_routing,
                          table2_P=args.table2_P, fig10_routing=args.fig10_routing, fig10_shapes=args.fig10_shapes,
