@@ -736,7 +736,7 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
               f"{len(mr)} cells timed again with auto as a third variant in the same paired trials "
               "(`sweep_megamoe.py --with-auto`, [auto_measured/](auto_measured/)): auto / the better fixed schedule per "
               "cell, and where auto ran interleaved's kernel, auto / interleaved of two identical kernels (the "
-              "measurement's noise floor)." + (" Cells re-measured with 40 trials replace their first run." if
+              "measurement's noise floor)." + (" Cells re-measured with more trials replace their first run (listed below)." if
                                                payload.get("auto_rechecked") else ""), ""]
         L += _table(["world", "cells", "picks expert_wave", "> 1 % slower than the better", "worst",
                      "geomean auto / interleaved", "geomean auto / expert_wave", "identical kernels: auto / interleaved"],
