@@ -339,8 +339,8 @@ def choose_megamoe_schedule(platform: Platform | None, *, hidden: int, intermedi
     1. Eq. (10)'s capacity bound per expert wave (:func:`model.expert_wave_absorbs`): where every
        rank's waves absorb their Combine (V - R T_L2 <= W Q), expert_wave has no backpressure and
        wins: interleaving would only move the drain under Linear-1 mainloops, which the sweep
-       measures slower while the path drains (interleaved's L1 mainloops 1.0-2.9x their loopback
-       time over PCIe, expert_wave's 0.7-1.05x; results/h200/megamoe/xstage/).
+       measures slower while the path drains (interleaved's L1 mainloops 0.96-2.95x their loopback
+       time over PCIe, expert_wave's 0.69-1.05x; results/h200/megamoe/xstage/).
     2. Otherwise the whole-kernel drain bound of eq. (11) (:func:`model.kernel_rate_bounds`,
        mainloops from the platform's dense rate, m-blocks from ``expert_rows``) predicts both
        schedules on the slowest rank; interleaved's prediction is scaled by the measured
