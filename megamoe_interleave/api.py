@@ -169,11 +169,11 @@ class MegaMoE:
         # here for balanced routing at max_tokens_per_rank (enqueue / capture keep it), and in each
         # forward again from the call's routing where there is a remote path (_choose_for_call).
         platform = _remote_path(world) if config.schedule == AUTO else None
-        self._auto = None if platform is None else config.auto_model(shape, P, max_tokens_per_rank, num_sms, platform)
+        self._auto_model = None if platform is None else config.auto_model(shape, P, max_tokens_per_rank, num_sms, platform)
         config, self.schedule_choice = config.choose_schedule(shape, P, max_tokens_per_rank, num_sms, platform)
         self.last_schedule_choice = self.schedule_choice  # the last forward's (per call with a remote path)
         self._configs = {s: dataclasses.replace(config, schedule=s).resolve(shape, P, max_tokens_per_rank, num_sms)
-                         for s in ((config.schedule,) if self._auto is None else ("interleaved", "expert_wave"))}
+                         for s in ((config.schedule,) if self._auto_model is None else ("interleaved", "expert_wave"))}
         self.world, self.backend, self.num_sms = world, backend, num_sms
         self.num_experts, self.hidden, self.intermediate, self.topk = num_experts, hidden, intermediate, topk
         self.experts_per_rank = num_experts // P
@@ -322,7 +322,7 @@ class MegaMoE:
         which the kernels allow (their dependencies are the Dispatch publish and the Combine)."""
         from xstage import planner
 
-        plan, waves = self._auto
+        plan, waves = self._auto_model
         rows = [perms[d].counts_host[: self.experts_per_rank] for d in sorted(perms)]
         choice = planner.schedule_choice_of(plan, waves=waves, expert_rows=rows)  # host arithmetic: ~40-50 us at 384 experts
         self.last_schedule_choice = choice
@@ -435,7 +435,7 @@ class MegaMoE:
     def _plan_local_ranks(self):
         idxs, ws = self._all_routing()
         perms = reference.permute_ranks(idxs, ws, self.world.local_ranks, self.experts_per_rank)
-        if self._auto is not None:
+        if self._auto_model is not None:
             self._choose_for_call(perms)
         out = {}
         for d, perm in perms.items():
@@ -641,7 +641,7 @@ class MegaMoE:
                                       "multi-process worlds (torch-symm, nvshmem) use forward()")
         if self.config.trace:
             raise NotImplementedError("enqueue() runs the kernel without the per-tile trace")
-        self._use_schedule(self.schedule_choice.schedule if self._auto is not None else self.config.schedule)
+        self._use_schedule(self.schedule_choice.schedule if self._auto_model is not None else self.config.schedule)
         if self.world.device.type != "cuda":
             raise RuntimeError("backend='fused' needs a CUDA device")
         xs, idxs, ws = self._as_rank_list(x), self._as_rank_list(topk_idx), self._as_rank_list(topk_weights)

@@ -67,6 +67,14 @@ def apply_rechecks(payload: Mapping, rechecks: Sequence[tuple]) -> dict:
     return dict(payload, cells=cells, rechecked=done)
 
 
+def _label(cell: Mapping) -> str:
+    """A cell's label (:attr:`sweep.Cell.label`) from a record's cell dict or a row holding its keys."""
+    from .sweep import Cell
+
+    return Cell(cell["shape"], cell["routing"], cell["tokens"], cell["world"], cell["P"],
+                cell.get("precision", "bf16")).label
+
+
 def _x4(ratio) -> str:
     return "inconclusive" if ratio is None else f"{ratio:.4f}x"
 
@@ -317,15 +325,10 @@ def call_expert_rows(shape, kind: str, P: int, tokens: int, strength: float = 1.
     """Rows per local expert of every destination rank for the sweep's routing of a cell (the
     routing :func:`bench.make_inputs` draws, regenerated on the CPU): what a fused ``forward``
     of that cell hands ``schedule="auto"`` per call."""
-    import torch
+    from .routing import expert_load, make_routing
 
-    from .routing import make_routing
-
-    load = torch.zeros(shape.num_experts, dtype=torch.long)
-    for src in range(P):
-        idx, _ = make_routing(kind, tokens, shape.num_experts, shape.topk, seed=src, strength=strength)
-        idx = idx.flatten()
-        load += torch.bincount(idx[idx >= 0], minlength=shape.num_experts)
+    load = sum(expert_load(make_routing(kind, tokens, shape.num_experts, shape.topk, seed=src, strength=strength)[0],
+                           shape.num_experts) for src in range(P))
     el = shape.num_experts // P
     return [load[d * el:(d + 1) * el].tolist() for d in range(P)]
 
@@ -615,7 +618,7 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
         L += ["Cells re-measured with more paired trials (same protocol; their timing replaces the sweep's "
               "everywhere below, traces kept):", ""]
         L += _table(["cell", "recheck", "trials (matched)", "speedup in the sweep", "speedup rechecked"],
-                    [[" ".join(str(v) for v in r["cell"].values()), r["file"], f"{r['trials']} ({r['matched']})",
+                    [[_label(r["cell"]), r["file"], f"{r['trials']} ({r['matched']})",
                       _x4(r["sweep_speedup"]), _x4(r["recheck_speedup"])] for r in payload["rechecked"]])
         L.append("")
     if findings:
@@ -745,17 +748,16 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
                       "–" if r["same_kernel_min"] is None else f"{r['same_kernel_min']:.4f} – {r['same_kernel_max']:.4f}"]
                      for r in measured_auto_summary(mr)])
         for r in payload.get("auto_rechecked", []):
-            L.append(f"- rechecked: {' '.join(str(v) for v in r['cell'].values())}: speedup {_x4(r['sweep_speedup'])} "
+            L.append(f"- rechecked: {_label(r['cell'])}: speedup {_x4(r['sweep_speedup'])} "
                      f"-> {_x4(r['recheck_speedup'])} ({r['trials']} trials, {r['file']})")
         for r in mr:
             if not r["conclusive"]:
-                L.append(f"- inconclusive (fewer than 5 clock-matched trials, not in the table): {r['shape']} "
-                         f"{r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
+                L.append(f"- inconclusive (fewer than 5 clock-matched trials, not in the table): {_label(r)}: auto ({r['pick']}) "
                          f"{r['over_expert_wave']:.4f}x expert_wave, {r['over_interleaved']:.4f}x interleaved "
                          f"({r['matched']} matched of {r['trials']})")
             elif r["over_better"] > 1.01:
-                L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
-                         f"{r['over_better']:.4f}x the better schedule ({r['matched']} matched trials)")
+                L.append(f"- {_label(r)}: auto ({r['pick']}) {r['over_better']:.4f}x the better schedule "
+                         f"({r['matched']} matched trials)")
         L.append("")
 
     # the sign test per cell

@@ -356,6 +356,7 @@ def test_schedule_auto_per_call_on_the_pcie_path(monkeypatch):
 
     from megamoe_interleave import MegaMoE, MegaMoEConfig, api, make_world
     from megamoe_interleave.reference import reference_moe_fp32
+    from megamoe_interleave.routing import expert_load
     from xstage import planner, profiles
 
     P, k = 2, 6
@@ -377,10 +378,10 @@ def test_schedule_auto_per_call_on_the_pcie_path(monkeypatch):
     pcie = profiles.load("h200-pcie-host")
     monkeypatch.setattr(api, "_remote_path", lambda world: pcie)
     moe = make("auto")
-    plan, waves = moe._auto
+    plan, waves = moe._auto_model
 
     def rank_terms(kind):  # (T_L2, Combine bytes) of each destination rank for this routing
-        load = sum(torch.bincount(i.flatten().cpu(), minlength=E) for i in problems[kind][3])
+        load = sum(expert_load(i.cpu(), E) for i in problems[kind][3])
         el = E // P
         return [planner._rank_kernel_terms(plan, load[d * el:(d + 1) * el].tolist())[1:] for d in range(P)]
 
