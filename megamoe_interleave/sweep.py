@@ -232,17 +232,18 @@ def memory_estimate(shape, P: int, tokens: int, world: str, *, n_moes: int = 2) 
                 host_pinned_bytes=n_moes * combine if on_host else 0)
 
 
-def skip_reason(cell: Cell, gpu_budget: float = GPU_BUDGET, host_budget: float = HOST_BUDGET) -> Optional[str]:
+def skip_reason(cell: Cell, gpu_budget: float = GPU_BUDGET, host_budget: float = HOST_BUDGET,
+                n_moes: int = 2) -> Optional[str]:
     """Why ``cell`` cannot run (None: it can): the experts do not split over P, or its
-    :func:`memory_estimate` exceeds a budget."""
+    :func:`memory_estimate` with ``n_moes`` layers alive (3 with ``--with-auto``) exceeds a budget."""
     shape = get_shape(cell.shape)
     if shape.num_experts % cell.P:
         return f"num_experts {shape.num_experts} not divisible by P={cell.P}"
-    m = memory_estimate(shape, cell.P, cell.tokens, cell.world)
+    m = memory_estimate(shape, cell.P, cell.tokens, cell.world, n_moes=n_moes)
     if m["gpu_bytes"] > gpu_budget:
         return (f"estimated GPU memory {m['gpu_bytes'] / 1e9:.1f} GB > budget {gpu_budget / 1e9:.0f} GB "
                 f"(weights {m['weights_bytes'] / 1e9:.1f} + kernel-layout w1 {m['kernel_w1_bytes'] / 1e9:.1f} "
-                f"+ 2 x {m['per_moe_bytes'] / 1e9:.1f} per MegaMoE; reference phase "
+                f"+ {n_moes} x {m['per_moe_bytes'] / 1e9:.1f} per MegaMoE; reference phase "
                 f"{m['reference_phase_bytes'] / 1e9:.1f})")
     if m["host_pinned_bytes"] > host_budget:
         return f"estimated pinned host memory {m['host_pinned_bytes'] / 1e9:.1f} GB > budget {host_budget / 1e9:.0f} GB"
@@ -567,10 +568,10 @@ def write_sweep(path, payload: Mapping) -> Path:
 
 def run_sweep(cells: Sequence[Cell], out, runner: Callable[[Cell, int], dict], *, resume: bool = True,
               meta: Optional[Mapping] = None, gpu_budget: float = GPU_BUDGET, host_budget: float = HOST_BUDGET,
-              stop_on_error: bool = False, bar: Optional[bool] = None) -> dict:
+              stop_on_error: bool = False, bar: Optional[bool] = None, n_moes: int = 2) -> dict:
     """Run ``runner(cell, position)`` for every cell of ``cells`` not yet measured in ``out``
     (with ``resume``; a cell recorded as an error runs again, a skipped one is planned again),
-    recording a skip (:func:`skip_reason`) instead where it cannot run; ``out`` (JSON and CSV) is written after every cell. ``position``
+    recording a skip (:func:`skip_reason` with ``n_moes`` layers per cell) instead where it cannot run; ``out`` (JSON and CSV) is written after every cell. ``position``
     is the cell's index in ``cells`` (the paired trials rotate the schedules' order by it). A
     runner's exception is recorded as the cell's error (``stop_on_error``: re-raised after
     recording); ``runner.release()``, when it exists, runs after every cell (memory freed).
@@ -587,8 +588,9 @@ def run_sweep(cells: Sequence[Cell], out, runner: Callable[[Cell, int], dict], *
     run = len(payload["runs"]) - 1
     for pos, cell in xbench.progress(todo, desc="megamoe sweep", total=len(todo), enabled=bar):
         rec = {"cell": cell.as_dict(), "routing_kind": cell.kind, "strength": cell.strength, "run": run,
-               "position": pos, "memory": memory_estimate(get_shape(cell.shape), cell.P, cell.tokens, cell.world)}
-        reason = skip_reason(cell, gpu_budget, host_budget)
+               "position": pos, "memory": memory_estimate(get_shape(cell.shape), cell.P, cell.tokens, cell.world,
+                                                          n_moes=n_moes)}
+        reason = skip_reason(cell, gpu_budget, host_budget, n_moes)
         error = None
         if reason is not None:
             rec.update(status="skipped", reason=reason)
@@ -799,7 +801,7 @@ def describe(cells, args, file=None) -> dict:
     file = file or sys.stdout
     runnable, skipped = [], []
     for c in cells:
-        r = skip_reason(c, args.gpu_memory_gb * 1e9, args.host_memory_gb * 1e9)
+        r = skip_reason(c, args.gpu_memory_gb * 1e9, args.host_memory_gb * 1e9, 3 if args.with_auto else 2)
         (skipped if r else runnable).append((c, r))
     est = estimate_seconds([c for c, _ in runnable], args.trials, args.trace_trials, args.trace)
     print(f"{len(cells)} cells: {len(runnable)} to run, {len(skipped)} skipped", file=file)
@@ -830,7 +832,8 @@ def main(argv=None):
                        with_auto=args.with_auto)
     meta = dict(args=vars(args), runner=runner.settings())
     return run_sweep(cells, args.out, runner, resume=args.resume, meta=meta, gpu_budget=args.gpu_memory_gb * 1e9,
-                     host_budget=args.host_memory_gb * 1e9, stop_on_error=args.stop_on_error)
+                     host_budget=args.host_memory_gb * 1e9, stop_on_error=args.stop_on_error,
+                     n_moes=3 if args.with_auto else 2)
 
 
 if __name__ == "__main__":

@@ -747,3 +747,13 @@ def test_compare_auto_ratios_against_each_schedule_and_the_better_one():
     row = S.flat_row(rec)
     assert row["auto_pick"] == "expert_wave" and row["auto_over_better"] == pytest.approx(1.01)
     assert S.flat_row(_record("deepseek-v4-pro", "balanced", 2048, "loopback", 1, 1.0))["auto_pick"] is None
+
+
+def test_with_auto_budgets_memory_for_three_layers():
+    """--with-auto keeps three MegaMoE layers per cell alive: the memory estimate and the skip
+    check count three."""
+    cell = S.Cell("deepseek-v4-pro", "balanced", 4096, "loopback", 8)
+    two, three = (S.memory_estimate(get_shape(cell.shape), 8, 4096, "loopback", n_moes=n)["gpu_bytes"] for n in (2, 3))
+    between = (two + three) / 2
+    assert S.skip_reason(cell, gpu_budget=between) is None
+    assert "3 x" in S.skip_reason(cell, gpu_budget=between, n_moes=3)
