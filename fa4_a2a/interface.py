@@ -132,9 +132,14 @@ def _compile(cfg: KernelConfig, options: str = ""):
 
 def compile_kernel(cfg: KernelConfig):
     """Compile (once per ``cfg``) and return the TVM-FFI callable. Works on a CPU-only host."""
+    import sys
+
+    from xstage import device
     from xstage.cute_compile import cached
 
-    return cached(cfg.key(), lambda: _compile(cfg))
+    from fa4_a2a import kernel
+
+    return cached(cfg.key(), lambda: _compile(cfg), sources=(sys.modules[__name__], kernel, device))
 
 
 def compile_ptx(cfg: KernelConfig) -> str:

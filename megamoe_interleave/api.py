@@ -410,13 +410,34 @@ class MegaMoE:
         self._poison_pending = False
 
     # -- fused kernel (kernel_sm90.MegaMoESm90) ---------------------------------
-    def _kernel(self):
+    def _kernel(self, config: Optional[MegaMoEConfig] = None):
         from xstage.cute_compile import cached
 
-        from .kernel_sm90 import compile_megamoe_sm90
+        from .kernel_sm90 import compile_megamoe_sm90, kernel_sources
 
-        key = ("MegaMoESm90", self.hidden, self.intermediate, self.config.kernel_key())
-        return cached(key, lambda: compile_megamoe_sm90(self.hidden, self.intermediate, key[-1]))
+        key = ("MegaMoESm90", self.hidden, self.intermediate, (config or self.config).kernel_key())
+        return cached(key, lambda: compile_megamoe_sm90(self.hidden, self.intermediate, key[-1]),
+                      sources=kernel_sources())
+
+    def compile(self, *, device_plan: bool = False) -> None:
+        """Compile what this layer launches before its first call, on any host (a CPU machine
+        compiles for sm_90a; with ``XSTAGE_KERNEL_CACHE`` the objects are kept for a GPU host,
+        :func:`xstage.cute_compile.cached`): the fused kernel of every schedule the layer may run,
+        the top-k reduction and, with ``device_plan``, the device-side plan (enqueue / capture)."""
+        from .plan_kernel import compiled_device_plan
+        from .topk_reduce import compiled_topk_reduce
+
+        if self.backend != "fused":
+            raise ValueError("compile() builds the fused kernels: backend='fused' only")
+        for c in self._configs.values():
+            self._kernel(c)
+            if device_plan:
+                compiled_device_plan(self.world.world_size, self.buffer.max_tokens, self.topk, self.experts_per_rank,
+                                     block_m=BLOCK_M, schedule=c.schedule_spec(), num_pairs=self.device_ctas // 2,
+                                     pairs_l1=2 * self.intermediate // c.block_n, pairs_l2=self.hidden // c.block_n,
+                                     hidden=self.hidden, intermediate=self.intermediate,
+                                     experts_per_wave=c.experts_per_wave)
+        compiled_topk_reduce(self.hidden)
 
     def plan_rank(self, d: int):
         """Host part of Dispatch for destination rank ``d``: the expert-major pool and the

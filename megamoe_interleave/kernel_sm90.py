@@ -386,6 +386,19 @@ def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16
     return (*tensors, *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
 
 
+def kernel_sources():
+    """The modules whose code is the fused kernel's program (the disk key of
+    :func:`xstage.cute_compile.cached`)."""
+    import sys
+
+    from xstage import pipeline
+
+    from . import config, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_mainloop
+
+    return (sys.modules[__name__], config, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_mainloop, xdev,
+            pipeline)
+
+
 def compile_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig, *, options: str = ""):
     """Compile for CUTE_DSL_ARCH (no GPU needed); ``options`` go to the DSL compiler (e.g.
     ``--keep-ptx --dump-dir=DIR``)."""

@@ -251,6 +251,26 @@ def compile_device_plan(plan: DevicePlanSm90, *, keep_ptx: bool = False):
     return compile_hopper(plan, *args, keep_ptx=keep_ptx)
 
 
+def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, block_m: int,
+                         schedule: Schedule, num_pairs: int, pairs_l1: int, pairs_l2: int, hidden: int,
+                         intermediate: int, experts_per_wave: int | None = None):
+    """(the plan of :class:`DevicePlanSm90`, its compiled kernel), compiled once per configuration
+    (on any host: :meth:`MegaMoE.compile` calls it ahead of a GPU run)."""
+    import sys
+
+    from xstage.cute_compile import cached
+
+    from . import device_plan, scheduler
+
+    spec = (world_size, max_tokens, topk, experts_per_rank, block_m, schedule, num_pairs, pairs_l1, pairs_l2, hidden,
+            intermediate, experts_per_wave)
+    plan = DevicePlanSm90(world_size, max_tokens, topk, experts_per_rank, block_m=block_m, schedule=schedule,
+                          num_pairs=num_pairs, pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden,
+                          intermediate=intermediate, experts_per_wave=experts_per_wave)
+    return plan, cached(("DevicePlanSm90",) + spec, lambda: compile_device_plan(plan).fn,
+                        sources=(sys.modules[__name__], device_plan, scheduler))
+
+
 def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_rank: int, block_m: int,
                           schedule: Schedule, num_pairs: int, pairs_l1: int, pairs_l2: int, hidden: int,
                           intermediate: int, experts_per_wave: int | None = None) -> DevicePlan:
@@ -259,17 +279,12 @@ def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_ran
     :class:`DevicePlanSm90` (compiled once per configuration). CUDA only."""
     import torch
 
-    from xstage.cute_compile import cached
-
     P, T, k = topk_idx.shape
     el, dev = experts_per_rank, topk_idx.device
-    E = P * el
-    _, counts, order = sorted_slots(topk_idx, num_tokens, E)
-    spec = (P, T, k, el, block_m, schedule, num_pairs, pairs_l1, pairs_l2, hidden, intermediate, experts_per_wave)
-    plan = DevicePlanSm90(P, T, k, el, block_m=block_m, schedule=schedule, num_pairs=num_pairs, pairs_l1=pairs_l1,
-                          pairs_l2=pairs_l2, hidden=hidden, intermediate=intermediate,
-                          experts_per_wave=experts_per_wave)
-    fn = cached(("DevicePlanSm90",) + spec, lambda: compile_device_plan(plan).fn)
+    _, counts, order = sorted_slots(topk_idx, num_tokens, P * el)
+    plan, fn = compiled_device_plan(P, T, k, el, block_m=block_m, schedule=schedule, num_pairs=num_pairs,
+                                    pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden, intermediate=intermediate,
+                                    experts_per_wave=experts_per_wave)
     s = plan.sizes
     i32 = dict(dtype=torch.int32, device=dev)
     pool_src = torch.empty(P, s.max_pool, 3, **i32)

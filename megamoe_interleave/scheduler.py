@@ -273,6 +273,18 @@ class Tile:
     count: Any = 0  # tokens of the expert
 
 
+def tile_pool_row(tile: Tile, m, block_m: int):
+    """The pool row whose per-row data (W8A8 scales) row ``m`` of ``tile``'s M block reads: its own
+    row while it holds one of the expert's tokens, else the expert's last row. With
+    ``pair_splits_m`` member 1 of an expert's last scheduler row runs a block that may hold no rows
+    (or a few): its rows past the expert end. The pool is padded by one block only, so without the
+    clamp those reads ran up to 63 rows past the pool's end (the W8A8 illegal address of
+    issue 39). The clamped rows feed accumulator rows that are never stored."""
+    row = tile.tok0 + tile.m_block * block_m + m
+    last = tile.tok0 + tile.count - 1
+    return select(row > last, last, row)
+
+
 def _row_record(grid: RowGrid, row, valid):
     """``grid.row_record[row]`` if valid else zeros; idle steps may carry an out-of-range
     row, so the DSL path clamps it (device tables always hold at least one record)."""

@@ -28,6 +28,7 @@ from quack import sm90_utils
 from xstage import device as xdev
 
 from .config import BLOCK_M, QUANT_BLOCK
+from .scheduler import tile_pool_row
 
 SLICE_N = 64  # columns per WGMMA slice of a full tile (see the module docstring)
 E4M3_MAX = 448.0  # quant.E4M3_MAX
@@ -80,9 +81,9 @@ class Fp8ConsumerMixin:
         b_scale = gm.w1_scale if const_expr(l1) else gm.w2_scale
         r0, _ = tCcC[0]  # this thread's two rows (v1 = 0, 1)
         r1, _ = tCcC[2]
-        a_row0 = tile.tok0 + tile.m_block * BLOCK_M
-        pa0 = Int64(a_scale.iterator.toint()) + Int64(a_row0 + r0) * (ks * 4)
-        pa1 = Int64(a_scale.iterator.toint()) + Int64(a_row0 + r1) * (ks * 4)
+        # rows past the expert's tokens read its last row's scales (the pool ends one block later)
+        pa0 = Int64(a_scale.iterator.toint()) + Int64(tile_pool_row(tile, r0, BLOCK_M)) * (ks * 4)
+        pa1 = Int64(a_scale.iterator.toint()) + Int64(tile_pool_row(tile, r1, BLOCK_M)) * (ks * 4)
         b_block = tile.expert * (n_dim // QUANT_BLOCK) + 2 * tile.n_block
         if const_expr(half):  # warpgroup w holds the tile's columns [128 w, 128 w + 128)
             b_block = b_block + cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4

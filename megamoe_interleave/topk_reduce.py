@@ -66,10 +66,17 @@ def topk_reduce_cuda(slots, rows):
     """:func:`reference.topk_reduce` on a CUDA device with the kernel (compiled once per hidden)."""
     import torch
 
-    from xstage.cute_compile import cached
-
     H = slots.shape[1]
     out = torch.empty(rows.shape[0], H, dtype=slots.dtype, device=slots.device)
     if rows.shape[0]:
-        cached(("TopkReduceSm90", H), lambda: compile_topk_reduce(H).fn)(slots, rows, out)
+        compiled_topk_reduce(H)(slots, rows, out)
     return out
+
+
+def compiled_topk_reduce(hidden: int):
+    """The reduction's kernel for rows of ``hidden`` bf16 elements, compiled once (on any host)."""
+    import sys
+
+    from xstage.cute_compile import cached
+
+    return cached(("TopkReduceSm90", hidden), lambda: compile_topk_reduce(hidden).fn, sources=(sys.modules[__name__],))

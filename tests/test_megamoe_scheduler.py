@@ -16,6 +16,7 @@ from megamoe_interleave.scheduler import (
     enumerate_order,
     make_row_grid,
     tile_key,
+    tile_pool_row,
 )
 
 grids = st.builds(
@@ -368,3 +369,38 @@ def test_divmod_small_float_path_is_exact():
         got = ((a + np.float32(0.5)) * rcp).astype(np.int32)
         assert (got == want).all(), eps
     assert divmod_small(97, 6) == (16, 1) and divmod_small(0, 1) == (0, 0)
+
+
+def _rows_read(tile, block_m):
+    """The rows of ``tile``'s M block the kernel's W8A8 consumers load scales for: 64 for a half
+    tile (<= 64 of its rows hold tokens, sm90_mainloop.consumer_tiles), else block_m."""
+    return 64 if tile.count - tile.m_block * block_m <= 64 else block_m
+
+
+@settings(max_examples=150, deadline=None)
+@given(grids, schedules, cta_counts)
+def test_tile_pool_rows_stay_inside_the_pool(grid, schedule, num_ctas):
+    """Every per-row read of every tile (W8A8 scales) lands on a row of the tile's expert, so inside
+    the pool (which ends one block past the last expert's tokens): the kernel reads no further."""
+    n_pool = sum(rec[3] for rec in {r[0]: r for r in grid.row_record}.values())
+    for seq in _enumerate_all(schedule, grid, num_ctas):
+        for t in seq:
+            for m in range(_rows_read(t, grid.row_block // (2 if grid.pair_splits_m else 1))):
+                row = tile_pool_row(t, m, grid.row_block // (2 if grid.pair_splits_m else 1))
+                assert t.tok0 <= row < t.tok0 + t.count <= n_pool
+
+
+def test_unclamped_rows_of_an_empty_pair_member_ran_past_the_padded_pool():
+    """Issue 39's illegal address: an expert whose last scheduler row holds 1-63 tokens gives CTA 1
+    of the pair a block with none, which still runs (the pair shares the multicast weights) as a
+    half tile; its rows tok0 + 128 + [0, 64) reached up to 63 rows past the pool's one padding
+    block. tile_pool_row keeps them on the expert's last row."""
+    block_m = 128
+    grid = make_row_grid([100, 25], block_m=block_m, n_blocks_l1=2, n_blocks_l2=2, pair_splits_m=True)
+    n_pad = 125 + block_m
+    (seq0, seq1) = enumerate_all(Schedule("expert_wave"), grid, 2)
+    last = [t for t in seq1 if t.expert == 1]
+    assert last and all(t.m_block == 1 for t in last)
+    unclamped = max(t.tok0 + t.m_block * block_m + m for t in last for m in range(_rows_read(t, block_m)))
+    assert unclamped >= n_pad  # what the kernel read before
+    assert max(tile_pool_row(t, m, block_m) for t in last for m in range(64)) == 124

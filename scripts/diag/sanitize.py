@@ -7,8 +7,15 @@
 Cases: calibration (burst kernel, device and pinned-host destinations), fa4_a2a (fused Ulysses
 attention, loopback P = 2, non-causal and causal), fa4_a2a_copy (the A2A-only baseline's copy
 kernel, against torch copies), megamoe_expert_wave / megamoe_interleaved (P = 2,
-E = 16, H = 1024, I = 512, top-4, 100 / 37 tokens, the default configuration). Each case checks its
-output against the fp32 reference, so a run under the sanitizer is also a correctness run.
+E = 16, H = 1024, I = 512, top-4, 100 / 37 tokens, the default configuration),
+megamoe_w8a8_expert_wave / megamoe_w8a8_interleaved (that problem in W8A8, then P = 1, 200 tokens,
+top-2, H = 512, I = 256: the case whose empty pair-member tiles read scales past the pool, issue
+39), megamoe_plan (the device-side plan's kernel, equal to the torch plan, then one enqueue). Each
+case checks its output against a reference, so a run under the sanitizer is also a correctness run.
+
+The children run with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every
+tensor is then its own allocation, so memcheck sees a read past a tensor's end, which inside a
+cached segment it cannot.
 """
 from __future__ import annotations
 
@@ -20,10 +27,13 @@ import subprocess
 import sys
 import time
 
-CASES = ("calibration", "fa4_a2a", "fa4_a2a_copy", "megamoe_expert_wave", "megamoe_interleaved")
+CASES = ("calibration", "fa4_a2a", "fa4_a2a_copy", "megamoe_expert_wave", "megamoe_interleaved",
+         "megamoe_w8a8_expert_wave", "megamoe_w8a8_interleaved", "megamoe_plan")
 TOOLS = ("memcheck", "racecheck")
 KERNEL_FILTER = {"calibration": "BurstKernel", "fa4_a2a": "FlashAttentionUlyssesSm90", "fa4_a2a_copy": "UlyssesA2ACopy",
-                 "megamoe_expert_wave": "MegaMoESm90", "megamoe_interleaved": "MegaMoESm90"}
+                 "megamoe_expert_wave": "MegaMoESm90", "megamoe_interleaved": "MegaMoESm90",
+                 "megamoe_w8a8_expert_wave": "MegaMoESm90", "megamoe_w8a8_interleaved": "MegaMoESm90",
+                 "megamoe_plan": "DevicePlanSm90"}
 
 
 def run_calibration():
@@ -82,26 +92,115 @@ def run_fa4_a2a_copy():
     assert all(torch.equal(outs.local(j), want.local(j)) for j in range(P)), "a2a_symm differs from torch copies"
 
 
-def run_megamoe(schedule):
+# The megamoe cases' problems: (P, E, H, I, top-k, tokens per rank, max_tokens_per_rank)
+MEGAMOE_PROBLEMS = {
+    "bf16": [(2, 16, 1024, 512, 4, [100, 37], 128)],
+    # the bf16 problem, then issue 39's (P = 1: the last expert's 25 rows leave CTA 1 of its pair a
+    # tile without rows, whose scale reads ran past the pool)
+    "w8a8": [(2, 16, 1024, 512, 4, [100, 37], 256), (1, 16, 512, 256, 2, [200], 256)],
+}
+PLAN_PROBLEM = (2, 16, 512, 256, 4, [64, 37], 64)  # skewed, 20 % masked
+PLAN_SCHEDULES = (("expert_wave", dict(experts_per_wave=2)), ("interleaved", dict(lead=2, balance_l2=True)))
+
+
+def megamoe_layer(problem, precision, schedule, device):
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
+
+    P, E, H, I, k, _, T = problem
+    return MegaMoE(make_world("loopback", world_size=P, device=device), E, H, I, k, T,
+                   MegaMoEConfig(schedule, precision=precision), backend="fused", num_sms=132)
+
+
+def megamoe_inputs(problem, kind="balanced", mask=0.0, seed=0):
     import torch
 
-    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
-    from megamoe_interleave.reference import reference_moe_fp32
     from megamoe_interleave.routing import make_routing
 
-    E, H, I, k, P, tokens = 16, 1024, 512, 4, 2, [100, 37]
-    g = torch.Generator().manual_seed(0)
+    P, E, H, I, k, tokens, _ = problem
+    g = torch.Generator().manual_seed(seed)
     w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda()
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda()
     xs = [torch.randn(t, H, generator=g).bfloat16().cuda() for t in tokens]
-    routes = [make_routing("balanced", t, E, k, seed=r) for r, t in enumerate(tokens)]
-    idx, wts = [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
-    moe = MegaMoE(make_world("loopback", world_size=P, device="cuda"), E, H, I, k, 128, MegaMoEConfig(schedule))
+    routes = [make_routing(kind, t, E, k, seed=r, mask_ratio=mask, strength=2.0) for r, t in enumerate(tokens)]
+    return w1, w2, xs, [r[0].cuda() for r in routes], [r[1].cuda() for r in routes]
+
+
+def run_megamoe(precision, schedule):
+    from megamoe_interleave import quant
+    from megamoe_interleave.reference import (W8A8_KERNEL_REL_ERROR, reference_moe_fp32, reference_moe_w8a8,
+                                              relative_error)
+
+    for problem in MEGAMOE_PROBLEMS[precision]:
+        w1, w2, xs, idx, wts = megamoe_inputs(problem)
+        moe = megamoe_layer(problem, precision, schedule, "cuda")
+        moe.load_weights(w1, w2)
+        ys = moe(xs, idx, wts)
+        if precision == "bf16":
+            refs = reference_moe_fp32(xs, idx, wts, w1, w2)
+            err = max((y.float() - r).abs().max().item() for y, r in zip(ys, refs))
+            assert err < 0.05, f"megamoe {schedule} {problem}: max error {err}"
+        else:
+            err = relative_error(ys, reference_moe_w8a8(xs, idx, wts, *quant.quantize_weights(w1, w2)))
+            assert err <= W8A8_KERNEL_REL_ERROR, f"megamoe w8a8 {schedule} {problem}: relative error {err}"
+
+
+def plan_arguments(schedule, options):
+    from megamoe_interleave.scheduler import Schedule
+
+    P, E, H, I, k, tokens, T = PLAN_PROBLEM
+    spec = Schedule(schedule, **{n: v for n, v in options.items() if n != "experts_per_wave"})
+    return dict(experts_per_rank=E // P, block_m=128, schedule=spec, num_pairs=66, pairs_l1=2 * I // 256,
+                pairs_l2=H // 256, hidden=H, intermediate=I, experts_per_wave=options.get("experts_per_wave"))
+
+
+def run_megamoe_plan():
+    """The device-side plan's kernel equal to the torch plan for both schedules, then one enqueue
+    (device plan + fused kernel) against the fp32 reference."""
+    import torch
+
+    from megamoe_interleave.device_plan import plan_all_ranks
+    from megamoe_interleave.plan_kernel import plan_all_ranks_kernel
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    w1, w2, xs, idx, wts = megamoe_inputs(PLAN_PROBLEM, "skewed", 0.2, seed=1)
+    T = PLAN_PROBLEM[-1]
+    pad = lambda t: torch.cat([t, t.new_full((T - t.shape[0], t.shape[1]), -1 if t.dtype == torch.int64 else 0)])  # noqa: E731
+    idx_all, w_all = torch.stack([pad(i) for i in idx]), torch.stack([pad(w) for w in wts])
+    num_tokens = torch.tensor(PLAN_PROBLEM[5], device="cuda")
+    for schedule, options in PLAN_SCHEDULES:
+        kw = plan_arguments(schedule, options)
+        got, want = plan_all_ranks_kernel(idx_all, w_all, num_tokens, **kw), plan_all_ranks(idx_all, w_all,
+                                                                                            num_tokens, **kw)
+        for name in ("counts", "n_pool", "pool_src", "pool_weight", "num_rows", "row_record", "schedule_table"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), f"plan kernel {name} differs"
+    moe = megamoe_layer(PLAN_PROBLEM, "bf16", "interleaved", "cuda")
     moe.load_weights(w1, w2)
-    ys = moe(xs, idx, wts)
+    ys = moe.enqueue(xs, idx, wts)
+    moe.check()
     refs = reference_moe_fp32(xs, idx, wts, w1, w2)
     err = max((y.float() - r).abs().max().item() for y, r in zip(ys, refs))
-    assert err < 0.05, f"megamoe {schedule}: max error {err}"
+    assert err < 0.05, f"megamoe enqueue: max error {err}"
+
+
+def compile_megamoe_cases(cases):
+    """Compile the megamoe cases' kernels without a GPU (with XSTAGE_KERNEL_CACHE: for the GPU host)."""
+    from megamoe_interleave.plan_kernel import compiled_device_plan
+
+    for case in cases:
+        if case == "megamoe_plan":
+            for schedule, options in PLAN_SCHEDULES:
+                P, _, _, _, k, _, T = PLAN_PROBLEM
+                compiled_device_plan(P, T, k, **plan_arguments(schedule, options))
+            megamoe_layer(PLAN_PROBLEM, "bf16", "interleaved", "cpu").compile(device_plan=True)
+        elif case.startswith("megamoe_"):
+            precision, schedule = megamoe_precision_schedule(case)
+            for problem in MEGAMOE_PROBLEMS[precision]:
+                megamoe_layer(problem, precision, schedule, "cpu").compile()
+
+
+def megamoe_precision_schedule(case):
+    rest = case.removeprefix("megamoe_")
+    return ("w8a8", rest.removeprefix("w8a8_")) if rest.startswith("w8a8_") else ("bf16", rest)
 
 
 def run_case(case):
@@ -111,8 +210,10 @@ def run_case(case):
         run_fa4_a2a()
     elif case == "fa4_a2a_copy":
         run_fa4_a2a_copy()
+    elif case == "megamoe_plan":
+        run_megamoe_plan()
     else:
-        run_megamoe(case.removeprefix("megamoe_"))
+        run_megamoe(*megamoe_precision_schedule(case))
 
 
 def sanitize(case, tool, log_dir, timeout_s):
@@ -126,9 +227,10 @@ def sanitize(case, tool, log_dir, timeout_s):
         cmd += ["--racecheck-report", "all"]
     cmd += [sys.executable, os.path.abspath(__file__), "--case", case]
     t0 = time.time()
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")  # see the module docstring
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = None
     text = open(log).read()
@@ -146,7 +248,15 @@ def main():
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     ap.add_argument("--out", default="results/h200/sanitizers")
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the megamoe cases' kernels (no GPU; with XSTAGE_KERNEL_CACHE, for the GPU host)")
     args = ap.parse_args()
+    from xstage.cute_compile import ensure_hopper_target
+
+    ensure_hopper_target()
+    if args.compile_only:
+        compile_megamoe_cases(args.cases)
+        return
     if args.case:
         run_case(args.case)
         print(f"{args.case}: ok")
