@@ -550,3 +550,45 @@ def test_w8a8_kernel_compiles(schedule, trace):
     config = MegaMoEConfig(schedule, precision="w8a8", trace=trace).resolve(get_shape("deepseek-v4-flash"), 1, 256,
                                                                             132)
     assert _compile(512, 256, config) is not None
+
+
+def _check_staging_handoff_w8a8(ptx, empty, full):
+    """W8A8's staged L1 tile (E4M3 pairs, st.shared.b16) and its rows' h scales pass from the
+    consumers to the epilogue warps through the same EMPTY / FULL handoff as the bf16 stmatrix
+    tile: every consumer shared store runs between a wait on EMPTY and the next arrive on FULL,
+    and every epilogue-side shared load between a wait on FULL and the next arrive on EMPTY
+    (racecheck reports these pairs, results/h200/sanitizers/README.md). Returns (stores, loads)."""
+    lines = ptx.splitlines()
+    dec = next(i for i, ln in enumerate(lines) if "setmaxnreg.dec" in ln)
+    inc = next(i for i, ln in enumerate(lines) if "setmaxnreg.inc" in ln)
+    stores = loads = 0
+    consumers = lines[inc:]
+    inside = window_states(consumers, rf"bar\.sync\s+{empty},", rf"bar\.arrive\s+{full},", must=True)
+    for ln, ok in zip(consumers, inside):
+        if re.search(r"\bst\.shared\.(b16|b32|f32)\b", ln):
+            assert ok, f"consumer shared store outside the EMPTY..FULL window: {ln.strip()}"
+            stores += 1
+    aux = lines[dec:inc]
+    staged = window_states(aux, rf"bar\.sync\s+{full},", rf"bar\.arrive\s+{empty},", must=True)
+    for ln, ok in zip(aux, staged):
+        if re.search(r"\bld\.shared\.(v4\.)?(b32|f32|u32)\b", ln):
+            assert ok, f"epilogue shared load outside the FULL..EMPTY window: {ln.strip()}"
+            loads += 1
+    return stores, loads
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_w8a8_staging_handoff_ptx(tmp_path, schedule):
+    """The W8A8 handoff's program order (what racecheck cannot follow, see _check_staging_handoff_w8a8),
+    and the check fails when the consumers' EMPTY wait is gone."""
+    from megamoe_interleave.kernel_sm90 import NamedBarrier
+
+    empty, full = int(NamedBarrier.EpilogueEmpty), int(NamedBarrier.EpilogueFull)
+    config = MegaMoEConfig(schedule, precision="w8a8").resolve(type(DSV4)("t", 1024, 512, 16, 4, ""), 2, 128, 132)
+    ptx = _ptx(tmp_path, 1024, 512, config)
+    stores, loads = _check_staging_handoff_w8a8(ptx, empty, full)
+    assert stores >= 32 and loads >= 2, (stores, loads)  # E4M3 pairs of both fragments, scales; sC, row_scale
+    broken = ptx.replace(f"bar.sync \t{empty}, 320;", "nop;", 1)
+    with pytest.raises(AssertionError, match="outside the EMPTY"):
+        _check_staging_handoff_w8a8(broken, empty, full)

@@ -2,7 +2,8 @@
 (ptx_utils.canonical_ptx: registers renamed by first use, names and comments dropped) of the four
 default builds -- DeepSeek-V4-Flash at P = 1 and loopback P = 8, both schedules, through
 MegaMoEConfig.resolve -- hashes to tests/golden/megamoe_default_ptx.json, which was computed from
-the kernel before the redesign. Instrumentation and other options must leave these builds alone;
+the kernel before the redesign; the W8A8 builds' hashes were added with the fix of issue 39 (the
+scale rows' clamp). Instrumentation and other options must leave these builds alone;
 a change that alters one on purpose updates the file and says why.
 
     python tests/test_megamoe_ptx_golden.py     # print the current hashes
@@ -20,17 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # ptx_utils, when run 
 from ptx_utils import canonical_ptx  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "megamoe_default_ptx.json"
-BUILDS = [(P, s) for P in (1, 8) for s in ("expert_wave", "interleaved")]
+BUILDS = [(P, s, precision) for precision in ("bf16", "w8a8") for P in (1, 8) for s in ("expert_wave", "interleaved")]
 
 
-def build_hash(P, schedule):
+def build_name(P, schedule, precision):
+    return f"P{P}_{schedule}" + ("" if precision == "bf16" else f"_{precision}")
+
+
+def build_hash(P, schedule, precision="bf16"):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from megamoe_interleave.config import MegaMoEConfig
     from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
     from megamoe_interleave.shapes import get_shape
 
     shape = get_shape("deepseek-v4-flash")
-    config = MegaMoEConfig(schedule).resolve(shape, P, 8192, 132)
+    config = MegaMoEConfig(schedule, precision=precision).resolve(shape, P, 8192, 132)
     with tempfile.TemporaryDirectory() as d:
         compile_megamoe_sm90(shape.hidden, shape.intermediate, config.kernel_key(), options=f"--keep-ptx --dump-dir={d}")
         ptx = "\n".join(Path(d, f).read_text() for f in sorted(os.listdir(d)) if f.endswith(".ptx"))
@@ -39,10 +44,10 @@ def build_hash(P, schedule):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("P,schedule", BUILDS)
-def test_shipped_build_is_the_golden_program(P, schedule):
-    want = json.loads(GOLDEN.read_text())["builds"][f"P{P}_{schedule}"]
-    assert build_hash(P, schedule) == want, f"the P = {P} {schedule} build changed: see {GOLDEN.name}"
+@pytest.mark.parametrize("P,schedule,precision", BUILDS)
+def test_shipped_build_is_the_golden_program(P, schedule, precision):
+    want = json.loads(GOLDEN.read_text())["builds"][build_name(P, schedule, precision)]
+    assert build_hash(P, schedule, precision) == want, f"the P = {P} {schedule} {precision} build changed: see {GOLDEN.name}"
 
 
 def test_canonical_ptx_ignores_register_numbering_only():
@@ -54,5 +59,5 @@ def test_canonical_ptx_ignores_register_numbering_only():
 
 
 if __name__ == "__main__":
-    for P, schedule in BUILDS:
-        print(f"P{P}_{schedule}", build_hash(P, schedule))
+    for build in BUILDS:
+        print(build_name(*build), build_hash(*build))
