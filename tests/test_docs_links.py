@@ -35,16 +35,21 @@ def _in_git_checkout():
     return (_git("rev-parse", "--is-inside-work-tree") or "").strip() == "true"
 
 
-def markdown_files():
-    """The tracked *.md files (without git: every *.md outside hidden folders)."""
-    out = _git("ls-files", "-z", "--", "*.md") if _in_git_checkout() else None
-    if out is not None:
-        return sorted(ROOT / f for f in out.split("\0") if f and (ROOT / f).is_file())
+def _files_on_disk():
+    """Repository-relative paths of the files outside hidden folders (no git checkout)."""
     found = []
     for d, dirs, files in os.walk(ROOT):
         dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
-        found += [Path(d) / f for f in files if f.endswith(".md")]
-    return sorted(found)
+        found += [str((Path(d) / f).relative_to(ROOT)) for f in files]
+    return found
+
+
+def markdown_files():
+    """The tracked *.md files (without git: every *.md outside hidden folders)."""
+    out = _git("ls-files", "-z", "--", "*.md") if _in_git_checkout() else None
+    if out is None:
+        return sorted(ROOT / f for f in _files_on_disk() if f.endswith(".md"))
+    return sorted(ROOT / f for f in out.split("\0") if f and (ROOT / f).is_file())
 
 
 def _prose_lines(text):
@@ -84,11 +89,7 @@ def _expand_braces(p):
 def _tracked():
     """(files, folders) of the repository: the tracked ones in a git checkout, else what is on disk."""
     out = _git("ls-files", "-z") if _in_git_checkout() else None
-    if out is None:
-        files = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
-                 if p.is_file() and not any(x.startswith(".") for x in p.relative_to(ROOT).parts)}
-    else:
-        files = {f for f in out.split("\0") if f}
+    files = set(_files_on_disk()) if out is None else {f for f in out.split("\0") if f}
     folders = {str(Path(f).parents[i]) for f in files for i in range(len(Path(f).parts) - 1)}
     return files, folders
 
