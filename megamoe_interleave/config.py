@@ -4,7 +4,8 @@
 both take them from here.
 
 Every default cites the H200 measurement that chose it (DeepSeek-V4-Flash, 8192 tokens per rank,
-clock-matched paired trials; the folders are under results/h200/megamoe/archive/ unless named otherwise).
+clock-matched paired trials; the folders are indexed in results/h200/megamoe/archive/README.md unless named
+otherwise, and are in git history at bedde32).
 """
 from __future__ import annotations
 
@@ -225,7 +226,7 @@ class MegaMoEConfig:
           W = 0 / 4 / 5 / 6 / 7 gave 1.048 / 1.088 / 1.009 / 1.017 / 1.033x; interleaved no W in
           5..14 beat W = 0 (window/).
         * l2_columns: on for expert_wave wherever the order's positions fit scheduler.divmod_small
-          (0.1-0.3 % faster than the row order on three hosts, results/h200/megamoe/archive/l2_columns/).
+          (0.1-0.3 % faster than the row order on three hosts, l2_columns/ in results/h200/megamoe/archive/README.md).
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
 
         precision="w8a8" also needs H and I to be multiples of QUANT_BLOCK (the 1x128 activation

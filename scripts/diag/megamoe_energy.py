@@ -3,7 +3,7 @@
 counter, with the power, SM clock and clock-event reasons NVML reports while they run.
 
 Why: inside a call the kernel clocks well below what NVML's clock reading says
-(results/h200/megamoe/trace_clock/), which points at a power cap. Under a cap, the run time
+(trace_clock/ in results/h200/megamoe/archive/README.md), which points at a power cap. Under a cap, the run time
 follows the energy each call needs, so J per call is the number to compare.
 
 Per variant, rotated over ``--rounds``: a host sleep (``--cooldown-s``), then back-to-back calls

@@ -8,7 +8,7 @@ twice, so ncu can pick one rank kernel and the GEMMs of the same rank:
     ncu --clock-control none --kernel-name regex:device_kernel --launch-skip 2 --launch-count 2 \\
         --section SpeedOfLight --csv --page details python scripts/diag/megamoe_ncu_driver.py --P 8
 
-(results/h200/megamoe/final2/ncu_*_P8_rank0.csv, with the ComputeWorkloadAnalysis and
+(final2/ncu_*_P8_rank0.csv in results/h200/megamoe/archive/README.md, with the ComputeWorkloadAnalysis and
 MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.)
 
 ``--no-dispatch-copy``: the fused kernel without its Dispatch copy

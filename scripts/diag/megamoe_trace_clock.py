@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The SM clock inside the fused kernel, from its trace build: per tile, ``%clock64`` cycles from
 tile start to mainloop end over the ``%globaltimer`` nanoseconds between them. NVML cannot
-resolve the clock within a 28-ms call (results/h200/megamoe/clock_probe/), so this is how to tell
+resolve the clock within a 28-ms call (clock_probe/ in results/h200/megamoe/archive/README.md), so this is how to tell
 whether a call runs power-limited: a call after the paired bench's cooldown ("cool") against
 the last of back-to-back calls ("hot"), per rank (in a loopback call rank r runs r-th).
 
