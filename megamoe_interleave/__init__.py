@@ -4,11 +4,15 @@
 
 Modules
 -------
-api             ``MegaMoE`` (the layer), ``MegaMoEBuffer``, ``transform_weights``
+api             ``MegaMoE`` (the layer), ``MegaMoEBuffer``
+weights         ``transform_weights``: the kernel's gate/up interleaved w1 layout
 config          ``MegaMoEConfig`` and its tuned defaults (``resolve``), tile and trace constants
-kernel_sm90     ``MegaMoESm90``: the persistent fused kernel; its roles in ``sm90_mainloop``
+kernel          the fused kernel of a precision (``kernel_class``, ``compile_megamoe_sm90``)
+kernel_sm90     ``MegaMoESm90``: the persistent fused kernel in BF16; its roles in ``sm90_mainloop``
                 (TMA producer, WGMMA consumers), ``sm90_epilogue`` (h publish, Combine remote
-                stores) and ``sm90_dispatch`` (row pull)
+                stores) and ``sm90_dispatch`` (row pull); ``named_barrier``, ``activation`` (SwiGLU)
+sm90_fp8        ``MegaMoESm90W8A8``: the W8A8 precision class (FP8 fragments, MMA with promotion,
+                h quantization, the scales' Dispatch)
 scheduler       tile schedulers (pure functions: the Python reference and the kernel's trace-time
                 arithmetic share one definition), deadlock-freedom proof, eq. 16 lead
 schedule_trace  tiny device kernel that evaluates the schedulers (device order == reference)

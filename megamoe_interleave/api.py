@@ -39,41 +39,14 @@ import numpy as np
 import torch
 
 from . import quant, reference, torch_backend
-from .config import AUTO, BLOCK_M, INTERLEAVE, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
+from .config import AUTO, BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
 from .device_plan import DevicePlan, plan_all_ranks, plan_sizes
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
+from .weights import transform_weights, untransform_w1  # noqa: F401  (re-exported: the layout is part of the API)
 from .shapes import MoEShape
 from xstage.world import make_world, single_process  # noqa: F401  (make_world: re-export for callers)
 
-INTERLEAVE_GRANULARITY = INTERLEAVE
 BACKENDS = ("torch", "fused")
-
-
-def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY):
-    """Kernel weight layout.
-
-    ``w1`` [E, 2I, H] (gate rows then up rows) -> gate/up interleaved in chunks of
-    ``granularity`` rows (``[g0..g7, u0..u7, g8..g15, ...]``) so an L1 N-tile holds
-    matching gate and up columns and SwiGLU is tile-local. ``w2`` [E, H, I] is returned
-    contiguous. Returns (w1_interleaved, w2)."""
-    if w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError("w1 must be [E, 2I, H] and w2 [E, H, I]")
-    E, two_i, H = w1.shape
-    if two_i % 2 or w2.shape != (E, H, two_i // 2):
-        raise ValueError(f"shape mismatch: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
-    inter = two_i // 2
-    if inter % granularity:
-        raise ValueError(f"intermediate {inter} must be a multiple of {granularity}")
-    g = w1[:, :inter].reshape(E, inter // granularity, granularity, H)
-    u = w1[:, inter:].reshape(E, inter // granularity, granularity, H)
-    return torch.stack([g, u], dim=2).reshape(E, two_i, H).contiguous(), w2.contiguous()
-
-
-def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
-    """Inverse of the w1 part of :func:`transform_weights`."""
-    E, two_i, H = w1_il.shape
-    v = w1_il.reshape(E, two_i // (2 * granularity), 2, granularity, H)
-    return torch.cat([v[:, :, 0].reshape(E, two_i // 2, H), v[:, :, 1].reshape(E, two_i // 2, H)], dim=1)
 
 
 class MegaMoEBuffer:
@@ -179,10 +152,10 @@ class MegaMoE:
         self.experts_per_rank = num_experts // P
         self._use_schedule(config.schedule)
         if backend == "fused":  # the kernel's own checks now (no compile, no launch)
-            from .kernel_sm90 import MegaMoESm90
+            from .kernel import make_kernel
 
             for c in self._configs.values():
-                MegaMoESm90(hidden, intermediate, c)
+                make_kernel(hidden, intermediate, c)
         # Largest pool of one rank (every pick of every source) + the BLOCK_M padding rows.
         self._max_pool_rows = P * max_tokens_per_rank * min(topk, self.experts_per_rank) + BLOCK_M
         if backend == "fused" and self._max_pool_rows * (hidden // 8) >= 2 ** 31:
@@ -413,7 +386,7 @@ class MegaMoE:
     def _kernel(self, config: Optional[MegaMoEConfig] = None):
         from xstage.cute_compile import cached
 
-        from .kernel_sm90 import compile_megamoe_sm90, kernel_sources
+        from .kernel import compile_megamoe_sm90, kernel_sources
 
         key = ("MegaMoESm90", self.hidden, self.intermediate, (config or self.config).kernel_key())
         return cached(key, lambda: compile_megamoe_sm90(self.hidden, self.intermediate, key[-1]),

@@ -28,7 +28,6 @@ and the final top-k reduction (torch, after every rank's Combine).
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +40,12 @@ from quack import sm90_utils
 
 from xstage import device as xdev
 
-from .config import BLOCK_K, BLOCK_K_FP8, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
+from .config import BLOCK_K, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
     smem_plan, tensor_argument_spec
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
+from .named_barrier import NamedBarrier
 from .sm90_mainloop import ConsumerMixin, ProducerMixin
 
 ERR_DEPENDENCY_TIMEOUT = xdev.ERR_SPIN_TIMEOUT  # a row counter (l2_full / x_ready) wait
@@ -55,22 +55,7 @@ ERR_RING_TIMEOUT = xdev.ERR_MBARRIER_TIMEOUT  # a full/empty barrier of the A/B 
 # consumers: 128 * 88 + 256 * 208 <= 64512 (the launch's pool; 80 / 216 fails at run time).
 AUX_WARPGROUP_REGS = 88
 MMA_WARPGROUP_REGS = 208
-# W8A8: the consumers' promoted sums (128) and two ping-pong slice fragments (2 x 32) need 216
-# (at 208 ptxas spilled inside the mainloop); the aux warps get 72 and a shallower Dispatch unroll.
-W8A8_AUX_WARPGROUP_REGS = 72
-W8A8_MMA_WARPGROUP_REGS = 216
-W8A8_DISPATCH_WARP_UNROLL = 8
 NUM_AUX_THREADS = 96  # warps 1-3 of the producer warpgroup: two epilogue warps, one dispatch warp
-
-
-class NamedBarrier(enum.IntEnum):
-    """Named barriers (0 is the CTA barrier)."""
-
-    EpilogueFull = 2  # consumers -> epilogue warps: the output tile is staged
-    EpilogueEmpty = 3  # epilogue warps -> consumers: staging tile free, row metadata in smem
-    Epilogue = 4  # the epilogue warps among themselves
-    Dispatch = 5  # the warps copying Dispatch rows among themselves
-    Consumers = 6  # W8A8 half tiles: the two consumer warpgroups exchange their rows' h amax
 
 
 @dataclass(frozen=True)
@@ -150,8 +135,16 @@ class DeviceRowRecords:
 
 
 class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
-    """The fused kernel for ``hidden`` x ``intermediate`` experts and a resolved :class:`MegaMoEConfig`."""
+    """The fused kernel for ``hidden`` x ``intermediate`` experts and a resolved :class:`MegaMoEConfig`,
+    in BF16; a precision is a subclass (W8A8: :class:`~megamoe_interleave.sm90_fp8.MegaMoESm90W8A8`)
+    that sets the class attributes below and overrides the consumers' fragments / MMA / staging,
+    the Dispatch addressing and the h stores."""
 
+    precision = "bf16"
+    ab_dtype, ab_bytes, block_k = BFloat16, 2, BLOCK_K  # one ring stage: a 128-byte swizzle row of K
+    aux_warpgroup_regs, mma_warpgroup_regs, dispatch_warp_unroll = AUX_WARPGROUP_REGS, MMA_WARPGROUP_REGS, \
+        DISPATCH_WARP_UNROLL
+    row_scale_words, amax_words = 1, 1  # shared words a precision's staging needs (bf16: placeholders)
     NamedBarrier = NamedBarrier
     COUNTER_ERROR = 0
     COUNTER_BARRIER = 1
@@ -165,21 +158,17 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         if hidden % (2 * config.block_n) or (2 * intermediate) % (2 * config.block_n) or hidden % BLOCK_K \
                 or intermediate % BLOCK_K:
             raise ValueError(f"H={hidden} and 2I={2 * intermediate} must be multiples of 2*block_n and of {BLOCK_K}")
+        if config.precision != self.precision:
+            raise ValueError(f"{type(self).__name__} is the {self.precision} kernel, the config asks for "
+                             f"{config.precision!r} (kernel.kernel_class picks the class)")
         self.hidden, self.intermediate, self.config = hidden, intermediate, config
-        self.w8a8 = config.precision == "w8a8"
-        if self.w8a8 and config.block_n != 256:
-            raise ValueError("the W8A8 kernel needs block_n=256 (MegaMoEConfig.resolve)")
-        # One ring stage is a 128-byte swizzle row either way: 64 bf16 or 128 E4M3 (one scale block) of K.
-        self.ab_dtype = Float8E4M3FN if self.w8a8 else BFloat16
-        self.ab_bytes = 1 if self.w8a8 else 2
-        self.block_k = BLOCK_K_FP8 if self.w8a8 else BLOCK_K
         self.schedule = config.schedule_spec()
         self.block_n, self.stages, self.trace = config.block_n, config.stages, config.trace
         self.dispatch_copy, self.dispatch_window = config.dispatch_copy, config.dispatch_window
         self.timeout_ns = config.timeout_ns
-        plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy, w8a8=self.w8a8)
+        plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy, w8a8=self.precision == "w8a8")
         self.l2_handoffs, self.stage_words = plan.l2_handoffs, plan.stage_words
-        self.bulk_piece_bytes = bulk_piece_bytes(hidden, 1 if self.w8a8 else 2)
+        self.bulk_piece_bytes = bulk_piece_bytes(hidden, self.ab_bytes)
         self.num_mma_threads = 2 * BLOCK_M
         self.num_threads = self.num_mma_threads + 128
         self.num_epi_threads = NUM_AUX_THREADS - 32
@@ -221,8 +210,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             bulk_buf: cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128]
             # + trace builds: a word holding 1 (MegaMoESm90.barrier_timestamp)
             bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 + int(self.trace)], 8]
-            row_scale: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_M if self.w8a8 else 1], 16]
-            amax_x: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 64 if self.w8a8 else 1], 16]
+            row_scale: cute.struct.Align[cute.struct.MemRange[Float32, self.row_scale_words], 16]
+            amax_x: cute.struct.Align[cute.struct.MemRange[Float32, self.amax_words], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(
@@ -292,8 +281,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             row_addr=storage.row_addr.get_tensor(cute.make_layout(BLOCK_M)),
             bulk_buf=storage.bulk_buf.data_ptr(), bulk_mbar=storage.bulk_mbar.data_ptr(),
             stamp_word=cute.recast_ptr(storage.bulk_mbar.data_ptr() + 2, dtype=Int32),
-            row_scale=storage.row_scale.get_tensor(cute.make_layout(BLOCK_M if self.w8a8 else 1)),
-            amax_x=storage.amax_x.get_tensor(cute.make_layout(2 * 64 if self.w8a8 else 1)))
+            row_scale=storage.row_scale.get_tensor(cute.make_layout(self.row_scale_words)),
+            amax_x=storage.amax_x.get_tensor(cute.make_layout(self.amax_words)))
         if const_expr(self.trace):
             if tidx == 0:
                 cute.make_tensor(sm.stamp_word, cute.make_layout(1))[0] = Int32(1)  # before the CTA sync below
@@ -338,7 +327,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         producer = self.num_mma_threads // 32
         dispatch_warp = producer + 1 + self.num_epi_threads // 32
         if warp >= producer:
-            cute.arch.setmaxregister_decrease(W8A8_AUX_WARPGROUP_REGS if self.w8a8 else AUX_WARPGROUP_REGS)
+            cute.arch.setmaxregister_decrease(self.aux_warpgroup_regs)
             if warp == producer:
                 self.producer_tiles(ctx, gm, sm, ops, ab_pipe)
             if warp > producer and warp < dispatch_warp:
@@ -352,9 +341,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
                 else:
                     self.dispatch_rows(gm, ctx, self.prologue_rows(ctx.grid, ctx.nctas), ctx.grid.num_rows,
                                        warp - dispatch_warp, 1, tidx % 32,
-                                       W8A8_DISPATCH_WARP_UNROLL if self.w8a8 else DISPATCH_WARP_UNROLL)
+                                       self.dispatch_warp_unroll)
         else:
-            cute.arch.setmaxregister_increase(W8A8_MMA_WARPGROUP_REGS if self.w8a8 else MMA_WARPGROUP_REGS)
+            cute.arch.setmaxregister_increase(self.mma_warpgroup_regs)
             self.consumer_tiles(ctx, tidx, gm, sm, ab_pipe, tiled_mma)
 
     @cute.jit
@@ -384,25 +373,3 @@ def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16
                                                   for d in shape), divisibility=div.get(dtype, 1))
                for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
     return (*tensors, *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
-
-
-def kernel_sources():
-    """The modules whose code is the fused kernel's program (the disk key of
-    :func:`xstage.cute_compile.cached`)."""
-    import sys
-
-    from xstage import pipeline
-
-    from . import config, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_mainloop
-
-    return (sys.modules[__name__], config, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_mainloop, xdev,
-            pipeline)
-
-
-def compile_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig, *, options: str = ""):
-    """Compile for CUTE_DSL_ARCH (no GPU needed); ``options`` go to the DSL compiler (e.g.
-    ``--keep-ptx --dump-dir=DIR``)."""
-    from xstage.cute_compile import compile_hopper
-
-    return compile_hopper(MegaMoESm90(hidden, intermediate, config),
-                          *fake_launch_arguments(hidden, intermediate, config.precision), options=options).fn

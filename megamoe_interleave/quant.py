@@ -22,7 +22,7 @@ checkpoints store an FP32 ``<weight>_scale_inv`` per 128x128 block of each weigh
 
 Layouts here: activation ``q [T, K]`` with ``s [T, K/128]`` (token-major); weight ``q [..., N, K]``
 with ``s [..., N/128, K/128]``. The kernel layout of Linear-1 interleaves w1's gate and up rows by
-8 (:func:`~megamoe_interleave.api.transform_weights`) BEFORE the block quantization
+8 (:func:`~megamoe_interleave.weights.transform_weights`) BEFORE the block quantization
 (:func:`quantize_weights`), so a scale block is 128 rows of the interleaved matrix (64 gate + 64 up
 rows): the kernel's L1 N tiles run over interleaved rows, and this way every 128 accumulator
 columns of a tile share one weight scale per K block, so the promotion applies one ``sa * sb`` per
@@ -83,7 +83,7 @@ def quantize_weights(w1: torch.Tensor, w2: torch.Tensor):
     layout ``(w1_q, w1_s, w2_q, w2_s)``: w1 gate/up interleaved by 8, then quantized in 128x128
     blocks of the interleaved rows (``w1_s [E, 2I/128, H/128]``); w2 quantized as is
     (``w2_s [E, H/128, I/128]``)."""
-    from .api import transform_weights
+    from .weights import transform_weights
 
     w1_il, w2 = transform_weights(w1, w2)
     return (*quantize_weight(w1_il), *quantize_weight(w2))
@@ -105,7 +105,7 @@ def from_deepgemm_layout(w1_q: torch.Tensor, w1_s: torch.Tensor, w2_q: torch.Ten
     ``s_small / s'`` <= 1 and rounded to E4M3 once more (<= 2^-4 relative, subnormals aside).
     Lossless where gate and up blocks share their scales; otherwise NOT the checkpoint's values
     exactly, unlike DeepGEMM, whose layout needs no conversion."""
-    from .api import transform_weights
+    from .weights import transform_weights
 
     E, two_i, H = w1_q.shape
     if w1_s.shape != (E, two_i // QUANT_BLOCK, H // QUANT_BLOCK) or two_i % (2 * QUANT_BLOCK):

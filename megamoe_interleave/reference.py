@@ -11,7 +11,7 @@
 Conventions (shared with :mod:`megamoe_interleave.api` and the kernel):
 expert parallelism over P ranks, rank r owns global experts ``[r*E_l, (r+1)*E_l)``;
 ``w1[e]`` is ``[2I, H]`` with gate rows ``0..I-1`` then up rows ``I..2I-1`` (before
-:func:`megamoe_interleave.api.transform_weights`), ``w2[e]`` is ``[H, I]``;
+:func:`megamoe_interleave.weights.transform_weights`), ``w2[e]`` is ``[H, I]``;
 ``y = sum_j w_j * W2[e_j] (silu(G[e_j] x) * U[e_j] x)`` over the unmasked picks j.
 """
 from __future__ import annotations
@@ -316,7 +316,7 @@ def w8a8_expert_compute(x_q, x_s, weights, counts, w1_q, w1_s, w2_q, w2_s) -> to
     ``w1_s [E_l, 2I/128, H/128]``, ``w2_q [E_l, H, I]`` with ``w2_s [E_l, H/128, I/128]``). Linear-1
     runs over the interleaved rows as the kernel's N tiles do; its columns are de-interleaved for
     SwiGLU. Every row is computed on its own (no dependence on the other rows)."""
-    from .api import untransform_w1
+    from .weights import untransform_w1
 
     inter = w2_q.shape[-1]
     out = torch.empty(x_q.shape[0], w2_q.shape[1], dtype=torch.bfloat16, device=x_q.device)

@@ -16,8 +16,6 @@ from cutlass import BFloat16, Boolean, Int32, Int64, const_expr
 
 from xstage import device as xdev
 
-from .config import QUANT_BLOCK
-
 DISPATCH_UNROLL = 8  # 16-byte chunks in flight per thread in the prologue (all threads)
 DISPATCH_WARP_UNROLL = 12  # the same for the dispatch warp (fits the aux warps' 88 registers)
 BULK_WAIT_TRIES = 1 << 20  # try_waits before a bulk load counts as lost (error word, host raises)
@@ -40,31 +38,30 @@ class DispatchMixin:
         return cutlass.min(grid.num_rows, (nctas // 2 - 1) // self.pairs_l1 + 1)
 
     def dispatch_chunks_per_row(self):
-        """16-byte chunks of one dispatched row: its x (2 H or, W8A8, H bytes) and, W8A8, its
-        H/128 FP32 scales (H % 512 == 0, so they are whole chunks)."""
+        """(x chunks, all chunks) of one dispatched row, 16 bytes each: its 2 H bytes of x (a
+        precision class adds what travels with a row, e.g. W8A8's scales)."""
         x_chunks = self.hidden * self.ab_bytes // 16
-        return x_chunks, x_chunks + (self.hidden // QUANT_BLOCK * 4 // 16 if const_expr(self.w8a8) else 0)
+        return x_chunks, x_chunks
 
-    @cute.jit
-    def chunk_addresses_w8a8(self, gm, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
-        """W8A8: (source, destination) of pool chunk ``i``, chunk ``c = i % chunks`` of pool row
-        ``i // chunks``: from its source rank's x (c < x_chunks) or x_scales."""
-        row, c = i // chunks, i % chunks
-        src, tok = gm.pool_src[row, 0], Int64(gm.pool_src[row, 1])
-        s_chunks = chunks - x_chunks
-        src_addr = Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16
-        dst_addr = Int64(gm.pool_x.iterator.toint()) + Int64(row) * (x_chunks * 16) + Int64(c) * 16
-        if c >= x_chunks:
-            src_addr = Int64(gm.peer_x_scale[src]) + tok * (s_chunks * 16) + Int64(c - x_chunks) * 16
-            dst_addr = Int64(gm.pool_x_scale.iterator.toint()) + Int64(row) * (s_chunks * 16) \
-                + Int64(c - x_chunks) * 16
-        return src_addr, dst_addr
+    def chunk_source(self, gm, i, x_chunks: int, chunks: int):
+        """Address of pool chunk ``i`` in its source rank's x: chunk ``i % chunks`` of pool row ``i // chunks``."""
+        row = i // chunks
+        return Int64(gm.peer_x[gm.pool_src[row, 0]]) + (Int64(gm.pool_src[row, 1]) * self.hidden
+                                                         + Int64((i % chunks) * 8)) * 2
+
+    def chunk_destination(self, gm, pool_base, i, x_chunks: int, chunks: int):
+        """Address of pool chunk ``i`` in this rank's pool (contiguous rows of x)."""
+        return pool_base + Int64(i) * 16
+
+    def bulk_row_extras(self, gm, sm, i, j, ok, err):
+        """The bulk Dispatch's pieces after pool row ``i``'s x: none (returns (j, ok))."""
+        return j, ok
 
     @cute.jit
     def copy_chunks(self, gm, lo: Int32, hi: Int32, warp: Int32, num_warps: Int32, lane: Int32,
                     unroll: cutlass.Constexpr):
         """Pool chunks [lo, hi) (16 bytes each; bf16: pool row ``i // (H/8)`` from its source
-        rank's x; W8A8: :meth:`chunk_addresses_w8a8`) by ``num_warps`` warps, 32 * unroll
+        rank's x: :meth:`chunk_source` / :meth:`chunk_destination`) by ``num_warps`` warps, 32 * unroll
         consecutive chunks per warp-step with every load in flight before the first store (one
         chunk per thread-step left the copy latency-bound)."""
         x_chunks, chunks = self.dispatch_chunks_per_row()
@@ -76,21 +73,14 @@ class DispatchMixin:
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
-                    if const_expr(self.w8a8):
-                        addr, _ = self.chunk_addresses_w8a8(gm, i, x_chunks, chunks)
-                    else:
-                        row = i // chunks
-                        addr = Int64(gm.peer_x[gm.pool_src[row, 0]]) + (Int64(gm.pool_src[row, 1]) * self.hidden
-                                                                        + Int64((i % chunks) * 8)) * 2
+                    addr = self.chunk_source(gm, i, x_chunks, chunks)
                     src_t = cute.make_tensor(
                         cute.make_ptr(BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16), cute.make_layout(8))
                     buf[None, j].store(src_t.load())
             for j in cutlass.range_constexpr(unroll):
                 i = i0 + j * 32
                 if i < hi:
-                    dst = pool_base + Int64(i) * 16
-                    if const_expr(self.w8a8):
-                        _, dst = self.chunk_addresses_w8a8(gm, i, x_chunks, chunks)  # (its loads are dead code)
+                    dst = self.chunk_destination(gm, pool_base, i, x_chunks, chunks)
                     dst_t = cute.make_tensor(cute.make_ptr(BFloat16, dst, cute.AddressSpace.gmem,
                                                            assumed_align=16), cute.make_layout(8))
                     dst_t.store(buf[None, j].load())
@@ -150,7 +140,6 @@ class DispatchMixin:
         ahead of its L1 tiles depend on lower rows only (tests/test_megamoe_scheduler.py)."""
         piece = self.bulk_piece_bytes
         row_bytes = self.ab_bytes * self.hidden
-        scale_bytes = self.hidden // QUANT_BLOCK * 4  # W8A8: the row's scales, one more piece
         ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
         err = gm.counters.iterator + self.COUNTER_ERROR
         pool_base = Int64(gm.pool_x.iterator.toint())
@@ -173,11 +162,7 @@ class DispatchMixin:
                 dst = pool_base + Int64(i) * row_bytes
                 for q in cutlass.range_constexpr(row_bytes // piece):
                     j, ok = self.bulk_piece(sm, src + q * piece, dst + q * piece, piece, j, ok, err)
-                if const_expr(self.w8a8):
-                    tok = Int64(gm.pool_src[i, 1])
-                    j, ok = self.bulk_piece(sm, Int64(gm.peer_x_scale[gm.pool_src[i, 0]]) + tok * scale_bytes,
-                                            Int64(gm.pool_x_scale.iterator.toint()) + Int64(i) * scale_bytes,
-                                            scale_bytes, j, ok, err)
+                j, ok = self.bulk_row_extras(gm, sm, i, j, ok, err)
                 i = i + 1
             cute.arch.cp_async_bulk_wait_group(0)  # the row's stores are complete
             cute.arch.fence_proxy("async.global")

@@ -89,17 +89,10 @@ class EpilogueMixin:
                     while u < rows * chunks_l1:
                         m, c = u // chunks_l1, u % chunks_l1
                         k = self.stage_index(m, 4 * c)
-                        if const_expr(self.w8a8):
-                            addr = h_base + Int64(row0 + m) * self.intermediate + c * 16
-                        else:
-                            addr = h_base + (Int64(row0 + m) * self.intermediate + c * 8) * 2
+                        addr = self.h_store_address(h_base, row0 + m, c)
                         xdev.store_v4(addr, sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
                         u = u + self.num_epi_threads
-                    if const_expr(self.w8a8):  # the rows' h scales (one 1x128 group per L1 tile)
-                        m = et
-                        while m < rows:
-                            gm.h_scale[row0 + m, tile.n_block] = sm.row_scale[m]
-                            m = m + self.num_epi_threads
+                    self.store_h_scales(gm, sm, tile, row0, rows, et)
                     # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
                     cute.arch.fence_proxy("async.global")
                     self.epi_sync()
@@ -123,6 +116,13 @@ class EpilogueMixin:
                     n_tile = n_tile + 1
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
+
+    def h_store_address(self, h_base, row, c):
+        """Address of 16-byte chunk ``c`` of h row ``row`` within the tile's columns (``h_base``)."""
+        return h_base + (Int64(row) * self.intermediate + c * 8) * 2
+
+    def store_h_scales(self, gm, sm, tile, row0, rows, et):
+        """After a tile's h rows: what else the L2 tiles read of them (a precision class's scales)."""
 
     def epilogue_handoff(self):
         """The epilogue warps' side of one staged part: EMPTY (arrive), then FULL (wait)."""

@@ -1,6 +1,9 @@
-"""W8A8 consumer code of :class:`~megamoe_interleave.kernel_sm90.MegaMoESm90` (the recipe of
-:mod:`~megamoe_interleave.quant`): FP8 WGMMA with per-128-K promotion, and the Linear-1 epilogue
-that quantizes h per token and 128 columns in registers.
+"""The W8A8 fused kernel, :class:`MegaMoESm90W8A8`: the bf16 kernel
+(:class:`~megamoe_interleave.kernel_sm90.MegaMoESm90`) with the recipe of
+:mod:`~megamoe_interleave.quant` -- E4M3 operands and their scales through Dispatch, FP8 WGMMA with
+per-128-K promotion, and the Linear-1 epilogue that quantizes h per token and 128 columns in
+registers. It overrides the consumers' fragments, MMA and L1 staging, the Dispatch addressing, the h
+stores and the register split; everything else (roles, schedule, ring, Combine) is the base's.
 
 Promotion (DeepSeek-V3 report Section 3.3.2; DeepGEMM ``sm90_fp8_gemm_1d2d``): a ring stage is one
 128-deep K block; its WGMMAs accumulate into a zeroed FP32 fragment, which is then added to the
@@ -27,18 +30,114 @@ from quack import sm90_utils
 
 from xstage import device as xdev
 
-from .config import BLOCK_M, QUANT_BLOCK
+from .activation import swiglu_tanh
+from .config import BLOCK_K_FP8, BLOCK_M, QUANT_BLOCK
+from .kernel_sm90 import MegaMoESm90
 from .scheduler import tile_pool_row
+from .sm90_mainloop import ConsumerMixin
 
 SLICE_N = 64  # columns per WGMMA slice of a full tile (see the module docstring)
 E4M3_MAX = 448.0  # quant.E4M3_MAX
 AMAX_FLOOR = 1e-4  # quant.AMAX_FLOOR
 
 
-class Fp8ConsumerMixin:
-    """The W8A8 parts of the consumer warpgroups (``self.w8a8``; BN = 256, BK = 128)."""
+class MegaMoESm90W8A8(MegaMoESm90):
+    """The fused kernel in W8A8 (``MegaMoEConfig(precision="w8a8")``; BN = 256, BK = 128)."""
 
-    def consumer_fragments_fp8(self, tiled_mma, tidx, sm):
+    precision = "w8a8"
+    # One ring stage is a 128-byte swizzle row either way: 128 E4M3 of K = one scale block.
+    ab_dtype, ab_bytes, block_k = Float8E4M3FN, 1, BLOCK_K_FP8
+    # The consumers' promoted sums (128) and two ping-pong slice fragments (2 x 32) need 216 registers
+    # (at 208 ptxas spilled inside the mainloop); the aux warps get 72 and a shallower Dispatch unroll.
+    aux_warpgroup_regs, mma_warpgroup_regs, dispatch_warp_unroll = 72, 216, 8
+    row_scale_words, amax_words = BLOCK_M, 2 * 64  # the staged rows' h scales; the half tiles' amax
+
+    def __init__(self, hidden: int, intermediate: int, config):
+        if config.block_n != 256:
+            raise ValueError("the W8A8 kernel needs block_n=256 (MegaMoEConfig.resolve)")
+        super().__init__(hidden, intermediate, config)
+
+    # -- Dispatch: the rows' scales travel with them
+    def dispatch_chunks_per_row(self):
+        """16-byte chunks of one dispatched row: its H E4M3 bytes, then its H/128 FP32 scales
+        (H % 512 == 0, so they are whole chunks)."""
+        x_chunks = self.hidden * self.ab_bytes // 16
+        return x_chunks, x_chunks + self.hidden // QUANT_BLOCK * 4 // 16
+
+    @cute.jit
+    def chunk_source(self, gm, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
+        addr, _ = self.chunk_addresses_w8a8(gm, i, x_chunks, chunks)
+        return addr
+
+    @cute.jit
+    def chunk_destination(self, gm, pool_base, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
+        _, dst = self.chunk_addresses_w8a8(gm, i, x_chunks, chunks)  # (its loads are dead code)
+        return dst
+
+    @cute.jit
+    def chunk_addresses_w8a8(self, gm, i, x_chunks: cutlass.Constexpr, chunks: cutlass.Constexpr):
+        """(source, destination) of pool chunk ``i``, chunk ``c = i % chunks`` of pool row
+        ``i // chunks``: from its source rank's x (c < x_chunks) or x_scales."""
+        row, c = i // chunks, i % chunks
+        src, tok = gm.pool_src[row, 0], Int64(gm.pool_src[row, 1])
+        s_chunks = chunks - x_chunks
+        src_addr = Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16
+        dst_addr = Int64(gm.pool_x.iterator.toint()) + Int64(row) * (x_chunks * 16) + Int64(c) * 16
+        if c >= x_chunks:
+            src_addr = Int64(gm.peer_x_scale[src]) + tok * (s_chunks * 16) + Int64(c - x_chunks) * 16
+            dst_addr = Int64(gm.pool_x_scale.iterator.toint()) + Int64(row) * (s_chunks * 16) \
+                + Int64(c - x_chunks) * 16
+        return src_addr, dst_addr
+
+    @cute.jit
+    def bulk_row_extras(self, gm, sm, i, j: Int32, ok: Boolean, err):
+        """The bulk Dispatch's one more piece per row: the row's scales."""
+        scale_bytes = self.hidden // QUANT_BLOCK * 4
+        tok = Int64(gm.pool_src[i, 1])
+        j, ok = self.bulk_piece(sm, Int64(gm.peer_x_scale[gm.pool_src[i, 0]]) + tok * scale_bytes,
+                                Int64(gm.pool_x_scale.iterator.toint()) + Int64(i) * scale_bytes, scale_bytes, j, ok,
+                                err)
+        return j, ok
+
+    # -- epilogue: E4M3 h rows and their scales
+    def h_store_address(self, h_base, row, c):
+        return h_base + Int64(row) * self.intermediate + c * 16
+
+    @cute.jit
+    def store_h_scales(self, gm, sm, tile, row0, rows, et):
+        """The staged rows' h scales (one 1x128 group per L1 tile)."""
+        m = et
+        while m < rows:
+            gm.h_scale[row0 + m, tile.n_block] = sm.row_scale[m]
+            m = m + self.num_epi_threads
+
+    # -- consumers
+    @cute.jit
+    def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr, tile,
+                 l1: cutlass.Constexpr):
+        """:meth:`mma_tile_fp8` (which reads ``tile``'s scales) with the full or (``half``) the 64-row
+        fragments."""
+        full_f, half_f = frags
+        t1 = Int64(0)
+        if half:
+            state, t1, ok = self.mma_tile_fp8(ab_pipe, state, ok, gm, half_f, num_k, tile, l1, True)
+        else:
+            state, t1, ok = self.mma_tile_fp8(ab_pipe, state, ok, gm, full_f, num_k, tile, l1, False)
+        return state, t1, ok
+
+    @cute.jit
+    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
+        """L1: the E4M3 h tile and its rows' scales (:meth:`stage_h_fp8`); L2: the base's bf16 staging."""
+        full_f, half_f = frags
+        if const_expr(swiglu_l1):
+            if half:
+                self.stage_h_fp8(half_f[1], half_f[4], sm, True)
+            else:
+                self.stage_h_fp8(full_f[1], full_f[4], sm, False)
+        else:
+            ConsumerMixin.stage_output(self, frags, half, sm, swiglu_l1, part)
+
+    def consumer_fragments(self, tiled_mma, tidx, sm):
         """``(full, half)``, each (tiled_mma of a slice, promoted sums, tCrA, tCrB, tCcC, slice
         fragment). ``full``: the 128 x 256 tile's sums (``tiled_mma``'s layout, 128 registers) and
         a 128 x 64 slice MMA (a warpgroup per 64 rows), tCrB per slice. ``half``: 64 x 256, a
@@ -142,8 +241,6 @@ class Fp8ConsumerMixin:
         tile's 128 h columns, its scale ``max(amax, 1e-4) / 448`` (to ``sm.row_scale``, written to
         global by the epilogue warps), and E4M3 pairs ``e4m3(h * (1 / s))`` into the staging tile
         (byte ``c`` of row ``m`` at word ``stage_index(m, c // 4)``)."""
-        from .sm90_mainloop import swiglu_tanh
-
         lane = cute.arch.lane_idx()
         q = lane % 4
         wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4

@@ -16,25 +16,16 @@ from cutlass import BFloat16, Boolean, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.pipeline import Agent, CooperativeGroup, PipelineUserType
 from quack import sm90_utils
-from quack.activation import tanh
 from quack.pipeline import make_pipeline_state
 
 from xstage import device as xdev
 from xstage.pipeline import BoundedPipelineTmaAsync
 
 from .config import BLOCK_K, BLOCK_M
+from .activation import swiglu_tanh
 from .scheduler import PHASE_L1, Tile
-from .sm90_fp8 import Fp8ConsumerMixin
 
 DRAIN_SLACK_NS = 10_000_000  # producer waits for loads to land: beyond the peer's ring bound
-
-
-def swiglu_tanh(gate, up):
-    """SwiGLU with sigmoid(g) = 0.5 + 0.5 tanh(g / 2): one MUFU op (tanh.approx, abs. error ~2^-11,
-    below the bf16 rounding of h) per output instead of ex2 + rcp; the consumers' L1 handoff is
-    MUFU-bound (64 outputs per thread, 256 threads, 16 MUFU ops/clock/SM)."""
-    half = gate * 0.5
-    return (half + half * tanh(half)) * up
 
 
 def tile_fields(tile: Tile):
@@ -165,7 +156,7 @@ class ProducerMixin:
         return state, ok
 
 
-class ConsumerMixin(Fp8ConsumerMixin):
+class ConsumerMixin:
     """The consumer warpgroups: WGMMA over the ring, then the output staged for the epilogue warps."""
 
     @cute.jit
@@ -225,8 +216,6 @@ class ConsumerMixin(Fp8ConsumerMixin):
         accumulator is, at BN = 256, a view of the first half of ``acc``'s registers (its own would
         not fit the consumers' budget), else its own registers (ptxas serialized every WGMMA when the
         64 x 64 half tiles of BN = 128 accumulated into such a view: C7511)."""
-        if const_expr(self.w8a8):
-            return self.consumer_fragments_fp8(tiled_mma, tidx, sm)
         BN = self.block_n
         thr_mma = tiled_mma.get_slice(tidx)
         acc, tCrA, tCrB = sm90_utils.partition_fragment_ABC(thr_mma, (BLOCK_M, BN, BLOCK_K), sm.sA, sm.sB)
@@ -242,20 +231,14 @@ class ConsumerMixin(Fp8ConsumerMixin):
     @cute.jit
     def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr, tile,
                  l1: cutlass.Constexpr):
-        """:meth:`mma_tile` (W8A8: :meth:`mma_tile_fp8`, which reads ``tile``'s scales) with the
-        full or (``half``) the 64-row fragments."""
+        """:meth:`mma_tile` with the full or (``half``) the 64-row fragments (a precision class
+        overrides it: W8A8 also reads ``tile``'s scales)."""
         full_f, half_f = frags
         t1 = Int64(0)
-        if const_expr(self.w8a8):
-            if half:
-                state, t1, ok = self.mma_tile_fp8(ab_pipe, state, ok, gm, half_f, num_k, tile, l1, True)
-            else:
-                state, t1, ok = self.mma_tile_fp8(ab_pipe, state, ok, gm, full_f, num_k, tile, l1, False)
+        if half:
+            state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, half_f, num_k)
         else:
-            if half:
-                state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, half_f, num_k)
-            else:
-                state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, full_f, num_k)
+            state, t1, ok = self.mma_tile(ab_pipe, state, ok, gm, full_f, num_k)
         return state, t1, ok
 
     @cute.jit
@@ -306,12 +289,7 @@ class ConsumerMixin(Fp8ConsumerMixin):
         lo = part * (size // parts)
         hi = (part + 1) * (size // parts)
         col0 = part * (self.block_n // parts)
-        if const_expr(self.w8a8 and swiglu_l1):
-            if half:
-                self.stage_h_fp8(half_f[1], half_f[4], sm, True)
-            else:
-                self.stage_h_fp8(full_f[1], full_f[4], sm, False)
-        elif half:
+        if half:
             size_h = cute.size(half_f[1])
             if const_expr(parts == 1):
                 self.stage_fragment(half_f[1], half_f[4], sm, swiglu_l1, 0, size_h, 0)

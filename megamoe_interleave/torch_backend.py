@@ -48,6 +48,6 @@ def run_dataflow(moe) -> None:
 def gate_up_w1_t(w1_il):
     """Kernel-layout w1 [E, 2I, H] (gate/up interleaved) -> [E, H, 2I] with gate columns then up
     columns (``torch._grouped_mm``'s B)."""
-    from .api import untransform_w1
+    from .weights import untransform_w1
 
     return untransform_w1(w1_il).transpose(1, 2)

@@ -24,7 +24,7 @@ SCHEDULES = ["expert_wave", "interleaved"]
 
 
 def _compile(hidden, inter, config, options=""):
-    from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
+    from megamoe_interleave.kernel import compile_megamoe_sm90
 
     return compile_megamoe_sm90(hidden, inter, config, options=options)
 

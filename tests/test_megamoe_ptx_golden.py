@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ptx_utils, when run as a script
+# as a script: ptx_utils, and this checkout's packages before any installed copy
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from ptx_utils import canonical_ptx  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "megamoe_default_ptx.json"
@@ -31,7 +32,7 @@ def build_name(P, schedule, precision):
 def build_hash(P, schedule, precision="bf16"):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from megamoe_interleave.config import MegaMoEConfig
-    from megamoe_interleave.kernel_sm90 import compile_megamoe_sm90
+    from megamoe_interleave.kernel import compile_megamoe_sm90
     from megamoe_interleave.shapes import get_shape
 
     shape = get_shape("deepseek-v4-flash")

@@ -1,0 +1,43 @@
+"""The fused kernel of each precision, in the manner of DeepGEMM's thin ``deep_gemm/mega``: the class
+of a config's precision (:mod:`.kernel_sm90` BF16, :mod:`.sm90_fp8` W8A8), its compile, and the source
+files that make its program (the disk key of :func:`xstage.cute_compile.cached`)."""
+from __future__ import annotations
+
+import sys
+
+from .config import MegaMoEConfig
+from .kernel_sm90 import MegaMoESm90, fake_launch_arguments
+from .sm90_fp8 import MegaMoESm90W8A8
+
+KERNELS = {cls.precision: cls for cls in (MegaMoESm90, MegaMoESm90W8A8)}
+
+
+def kernel_class(precision: str) -> type:
+    if precision not in KERNELS:
+        raise ValueError(f"no fused kernel for precision {precision!r}; one of {sorted(KERNELS)}")
+    return KERNELS[precision]
+
+
+def make_kernel(hidden: int, intermediate: int, config: MegaMoEConfig) -> MegaMoESm90:
+    """The kernel object of ``config`` (a resolved config; raises on what the kernel cannot run)."""
+    return kernel_class(config.precision)(hidden, intermediate, config)
+
+
+def compile_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig, *, options: str = ""):
+    """Compile for CUTE_DSL_ARCH (no GPU needed); ``options`` go to the DSL compiler (e.g.
+    ``--keep-ptx --dump-dir=DIR``)."""
+    from xstage.cute_compile import compile_hopper
+
+    return compile_hopper(make_kernel(hidden, intermediate, config),
+                          *fake_launch_arguments(hidden, intermediate, config.precision), options=options).fn
+
+
+def kernel_sources():
+    """The modules whose code is the fused kernels' program."""
+    from xstage import device, pipeline
+
+    from . import activation, config, kernel_sm90, named_barrier, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp8, \
+        sm90_mainloop
+
+    return (sys.modules[__name__], activation, config, kernel_sm90, named_barrier, scheduler, sm90_dispatch,
+            sm90_epilogue, sm90_fp8, sm90_mainloop, device, pipeline)
