@@ -7,7 +7,7 @@
   order rotated per trial, the SM clock read after every call (optionally an idle cool-down and
   the clock before it; barriers for multi-process worlds).
 * :func:`paired_verdicts` / :func:`print_paired` / :func:`paired_table` — every variant against
-  a baseline on the paired, clock-matched trials (statistics: :mod:`xstage.paired`).
+  a baseline on the paired, clock-matched trials (statistics: :mod:`lab.paired`).
 * :func:`write_csv`, :func:`write_json`, :func:`write_result` — result files: CSV of dict rows,
   JSON with provenance (:func:`xstage.provenance.write_json`), both under one stem.
 * :func:`progress` / :func:`log` — a progress bar (tqdm) for long sweeps, and printing that does
@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from xstage import paired, provenance, timing
+from lab import paired, timing
+from xstage import provenance
 
 __all__ = ["event_timed", "replays_for", "paired_trials", "paired_verdicts", "print_paired", "paired_table",
            "write_csv", "write_json", "write_result", "progress", "log", "VERDICT_KEYS"]

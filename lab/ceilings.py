@@ -9,8 +9,8 @@ import sys
 
 import torch
 
+from lab.timing import bench_graph
 from xstage.provenance import write_json
-from xstage.timing import bench_graph
 
 
 def main(argv=None):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """``scripts/run``'s main job. On a Hopper GPU (a few minutes): both fused kernels on one
 representative shape each, checked against the fp32 reference, timed next to their baselines
-(fa4_a2a.demo, megamoe_interleave.demo). Without one (seconds): the Burst-Gap planner on every
+(lab.fa4_a2a.demo, lab.megamoe.demo). Without one (seconds): the Burst-Gap planner on every
 shipped platform profile and the calibration fit and report recomputed from the shipped raw data.
 Prints a table and writes ``<out>/demo.json`` (with provenance).
 """
@@ -18,8 +18,8 @@ CALIBRATION = Path("results/h200/calibration")
 
 
 def gpu(out: Path) -> dict:
-    from fa4_a2a import demo as fa_demo
-    from megamoe_interleave import demo as moe_demo
+    from lab.fa4_a2a import demo as fa_demo
+    from lab.megamoe import demo as moe_demo
 
     t0 = time.time()
     fa = fa_demo.run()

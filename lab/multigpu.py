@@ -1,7 +1,7 @@
 """Shared machinery of the multi-GPU suite (issue 6; scripts/multigpu_suite.sh, docs/multigpu.md).
 
-Every entry point of the suite (``xstage.multigpu_envcheck``, ``calibration.peer``,
-``fa4_a2a.multigpu_sweep``, ``megamoe_interleave.multigpu_ep``, ``scripts/multigpu/correctness.py``)
+Every entry point of the suite (``lab.multigpu_envcheck``, ``lab.calibration.peer``,
+``lab.fa4_a2a.multigpu_sweep``, ``lab.megamoe.multigpu_ep``, ``scripts/multigpu/correctness.py``)
 runs in one of two worlds:
 
 ``torch-symm``
@@ -17,7 +17,7 @@ Here: the world request and its checks (:func:`add_world_args`, :func:`check_wor
 :func:`setup`, :class:`Ctx`, :func:`run_entry`), the timing protocol (:func:`time_variants`,
 :func:`reduce_trials`, :func:`reduce_gathered`), symmetric-memory peer views, the common
 result header (environment and topology, :func:`header`) and the correctness step's frame
-(:func:`check_close`, :func:`run_checks`). Result files: :func:`xstage.bench.write_result`.
+(:func:`check_close`, :func:`run_checks`). Result files: :func:`lab.bench.write_result`.
 
 Timing protocol (both worlds): per trial and variant, every local rank is
 aligned (torch-symm: host barrier, then a one-element NCCL all-reduce on the
@@ -44,7 +44,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Sequence
 
-from xstage import bench, paired
+from lab import bench, paired
 
 WORLDS = ("torch-symm", "loopback")
 # NVLink multicast (NVLS) stays off in every multi-GPU run (issue 6; see docs/multigpu.md).
@@ -350,7 +350,7 @@ def time_variants(ctx: Ctx, fns: Mapping[str, Mapping[int, Callable[[], object]]
     """
     import torch
 
-    from xstage.timing import capture_graph
+    from lab.timing import capture_graph
 
     names = list(fns)
     runners: Dict[str, Dict[int, Callable[[], object]]] = {}

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Correctness of both kernels in a real multi-GPU world (issue 6, step 4): the checks of
-tests/test_fa4_a2a_gpu.py (:mod:`fa4_a2a.multigpu_checks`) and tests/test_megamoe_gpu.py
-(:mod:`megamoe_interleave.multigpu_checks`: both schedules, bitwise equal, for each Dispatch copy
+tests/test_fa4_a2a_gpu.py (:mod:`lab.fa4_a2a.multigpu_checks`) and tests/test_megamoe_gpu.py
+(:mod:`lab.megamoe.multigpu_checks`: both schedules, bitwise equal, for each Dispatch copy
 on irregular token counts, zero-token ranks, masked picks, skew; and the ``api-defaults`` case),
-run across processes (frame: :func:`xstage.multigpu.run_checks`): every rank generates the
+run across processes (frame: :func:`lab.multigpu.run_checks`): every rank generates the
 *whole* problem, computes the float32 reference of its own output, runs its own part of the real
 multi-rank kernel path and checks every element of its own output. Per-case results of every
 rank are gathered on rank 0 and written to JSON; the exit status is 1 if any check failed.
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megamoe_interleave import multigpu_checks as moe_checks
-from xstage import multigpu as mg
+from lab import multigpu as mg
+from lab.megamoe import multigpu_checks as moe_checks
 
 KERNELS = ("fa4", "megamoe")
 
@@ -32,8 +32,8 @@ def parse_args(argv=None):
 
 
 def _fa(ctx, quick):
-    """The fa4 checks (fa4_a2a.multigpu_checks; imported only when they run)."""
-    from fa4_a2a.multigpu_checks import run_checks
+    """The fa4 checks (lab.fa4_a2a.multigpu_checks; imported only when they run)."""
+    from lab.fa4_a2a.multigpu_checks import run_checks
 
     return run_checks(ctx, quick)
 

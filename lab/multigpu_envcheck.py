@@ -8,8 +8,8 @@ for both the ``xstage.world`` peer table addresses and torch's peer views).  Ran
 ``env.json`` with every rank's report, the topology (``nvidia-smi topo -m``) and provenance;
 exit status 1 when any check failed.
 
-  torchrun --nproc-per-node=8 -m xstage.multigpu_envcheck --world torch-symm --out results/h200x8/topology
-  python -m xstage.multigpu_envcheck --world loopback --P 4 --out results/h200x1-loopback/topology
+  torchrun --nproc-per-node=8 -m lab.multigpu_envcheck --world torch-symm --out results/h200x8/topology
+  python -m lab.multigpu_envcheck --world loopback --P 4 --out results/h200x1-loopback/topology
 
 (``scripts/multigpu/envcheck.py`` is the same command line.)
 """
@@ -20,8 +20,8 @@ import importlib
 import os
 import sys
 
-from xstage import bench
-from xstage import multigpu as mg
+from lab import bench
+from lab import multigpu as mg
 
 # Checked by name only (an import that fails is reported): xstage itself uses none of them.
 PACKAGES = ("cutlass", "flash_attn.cute", "quack", "fa4_a2a", "megamoe_interleave", "calibration")

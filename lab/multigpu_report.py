@@ -5,7 +5,7 @@ Reads the result files of ``scripts/multigpu_suite.sh`` under one results direct
 to the paper's: R = 717 GB/s (its platform), FA3/FA4 Serial/Fused speedups up to 1.43x, MegaMoE
 interleaved/expert-wave 1.18x geometric mean.  Runs on a CPU.  Figures come from the packages
 that own the step (``figures``: step -> ``draw(payload, path)``; the suite's command line
-``scripts/multigpu/report.py`` passes fa4_a2a's E_res figure).
+``scripts/multigpu/report.py`` passes :data:`SUITE_FIGURES`, fa4_a2a's E_res figure).
 
   python scripts/multigpu/report.py --dir results/h200x8
 """
@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from xstage import multigpu as mg
+from lab import multigpu as mg
 
 # step -> result file (relative to the results directory)
 STEP_FILES = {
@@ -33,6 +33,17 @@ STEP_FILES = {
 # write_reports gets for the step (from the package that owns the step's results)
 FIGURES = {"fa4_a2a": ("fa4_a2a/eres_vs_m.png", "E_res / T_FA vs M, measured and modelled")}
 Figures = Optional[Mapping[str, Callable[[dict, Path], Optional[str]]]]
+
+
+def fa4_a2a_figure(payload: dict, path: Path) -> Optional[str]:
+    """lab.fa4_a2a.multigpu_sweep.eres_figure, imported only when a sweep result is there to draw."""
+    from lab.fa4_a2a.multigpu_sweep import eres_figure
+
+    return eres_figure(payload, path)
+
+
+# the figures of the suite's command line (scripts/multigpu/report.py)
+SUITE_FIGURES = {"fa4_a2a": fa4_a2a_figure}
 
 
 def _f(x, fmt="{:.2f}", none="–"):

@@ -5,7 +5,7 @@ read the SM clock after every trial (:func:`sm_clock_mhz`). A comparison then us
 differences of two variants (robust to drift that moves both medians), restricted to trials in
 which both ran at the reference clock (DVFS on a power-limited GPU otherwise decides the
 comparison, paper Section 5.3), with a one-sided sign test (:func:`acceptance`).
-Used through xstage.bench (paired trials and verdicts) by the benches.
+Used through lab.bench (paired trials and verdicts) by the benches.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def sm_clock_mhz():
 def paired_stats(timings: dict, a: str, b: str) -> dict:
     """Per-trial differences a - b (same trial, rotated order): robust to slow drift that moves
     both medians. Returns the median difference and the fraction of trials with a > b.
-    ``timings``: name -> object with ``samples_us`` (xstage.timing.Timing) or a list of samples."""
+    ``timings``: name -> object with ``samples_us`` (lab.timing.Timing) or a list of samples."""
     sa, sb = _samples(timings[a]), _samples(timings[b])
     d = sorted(x - y for x, y in zip(sa, sb))
     return {"median_diff_us": statistics.median(d), "frac_positive": sum(x > 0 for x in d) / len(d), "n": len(d)}

@@ -6,7 +6,7 @@
   ``replays`` replays per trial: removes host launch overhead (the CuTe DSL
   Python launch path is comparable to short kernels, Section 5.3).
 * :func:`events_us` — one such sample (CUDA events around a few back-to-back
-  calls), for loops that interleave variants (xstage.bench).
+  calls), for loops that interleave variants (lab.bench).
 
 bench and bench_graph warm up first and report the median and spread; compare
 variants from the same run with :func:`ratio`.

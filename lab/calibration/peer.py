@@ -26,8 +26,8 @@ In the loopback world (single-GPU dry run) the "peer" is another device buffer o
 GPU: the local target stands in for it, so the pipeline runs end to end but the numbers are
 the local-memory control's.
 
-  torchrun --nproc-per-node=8 -m calibration.peer --world torch-symm --out results/h200x8/calibration
-  python -m calibration.peer --world loopback --P 2 --quick --out results/h200x1-loopback/calibration
+  torchrun --nproc-per-node=8 -m lab.calibration.peer --world torch-symm --out results/h200x8/calibration
+  python -m lab.calibration.peer --world loopback --P 2 --quick --out results/h200x1-loopback/calibration
 
 (``scripts/multigpu/peer_calibration.py`` is the same command line.)
 """
@@ -40,8 +40,8 @@ import time
 import traceback
 from pathlib import Path
 
-from xstage import bench
-from xstage import multigpu as mg
+from lab import bench
+from lab import multigpu as mg
 
 MODES = ("one-peer", "all-peers")
 PROFILE_NAME = "h200-nvlink-peer"
@@ -74,7 +74,7 @@ def peer_k_list(ks, npeers: int, num_sms: int):
 
 def make_config(args, num_sms: int, npeers: int = 1):
     """calibration RunConfig for a mode (``npeers`` > 1: K lists made divisible by npeers)."""
-    from .__main__ import _config
+    from calibration.__main__ import _config
 
     ns = argparse.Namespace(region_mib=args.region_mib, quick=args.quick, no_mma=args.no_mma, cache=None)
     cfg = _config(ns)
@@ -89,8 +89,8 @@ def make_config(args, num_sms: int, npeers: int = 1):
 
 def multi_peer_calibrator_class():
     """``Calibrator`` whose launches split the K producers over every peer (see module doc)."""
-    from . import analysis
-    from .runner import Calibrator
+    from calibration import analysis
+    from calibration.runner import Calibrator
 
     class MultiPeerCalibrator(Calibrator):
         def __init__(self, cfg, **kw):
@@ -151,7 +151,7 @@ def run_mode(ctx, args, mode: str, out_dir: Path) -> dict:
     """Measure one mode (sender = rank 0), write the raw files; returns the run's meta (rank 0)."""
     import torch
 
-    from .runner import Calibrator, _nvidia_smi_clocks, write_bursts, write_points
+    from calibration.runner import Calibrator, _nvidia_smi_clocks, write_bursts, write_points
 
     num_sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     npeers = ctx.P - 1 if mode == "all-peers" else 1
@@ -216,7 +216,7 @@ def run_mode(ctx, args, mode: str, out_dir: Path) -> dict:
 
 def fit_mode(mode_dir: Path, backend: str) -> dict:
     """Fit + validate + figures + report for one mode directory (CPU); headline numbers."""
-    from .report import fit_directory, make_figures, write_report
+    from calibration.report import fit_directory, make_figures, write_report
 
     fitted = fit_directory(mode_dir, profile_name="h200-nvlink")
     try:

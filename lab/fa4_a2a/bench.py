@@ -60,8 +60,8 @@ import os
 import time
 from pathlib import Path
 
-from xstage import bench
-from xstage.paired import acceptance, matched_medians, paired_stats, reference_clock
+from lab import bench
+from lab.paired import acceptance, matched_medians, paired_stats, reference_clock
 from xstage.world import single_process
 
 VARIANTS = ("stock", "fa_only", "fa_only_pers", "a2a_only", "serial", "a2a_symm", "serial_symm", "fused",
@@ -143,15 +143,15 @@ class WorldSync:
 
 
 def _capture(fn):
-    """One CUDA graph of ``fn`` (xstage.timing.capture_graph); a seam the CPU tests replace."""
-    from xstage.timing import capture_graph
+    """One CUDA graph of ``fn`` (lab.timing.capture_graph); a seam the CPU tests replace."""
+    from lab.timing import capture_graph
 
     return capture_graph(fn, warmup=2)
 
 
 def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int, *, min_replays: int = 3,
                      cooldown_s: float = 0.0, sync: WorldSync = None):
-    """Per-call time of each fn, interleaved + rotated over ``trials`` (xstage.bench.paired_trials).
+    """Per-call time of each fn, interleaved + rotated over ``trials`` (lab.bench.paired_trials).
 
     Returns (samples_us, replays, clocks_after, clocks_before): dicts name -> list per trial
     (clocks_before only when ``cooldown_s`` > 0, i.e. stabilised).  Each trial of each variant is
@@ -174,13 +174,13 @@ def time_interleaved(fns: dict, trials: int, target_us: float, max_replays: int,
 
 
 # ----------------------------------------------------------------------------- statistics (CPU-testable)
-# (the generic paired / clock-matched statistics live in xstage.paired)
+# (the generic paired / clock-matched statistics live in lab.paired)
 
 
 def analyse_row(row: dict, samples: dict, clocks: dict, tol_mhz: float, min_matched: int,
                 alpha: float = 0.05) -> dict:
     """Medians, paired statistics, matched-clock medians and the acceptance verdicts of one row."""
-    from xstage.timing import Timing
+    from lab.timing import Timing
 
     timings = {n: Timing(v) for n, v in samples.items()}
     med = {n: t.median_us for n, t in timings.items()}

@@ -1,7 +1,7 @@
 """The fa4_a2a half of ``scripts/run`` on a Hopper GPU: one representative Ulysses shape (loopback
 world, P = 8, 24 heads, 8K tokens, head_dim 128, bf16), the fused kernel checked end to end against
 the fp32 reference, then timed next to its baselines (FA-only, and Serial = FA-only + the
-symmetric-memory A2A copy kernel) in paired, rotated trials of CUDA-graph replays (fa4_a2a.bench).
+symmetric-memory A2A copy kernel) in paired, rotated trials of CUDA-graph replays (lab.fa4_a2a.bench).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def run(*, P: int = 8, heads: int = 24, seq: int = 8192, head_dim: int = 128, tr
     import torch
 
     from fa4_a2a import ulysses_attention
-    from fa4_a2a.bench import analyse_row, time_interleaved, variant_fns
+    from lab.fa4_a2a.bench import analyse_row, time_interleaved, variant_fns
     from fa4_a2a.reference import seq_to_head_shards, ulysses_reference
     from xstage.world import make_world
 

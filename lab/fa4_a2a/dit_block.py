@@ -13,9 +13,9 @@ Per rank (x: its [B, S/P, hidden] sequence shard):
 
 In the single-process worlds (``loopback``, ``host``, ``loopback+host``) a time is the whole
 world's: every rank's block back to back on one GPU; in torch-symm (one process per GPU, under
-torchrun) it is the per-trial maximum over ranks. Method as ``fa4_a2a.bench``: every variant
+torchrun) it is the per-trial maximum over ranks. Method as ``lab.fa4_a2a.bench``: every variant
 captured in a CUDA graph, replays timed between CUDA events, trials interleaved in rotated order,
-the SM clock read after each, statistics on the clock-matched trials (``xstage.bench``). Before the
+the SM clock read after each, statistics on the clock-matched trials (``lab.bench``). Before the
 timing both blocks are checked on a small problem against a float32 reference of the whole block
 (every element, poisoned destinations).
 
@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 from fa4_a2a import interface
 from fa4_a2a.baselines import a2a_all_to_all_single, a2a_all_to_all_single_pre, a2a_copy
-from fa4_a2a.bench import WorldSync, close_world, init_world, output_dir, reduce_over_ranks, time_interleaved
 from fa4_a2a.reference import attention_fp32, seq_to_head_shards
 from fa4_a2a.ulysses import get_workspace, ulysses_attention
-from xstage import bench
-from xstage.paired import matched_medians
+from lab import bench
+from lab.fa4_a2a.bench import WorldSync, close_world, init_world, output_dir, reduce_over_ranks, time_interleaved
+from lab.paired import matched_medians
 from xstage.world import single_process
 
 # Attention shapes of public DiT configs: (hidden, heads, head_dim).

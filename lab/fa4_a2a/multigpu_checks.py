@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import traceback
 
-from xstage import multigpu as mg
+from lab import multigpu as mg
 
 FA_TOL = {"bf16": 2e-2, "fp16": 4e-3}
 
@@ -32,7 +32,7 @@ def fa_cases(P: int, quick: bool = False):
 
 def run_checks(ctx, quick: bool = False) -> list:
     """Every case of :func:`fa_cases` on this process's ranks of ``ctx`` (an
-    :class:`xstage.multigpu.Ctx`): one record per (case, variant, rank), ``ok`` on a pass; an
+    :class:`lab.multigpu.Ctx`): one record per (case, variant, rank), ``ok`` on a pass; an
     exception is recorded as a failed check and the next case runs (the other ranks do the same)."""
     import torch
 

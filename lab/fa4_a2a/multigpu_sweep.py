@@ -15,15 +15,15 @@ Per (H heads, sequence M), every rank r of a world of P ranks holds its head sha
   fused         FA4 whose epilogue stores every tile at its Ulysses destination (remote stores)
   fused_pers    ... static persistent tile order
 
-Timing (xstage.multigpu.time_variants): CUDA-graph replays (NCCL variants eager), trials
+Timing (lab.multigpu.time_variants): CUDA-graph replays (NCCL variants eager), trials
 aligned across ranks, max across ranks per trial, median of trials.  E_res = T_fused - T_FA,
 hiding H = 1 - E_res / (T_serial - T_FA), speedup = T_serial / T_fused; E_res vs M against the
-Burst-Gap prediction (fa4_a2a.bench.model_prediction) with ``--profile`` (default: the
+Burst-Gap prediction (lab.fa4_a2a.bench.model_prediction) with ``--profile`` (default: the
 peer profile fitted in step 1 when its JSON is given, else paper-b200-nvlink).
 :func:`eres_figure` draws E_res / T_FA vs M for the suite's report.
 
-  torchrun --nproc-per-node=8 -m fa4_a2a.multigpu_sweep --world torch-symm --out results/h200x8/fa4_a2a
-  python -m fa4_a2a.multigpu_sweep --world loopback --P 8 --quick --out results/h200x1-loopback/fa4_a2a
+  torchrun --nproc-per-node=8 -m lab.fa4_a2a.multigpu_sweep --world torch-symm --out results/h200x8/fa4_a2a
+  python -m lab.fa4_a2a.multigpu_sweep --world loopback --P 8 --quick --out results/h200x1-loopback/fa4_a2a
 
 (``scripts/multigpu/fa_a2a_sweep.py`` is the same command line.)
 """
@@ -35,8 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from xstage import bench
-from xstage import multigpu as mg
+from lab import bench
+from lab import multigpu as mg
 
 VARIANTS = ("fa_only", "fa_only_pers", "a2a_nccl", "a2a_symm", "a2a_symm_torch", "serial_nccl", "serial_symm",
             "serial_symm_torch", "fused", "fused_pers")
@@ -107,7 +107,7 @@ def run(ctx, args):
 
     import fa4_a2a
     from fa4_a2a.baselines import a2a_all_to_all_single, a2a_copy
-    from fa4_a2a.bench import load_platform, model_prediction
+    from lab.fa4_a2a.bench import load_platform, model_prediction
 
     P, D = ctx.P, args.head_dim
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -192,11 +192,11 @@ def _main(ctx, args) -> None:
 
 
 def eres_figure(payload: dict, path):
-    """E_res / T_FA vs M of a sweep result, measured and modelled (fa4_a2a.bench.plot): the
+    """E_res / T_FA vs M of a sweep result, measured and modelled (lab.fa4_a2a.bench.plot): the
     figure's path, or None without matplotlib or rows (a partial payload: the tables still stand)."""
     if importlib.util.find_spec("matplotlib") is None or not payload.get("rows"):
         return None
-    from fa4_a2a.bench import plot
+    from lab.fa4_a2a.bench import plot
 
     try:
         return plot(payload, str(path))

@@ -28,9 +28,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .interface import KernelConfig, _launch, build_kernel, default_num_sms
-from .kernel import TRACE_FIELDS
-from .validate import check_attention_a2a
+from fa4_a2a.interface import KernelConfig, _launch, build_kernel, default_num_sms
+from fa4_a2a.kernel import TRACE_FIELDS
+from fa4_a2a.validate import check_attention_a2a
 
 UNSET_MIN = torch.iinfo(torch.int64).max  # the min-reduced field before any store (host fill)
 # The designs the trace compares: the piggyback epilogue (one CTA per tile) and the static
@@ -151,8 +151,8 @@ def run_points(world_name: str, P: int, heads: Sequence[int], seqs: Sequence[int
     paired, rotated trials with the SM clock (so E_res = T_design - T_FA and the trace overhead
     come from the same trials)."""
     import fa4_a2a
-    from xstage import bench
-    from xstage.timing import capture_graph
+    from lab import bench
+    from lab.timing import capture_graph
     from xstage.world import make_world
 
     world = make_world(world_name, P)
@@ -203,7 +203,7 @@ def main(argv=None):
     """``scripts/trace_fa4_a2a.py``: :func:`run_points` into ``--out``/trace_fa4_a2a{tag}.json."""
     import argparse
 
-    from xstage import bench
+    from lab import bench
 
     ap = argparse.ArgumentParser(description="Per-tile timelines of the fused FA + A2A kernel (issue 29, step 1)")
     ap.add_argument("--world", default="host", choices=("host", "loopback", "loopback+host"))

@@ -2,13 +2,13 @@
 side-by-side :class:`~megamoe_interleave.config.MegaMoEConfig` variants) vs the unfused torch
 pipeline vs the two torch._grouped_mm GEMMs alone. The library part of
 ``scripts/bench_megamoe.py`` (its command line: :func:`build_parser`, :func:`main`; also
-``python -m megamoe_interleave.bench``); the paired trials, verdicts and result files are
-:mod:`xstage.bench`'s. The megamoe diagnostics (scripts/diag/megamoe_*.py) build their problems
+``python -m lab.megamoe.bench``); the paired trials, verdicts and result files are
+:mod:`lab.bench`'s. The megamoe diagnostics (scripts/diag/megamoe_*.py) build their problems
 and objects here too (:func:`make_problem`, :func:`grouped_gemms`, :func:`build_moe`), and so does
-the X-Stage sweep (:mod:`megamoe_interleave.sweep`: :func:`make_weights`, :func:`make_inputs`,
+the X-Stage sweep (:mod:`lab.megamoe.sweep`: :func:`make_weights`, :func:`make_inputs`,
 :func:`warmed_moe`, :func:`kernel_time_call`).
 
-Per (shape, routing, P, tokens per rank): median per-call time over trials (xstage.timing),
+Per (shape, routing, P, tokens per rank): median per-call time over trials (lab.timing),
 TFLOP/s = 2 * picks * H * I * 3 / t, against the measured dense bf16 matmul rate.
 In the loopback/host worlds one "call" runs every simulated rank one after another, so
 times are for the whole world (P ranks) on one GPU. The baselines always run on device
@@ -49,15 +49,14 @@ import sys
 
 import torch
 
-from xstage import bench, timing
-
-from .api import MegaMoE, decode_trace, make_world, trace_mainloop_cycles
-from .config import BLOCK_M, BLOCK_NS, DISPATCH_COPIES, MegaMoEConfig
-from .reference import grouped_mm, permute_for_rank, unfused_pipeline
-from .routing import make_routing
-from .scheduler import SCHEDULES
-from .shapes import get_shape
-from .trace import write_trace
+from lab import bench, timing
+from lab.megamoe.trace import write_trace
+from megamoe_interleave.api import MegaMoE, decode_trace, make_world, trace_mainloop_cycles
+from megamoe_interleave.config import BLOCK_M, BLOCK_NS, DISPATCH_COPIES, MegaMoEConfig
+from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline
+from megamoe_interleave.routing import make_routing
+from megamoe_interleave.scheduler import SCHEDULES
+from megamoe_interleave.shapes import get_shape
 
 DEFAULT_OUT = "results/h200/megamoe/runs"
 BASELINE = "grouped_mm x2"  # the paired comparison's baseline
@@ -202,7 +201,7 @@ def build_moe(shape, P, tokens, config, w1, w2, *, world="loopback", poison_comb
     per rank at most, ``config`` a :class:`MegaMoEConfig` (None = every default; MegaMoE resolves
     it: ``moe.config``), its weights loaded from ``w1`` / ``w2``. The bench's and the diagnostics'
     one way to build the object they time or profile (``moe_class``: a MegaMoE subclass, e.g.
-    :class:`megamoe_interleave.diag.NoDispatchCopyMoE`). ``weight_cache`` (a dict per problem):
+    :class:`lab.megamoe.diag.no_dispatch_copy.NoDispatchCopyMoE`). ``weight_cache`` (a dict per problem):
     the MegaMoEs of one problem share one copy of the kernel-layout weights (12 GB at
     DeepSeek-V4-Flash, P = 8: one copy per variant ran out of memory at 14 variants)."""
     moe = moe_class(make_world(world, world_size=P, device="cuda"), shape.num_experts, shape.hidden,
@@ -235,7 +234,7 @@ def check_w8a8_against(ys, refs, name):
     (reference.W8A8_FP32_REL_ERROR's upper end) plus the kernel's tolerance against its emulation
     (W8A8_KERNEL_REL_ERROR): an elementwise bound on a BF16 reference would reject the recipe's
     E4M3 rounding itself."""
-    from .reference import W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, relative_error
+    from megamoe_interleave.reference import W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, relative_error
 
     bound = W8A8_FP32_REL_ERROR[1] + W8A8_KERNEL_REL_ERROR
     for rank, (y, ref) in enumerate(zip(ys, refs)):
@@ -362,7 +361,7 @@ def trace_file_name(tag, schedule, axes, P, tokens) -> str:
 
 def trace_one_call(shape, kind, P, tokens, config, w1, w2, xs, idx, wts, *, path, label, world="loopback"):
     """One traced call (``config`` with trace=True): rank 0's per-tile timeline to the CSV
-    ``path`` (:func:`megamoe_interleave.trace.write_trace`), medians of its spans returned."""
+    ``path`` (:func:`lab.megamoe.trace.write_trace`), medians of its spans returned."""
     moe = build_moe(shape, P, tokens, dataclasses.replace(config, trace=True), w1, w2, world=world,
                     poison_combine=True)
     moe.forward(xs, idx, wts)

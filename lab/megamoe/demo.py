@@ -2,7 +2,7 @@
 (E = 256, H = 4096, I = 2048, top-6) in the loopback world, P = 8 ranks of 8192 tokens, balanced
 routing. Both schedules' fused kernels are checked against the fp32 reference (a sample of every
 rank's tokens) and the unfused pipeline, then timed next to the two grouped GEMMs alone and the
-unfused pipeline in paired, rotated, clock-read trials (xstage.bench), each call after a 0.25 s
+unfused pipeline in paired, rotated, clock-read trials (lab.bench), each call after a 0.25 s
 cool-down: back to back, the P = 8 calls run at the 700 W cap and their clocks spread over
 1.5-2.0 GHz, so no trial matched the reference clock (the bench's ``--cooldown-s``).
 
@@ -16,11 +16,11 @@ def run(*, P: int = 8, tokens: int = 8192, trials: int = 11, check_tokens: int =
     import torch
 
     from megamoe_interleave import MegaMoEConfig
-    from megamoe_interleave.bench import build_moe, check_against, grouped_gemms
+    from lab.megamoe.bench import build_moe, check_against, grouped_gemms
     from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline
     from megamoe_interleave.routing import make_routing
     from megamoe_interleave.shapes import get_shape
-    from xstage import bench
+    from lab import bench
 
     shape = get_shape("deepseek-v4-flash")
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk

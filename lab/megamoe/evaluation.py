@@ -1,4 +1,4 @@
-"""The MegaMoE X-Stage evaluation from a sweep JSON (:mod:`megamoe_interleave.sweep`), on a CPU:
+"""The MegaMoE X-Stage evaluation from a sweep JSON (:mod:`lab.megamoe.sweep`), on a CPU:
 the analogues of the paper's Figure 8 (speedup of interleaved over expert_wave per model and
 routing, the loopback control next to the remote Combine over PCIe), Figure 10 (the
 distributions of the Linear-2 tiles' sender-visible remote-store span T_RS per schedule, remote
@@ -20,10 +20,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from xstage import bench as xbench
-from xstage.multigpu import geomean
-
-from .sweep import DEFAULT_OUT, NO_PREDICTION, QUANTILES, ROUTINGS, WORLDS, load_sweep
+from lab import bench as xbench
+from lab.megamoe.sweep import DEFAULT_OUT, NO_PREDICTION, QUANTILES, ROUTINGS, WORLDS, load_sweep
+from lab.multigpu import geomean
+from lab.report import Templates, fmt, md_table
 
 # The paper's MegaMoE headline (Section 5.2.1): 84 configurations on eight GPUs.
 PAPER = {"geomean": 1.18, "median": 1.17, "max": 1.62, "configs": 84,
@@ -32,6 +32,7 @@ FIGURE8 = "fig8_speedup.png"
 FIGURE10 = "fig10_rs_span.png"
 RATE_FIGURE = "rate_bound.png"
 FINDINGS = "findings.md"  # hand-written notes of a results folder, included in its README
+README_TEMPLATE = "megamoe_xstage_readme.md"  # the README's text, under lab/templates/
 ROUTING_COLORS = {"balanced": "tab:green", "skewed1": "tab:orange", "skewed2": "tab:red"}
 SCHEDULE_COLORS = {"expert_wave": "tab:red", "interleaved": "tab:blue"}
 
@@ -69,7 +70,7 @@ def apply_rechecks(payload: Mapping, rechecks: Sequence[tuple]) -> dict:
 
 def _label(cell: Mapping) -> str:
     """A cell's label (:attr:`sweep.Cell.label`) from a record's cell dict or a row holding its keys."""
-    from .sweep import Cell
+    from lab.megamoe.sweep import Cell
 
     return Cell(cell["shape"], cell["routing"], cell["tokens"], cell["world"], cell["P"],
                 cell.get("precision", "bf16")).label
@@ -240,7 +241,7 @@ def rate_bound_rows(cells: Sequence[Mapping]) -> list:
     (they share the one path) over the profile's R -- next to the measured times (us)."""
     from xstage import model, profiles
 
-    from .shapes import get_shape
+    from megamoe_interleave.shapes import get_shape
 
     control = _controls(cells)
     out = []
@@ -289,8 +290,8 @@ def planner_verdicts(cells: Sequence[Mapping]) -> list:
     """Per remote-path cell with its loopback control: the planner's verdict fed with the cell's own
     (contended) expert_wave mainloops, as the sweep recorded it, and re-run with the control's
     (uncontended) mainloops (:func:`sweep.cell_model`), next to the measured speedup."""
-    from .shapes import get_shape
-    from .sweep import Cell, cell_model
+    from megamoe_interleave.shapes import get_shape
+    from lab.megamoe.sweep import Cell, cell_model
 
     control = _controls(cells)
     out = []
@@ -325,7 +326,7 @@ def call_expert_rows(shape, kind: str, P: int, tokens: int, strength: float = 1.
     """Rows per local expert of every destination rank for the sweep's routing of a cell (the
     routing :func:`bench.make_inputs` draws, regenerated on the CPU): what a fused ``forward``
     of that cell hands ``schedule="auto"`` per call."""
-    from .routing import expert_load, make_routing
+    from megamoe_interleave.routing import expert_load, make_routing
 
     load = sum(expert_load(make_routing(kind, tokens, shape.num_experts, shape.topk, seed=src, strength=strength)[0],
                            shape.num_experts) for src in range(P))
@@ -341,9 +342,9 @@ def auto_rows(cells: Sequence[Mapping], num_sms: int = 132) -> list:
     (auto runs the kernel of the schedule it picks, so its time is that schedule's)."""
     from xstage import profiles
 
-    from .config import MegaMoEConfig
-    from .shapes import get_shape
-    from .sweep import PLATFORM_OF_WORLD, ROUTINGS
+    from megamoe_interleave.config import MegaMoEConfig
+    from megamoe_interleave.shapes import get_shape
+    from lab.megamoe.sweep import PLATFORM_OF_WORLD, ROUTINGS
 
     out = []
     for rec in cells:
@@ -576,20 +577,8 @@ def draw_figure10(rows: Sequence[Mapping], path) -> Optional[Path]:
 # ----------------------------------------------------------------------------- README
 
 
-def _f(x, fmt="{:.3f}", none="–"):
-    try:
-        return none if x is None else fmt.format(x)
-    except (TypeError, ValueError):
-        return str(x)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence]) -> list:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-
-
-def _pair(a, b, fmt="{:.2f}"):
-    return f"{_f(a, fmt)} / {_f(b, fmt)}"
+def _pair(a, b, spec="{:.2f}"):
+    return f"{fmt(a, spec)} / {fmt(b, spec)}"
 
 
 def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Path] = None,
@@ -597,205 +586,150 @@ def readme(payload: Mapping, *, fig8: Optional[Path] = None, fig10: Optional[Pat
            fig10_routing: str = "skewed1", fig10_shapes: Optional[Sequence[str]] = None,
            findings: Optional[str] = None, source: str = Path(DEFAULT_OUT).name,
            rate_fig: Optional[Path] = None) -> str:
-    """The README of a sweep folder (markdown); ``findings`` (the folder's hand-written
-    ``findings.md``: what the numbers mean, every regression explained) goes after the method."""
+    """The README of a sweep folder (markdown): :data:`README_TEMPLATE` filled with the tables and
+    numbers of ``payload``; ``findings`` (the folder's hand-written ``findings.md``: what the
+    numbers mean, every regression explained) goes after the method."""
+    T = Templates(README_TEMPLATE)
     cells = measured_cells(payload)
     allrecs = payload.get("cells", [])
     status = Counter(r.get("status") for r in allrecs)
-    runs = payload.get("runs", [])
-    L = ["# MegaMoE X-Stage evaluation (one GPU, simulated ranks)", "",
-         f"From `{source}`: {len(allrecs)} cells ({status.get('ok', 0)} measured, {status.get('skipped', 0)} "
-         f"skipped, {status.get('error', 0)} failed), {len(runs)} run(s): "
-         + "; ".join(f"{(r.get('provenance') or {}).get('date_utc')} on {(r.get('provenance') or {}).get('gpu')}, "
-                     f"commit {(r.get('provenance') or {}).get('commit')}" for r in runs) + ".", "",
-         "Method (docs/xstage-evaluation.md): per cell both schedules with their default configs, "
-         "paired trials in rotated order, SM clock after each call; speedup = median over the clock-matched "
-         "trials of T_expert_wave / T_interleaved; a time is the fused kernels' device time of one call: "
-         f"{payload.get('time_scope', '')}. Worlds: `loopback` = no remote path (the control), "
-         "`loopback+host` = the Combine stores over PCIe into pinned host memory (profile `h200-pcie-host`). "
-         f"The paper's numbers are for {PAPER['setting']}: a different platform and precision.", ""]
-    if payload.get("rechecked"):
-        L += ["Cells re-measured with more paired trials (same protocol; their timing replaces the sweep's "
-              "everywhere below, traces kept):", ""]
-        L += _table(["cell", "recheck", "trials (matched)", "speedup in the sweep", "speedup rechecked"],
-                    [[_label(r["cell"]), r["file"], f"{r['trials']} ({r['matched']})",
-                      _x4(r["sweep_speedup"]), _x4(r["recheck_speedup"])] for r in payload["rechecked"]])
-        L.append("")
-    if findings:
-        L += [findings.strip(), ""]
+    runs = [r.get("provenance") or {} for r in payload.get("runs", [])]
+    doc = {"header": dict(source=source, n_cells=len(allrecs), n_measured=status.get("ok", 0),
+                          n_skipped=status.get("skipped", 0), n_failed=status.get("error", 0), n_runs=len(runs),
+                          runs="; ".join(T.row("run", date=p.get("date_utc"), gpu=p.get("gpu"), commit=p.get("commit"))
+                                         for p in runs),
+                          time_scope=payload.get("time_scope", ""), paper_setting=PAPER["setting"])}
+    doc["rechecked"] = dict(table=md_table(
+        ["cell", "recheck", "trials (matched)", "speedup in the sweep", "speedup rechecked"],
+        [[_label(r["cell"]), r["file"], f"{r['trials']} ({r['matched']})", _x4(r["sweep_speedup"]),
+          _x4(r["recheck_speedup"])] for r in payload["rechecked"]])) if payload.get("rechecked") else None
+    doc["findings"] = dict(findings=findings.strip()) if findings else None
 
     # Figure 8 / the headline
-    L += ["## Speedup of interleaved over expert_wave (Figure 8 analogue)", ""]
-    summ = speedup_summary(cells)
     rows = [["paper", PAPER["configs"], f"{PAPER['geomean']:.2f}x", f"{PAPER['median']:.2f}x", f"{PAPER['max']:.2f}x",
              "–", "–"]]
-    for name, s in summ.items():
+    for name, s in speedup_summary(cells).items():
         v = s["verdicts"]
-        rows.append([name, s["n"], _f(s["geomean"], "{:.3f}x"), _f(s["median"], "{:.3f}x"), _f(s["max"], "{:.3f}x"),
-                     _f(s["min"], "{:.3f}x"), f"{v.get('interleaved faster', 0)} / {v.get('interleaved slower', 0)} / "
+        rows.append([name, s["n"], fmt(s["geomean"], "{:.3f}x"), fmt(s["median"], "{:.3f}x"), fmt(s["max"], "{:.3f}x"),
+                     fmt(s["min"], "{:.3f}x"), f"{v.get('interleaved faster', 0)} / {v.get('interleaved slower', 0)} / "
                      f"{v.get('no significant difference', 0)} / {v.get('inconclusive', 0)}"])
-    L += _table(["cells", "n", "geometric mean", "median", "max", "min",
-                 "interleaved faster / slower / n.s. / inconclusive (sign test)"], rows)
-    L += ["", f"![Figure 8 analogue]({fig8.name})" if fig8 else
-          "(Figure 8 not drawn: no matplotlib, or no measured cell.)", ""]
     f8 = figure8_rows(cells)
-    if f8:
-        L += _table(["shape", "routing", "world", "cells", "geometric mean", "min", "max"],
-                    [[r["shape"], r["routing"], r["world"], r["cells"], _f(r["geomean"], "{:.3f}x"),
-                      _f(r["min"], "{:.3f}x"), _f(r["max"], "{:.3f}x")] for r in f8])
-        L.append("")
+    doc["figure8"] = dict(
+        summary_table=md_table(["cells", "n", "geometric mean", "median", "max", "min",
+                                "interleaved faster / slower / n.s. / inconclusive (sign test)"], rows),
+        figure=T.row("figure8", path=fig8.name) if fig8 else T.row("no_figure8"),
+        shape_table=md_table(["shape", "routing", "world", "cells", "geometric mean", "min", "max"],
+                             [[r["shape"], r["routing"], r["world"], r["cells"], fmt(r["geomean"], "{:.3f}x"),
+                               fmt(r["min"], "{:.3f}x"), fmt(r["max"], "{:.3f}x")] for r in f8]) if f8 else "")
 
     # Figure 10
     f10 = figure10_rows(cells, fig10_shapes, fig10_routing)
-    L += ["## Remote-store span T_RS of the L2 tiles (Figure 10 analogue)", "",
-          f"Routing {fig10_routing}; per shape the cell with the largest P and most tokens. `loopback` stores into "
-          "device memory (the local-store control); the predicted span is the model's T_iss0 + ΔT_iss "
-          "(aligned worst case, K = all SMs).", ""]
-    if f10:
-        L += _table(["shape", "world", "schedule", "P", "tokens", "L2 tiles", "T_RS median (p10 – p90) us", "p99 us",
-                     "model span us"],
-                    [[r["shape"], r["world"], r["schedule"], r["P"], r["tokens"], r["tiles"],
-                      f"{_f(r['median_us'], '{:.2f}')} ({_f(r['p10_us'], '{:.2f}')} – {_f(r['p90_us'], '{:.2f}')})",
-                      _f(r["p99_us"], "{:.2f}"), _f(r["predicted_us"], "{:.2f}")] for r in f10])
-    else:
-        L.append("No traced cell.")
-    L += ["", f"![Figure 10 analogue]({fig10.name})" if fig10 else "(Figure 10 not drawn.)", ""]
+    doc["figure10"] = dict(
+        routing=fig10_routing,
+        table=md_table(["shape", "world", "schedule", "P", "tokens", "L2 tiles", "T_RS median (p10 – p90) us", "p99 us",
+                        "model span us"],
+                       [[r["shape"], r["world"], r["schedule"], r["P"], r["tokens"], r["tiles"],
+                         f"{fmt(r['median_us'], '{:.2f}')} ({fmt(r['p10_us'], '{:.2f}')} – {fmt(r['p90_us'], '{:.2f}')})",
+                         fmt(r["p99_us"], "{:.2f}"), fmt(r["predicted_us"], "{:.2f}")] for r in f10])
+        if f10 else T.row("no_figure10_cell"),
+        figure=T.row("figure10", path=fig10.name) if fig10 else T.row("no_figure10"))
 
     # Table 2
     t2 = table2_rows(cells, table2_world, table2_routing, table2_P)
-    L += ["## Per-tile stall model (Table 2 analogue)", "",
-          f"World {table2_world}, routing {table2_routing}; per shape the cell with the largest P and most tokens "
-          "(its P and tokens in the table); times in us, medians. Span = T_RS wave / interleaved; T_mma = the "
-          "expert_wave trace's L2 / L1 mainloop (first stage landed -> last WGMMA retired); Δt = eq. 15 "
-          "prediction [T_RS - T_mma(successor)]+ / the measured wait of the successor tile for the staging slot, "
-          "over the L2 tiles with a successor in their CTA.", ""]
-    if t2:
-        L += _table(["shape", "P", "tokens", "span wave / int.", "T_mma L2 / L1", "Δt wave (pred. / meas.)",
-                     "Δt int. (pred. / meas.)", "int. predicted 0", "eq. 14", "speedup"],
-                    [[r["shape"], r["P"], r["tokens"], _pair(r["span_wave_us"], r["span_interleaved_us"]),
-                      _pair(r["mma_l2_us"], r["mma_l1_us"]), _pair(r["stall_wave_pred_us"], r["stall_wave_meas_us"]),
-                      _pair(r["stall_int_pred_us"], r["stall_int_meas_us"]), _f(r["int_pred_zero_frac"], "{:.0%}"),
-                      {True: "holds", False: "fails", None: "–"}[r["eq14_holds"]], _f(r["speedup"], "{:.3f}x")]
-                     for r in t2])
-    else:
-        L.append(f"No traced cell in {table2_world} / {table2_routing}."
-                 + (f" ({NO_PREDICTION})" if table2_world == "loopback" else ""))
-    L.append("")
+    doc["table2"] = dict(world=table2_world, routing=table2_routing, table=md_table(
+        ["shape", "P", "tokens", "span wave / int.", "T_mma L2 / L1", "Δt wave (pred. / meas.)",
+         "Δt int. (pred. / meas.)", "int. predicted 0", "eq. 14", "speedup"],
+        [[r["shape"], r["P"], r["tokens"], _pair(r["span_wave_us"], r["span_interleaved_us"]),
+          _pair(r["mma_l2_us"], r["mma_l1_us"]), _pair(r["stall_wave_pred_us"], r["stall_wave_meas_us"]),
+          _pair(r["stall_int_pred_us"], r["stall_int_meas_us"]), fmt(r["int_pred_zero_frac"], "{:.0%}"),
+          {True: "holds", False: "fails", None: "–"}[r["eq14_holds"]], fmt(r["speedup"], "{:.3f}x")] for r in t2])
+        if t2 else T.row("no_table2_cell_loopback", world=table2_world, routing=table2_routing, why=NO_PREDICTION)
+        if table2_world == "loopback" else T.row("no_table2_cell", world=table2_world, routing=table2_routing))
 
     # the whole-kernel rate bound
     rb = rate_bound_rows(cells)
-    if rb:
-        L += ["## The whole kernel against the drain rate (eq. 11 over the kernel)", "",
-              "xstage.model.kernel_rate_bounds: interleaved max(T_L1 + T_L2, V/R), expert_wave "
-              "T_L1 + max(T_L2, V/R); T_L1 + T_L2 = the loopback control's time of that schedule (2:1 by FLOPs), "
-              "V = the Combine bytes of all P simulated ranks (they share the path), R = the world's profile. "
-              "Measured / predicted kernel time, median (min – max), and the geometric-mean speedup "
-              "measured / predicted (`rate_bound.csv` per cell).", ""]
-        L += _table(["world", "P", "routing", "cells", "expert_wave meas. / pred.", "interleaved meas. / pred.",
-                     "speedup meas. / pred."],
-                    [[r["world"], r["P"], r["routing"], r["cells"],
-                      f"{r['expert_wave'][0]:.2f} ({r['expert_wave'][1]:.2f} – {r['expert_wave'][2]:.2f})",
-                      f"{r['interleaved'][0]:.2f} ({r['interleaved'][1]:.2f} – {r['interleaved'][2]:.2f})",
-                      f"{r['speedup_measured']:.3f}x / {r['speedup_predicted']:.3f}x"] for r in rate_bound_summary(rb)])
-        L += ["", f"![measured against predicted]({rate_fig.name})" if rate_fig else "(Figure not drawn.)", ""]
+    doc["rate_bound"] = dict(
+        table=md_table(["world", "P", "routing", "cells", "expert_wave meas. / pred.", "interleaved meas. / pred.",
+                        "speedup meas. / pred."],
+                       [[r["world"], r["P"], r["routing"], r["cells"],
+                         f"{r['expert_wave'][0]:.2f} ({r['expert_wave'][1]:.2f} – {r['expert_wave'][2]:.2f})",
+                         f"{r['interleaved'][0]:.2f} ({r['interleaved'][1]:.2f} – {r['interleaved'][2]:.2f})",
+                         f"{r['speedup_measured']:.3f}x / {r['speedup_predicted']:.3f}x"]
+                        for r in rate_bound_summary(rb)]),
+        figure=T.row("rate_figure", path=rate_fig.name) if rate_fig else T.row("no_rate_figure")) if rb else None
 
     # the planner's verdict, contended against uncontended mainloops
     pv = planner_verdicts(cells)
-    if pv:
-        L += ["## The planner's verdict and its mainloop inputs", "",
-              "`xstage plan megamoe` (eq. 10-14) per remote-path cell, fed with that cell's expert_wave trace "
-              "mainloops (contended: stretched by the drain) and with its loopback control's (uncontended); "
-              "the speedups measured in the cells of each verdict (`planner_verdicts.csv` per cell).", ""]
-        L += _table(["mainloops", "verdict", "cells", "speedup median", "min", "max"],
-                    [[r["mainloops"], r["verdict"], r["cells"], f"{r['median']:.3f}x", f"{r['min']:.3f}x",
-                      f"{r['max']:.3f}x"] for r in planner_verdict_summary(pv)])
-        L.append("")
+    doc["planner"] = dict(table=md_table(
+        ["mainloops", "verdict", "cells", "speedup median", "min", "max"],
+        [[r["mainloops"], r["verdict"], r["cells"], f"{r['median']:.3f}x", f"{r['min']:.3f}x", f"{r['max']:.3f}x"]
+         for r in planner_verdict_summary(pv)])) if pv else None
 
-    # schedule="auto"
+    # schedule="auto": what it picks, against the better fixed schedule
     ar = auto_rows(cells)
-    if ar:
-        L += ["## `schedule=\"auto\"`", "",
-              "What `MegaMoEConfig(schedule=\"auto\")` picks for each cell's call "
-              "(`MegaMoEConfig.choose_schedule` -> `xstage.planner.choose_megamoe_schedule`, from the call's routing "
-              "on the world's calibrated path: expert_wave where eq. 10's capacity bound holds per expert wave on "
-              "every rank, V - R T_L2 <= W Q, since it then has no backpressure to remove; otherwise eq. 11 over the "
-              "kernel with interleaved scaled by the loopback locality ratio 1/1.022; no remote path: that ratio "
-              "alone) and its time against the better fixed schedule from the cell's paired trials (`auto.csv` per "
-              "cell; auto runs the kernel of the schedule it picks).", ""]
-        L += _table(["world", "cells", "picks interleaved", "> 1 % slower than the better", "worst",
-                     "geomean auto / interleaved", "geomean auto / expert_wave"],
-                    [[r["world"], r["cells"], r["picks_interleaved"], r["over_1pct"], f"{r['worst']:.4f}x",
-                      f"{r['geo_over_interleaved']:.4f}", f"{r['geo_over_expert_wave']:.4f}"]
-                     for r in auto_summary(ar)])
-        for r in ar:
-            if r["auto_over_better"] > 1.01:
-                L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: auto ({r['pick']}) "
-                         f"{r['auto_over_better']:.4f}x the better schedule")
-        L.append("")
+    doc["auto"] = dict(
+        table=md_table(["world", "cells", "picks interleaved", "> 1 % slower than the better", "worst",
+                        "geomean auto / interleaved", "geomean auto / expert_wave"],
+                       [[r["world"], r["cells"], r["picks_interleaved"], r["over_1pct"], f"{r['worst']:.4f}x",
+                         f"{r['geo_over_interleaved']:.4f}", f"{r['geo_over_expert_wave']:.4f}"]
+                        for r in auto_summary(ar)]),
+        notes="\n".join(T.row("auto_slower", shape=r["shape"], routing=r["routing"], tokens=r["tokens"],
+                              world=r["world"], P=r["P"], pick=r["pick"], ratio=f"{r['auto_over_better']:.4f}x")
+                        for r in ar if r["auto_over_better"] > 1.01)) if ar else None
+
+    # schedule="auto" timed directly (sweep_megamoe.py --with-auto)
     ma = payload.get("auto_measured")
+    doc["auto_measured"] = None
     if ma:
         mr = measured_auto_rows(ma)
-        L += ["### `schedule=\"auto\"` timed directly", "",
-              f"{len(mr)} cells timed again with auto as a third variant in the same paired trials "
-              "(`sweep_megamoe.py --with-auto`, [auto_measured/](auto_measured/)): auto / the better fixed schedule per "
-              "cell, and where auto ran interleaved's kernel, auto / interleaved of two identical kernels (the "
-              "measurement's noise floor)." + (" Cells re-measured with more trials replace their first run (listed below)." if
-                                               payload.get("auto_rechecked") else ""), ""]
-        L += _table(["world", "cells", "picks expert_wave", "> 1 % slower than the better", "worst",
-                     "geomean auto / interleaved", "geomean auto / expert_wave", "identical kernels: auto / interleaved"],
-                    [[r["world"], r["cells"], r["picks_expert_wave"], r["over_1pct"], f"{r['worst']:.4f}x",
-                      f"{r['geo_over_interleaved']:.4f}", f"{r['geo_over_expert_wave']:.4f}",
-                      "–" if r["same_kernel_min"] is None else f"{r['same_kernel_min']:.4f} – {r['same_kernel_max']:.4f}"]
-                     for r in measured_auto_summary(mr)])
-        for r in payload.get("auto_rechecked", []):
-            L.append(f"- rechecked: {_label(r['cell'])}: speedup {_x4(r['sweep_speedup'])} "
-                     f"-> {_x4(r['recheck_speedup'])} ({r['trials']} trials, {r['file']})")
+        notes = [T.row("auto_rechecked", cell=_label(r["cell"]), before=_x4(r["sweep_speedup"]),
+                       after=_x4(r["recheck_speedup"]), trials=r["trials"], file=r["file"])
+                 for r in payload.get("auto_rechecked", [])]
         for r in mr:
             if not r["conclusive"]:
-                L.append(f"- inconclusive (fewer than 5 clock-matched trials, not in the table): {_label(r)}: auto ({r['pick']}) "
-                         f"{r['over_expert_wave']:.4f}x expert_wave, {r['over_interleaved']:.4f}x interleaved "
-                         f"({r['matched']} matched of {r['trials']})")
+                notes.append(T.row("auto_inconclusive", cell=_label(r), pick=r["pick"],
+                                   over_expert_wave=f"{r['over_expert_wave']:.4f}x",
+                                   over_interleaved=f"{r['over_interleaved']:.4f}x", matched=r["matched"],
+                                   trials=r["trials"]))
             elif r["over_better"] > 1.01:
-                L.append(f"- {_label(r)}: auto ({r['pick']}) {r['over_better']:.4f}x the better schedule "
-                         f"({r['matched']} matched trials)")
-        L.append("")
+                notes.append(T.row("auto_measured_slower", cell=_label(r), pick=r["pick"],
+                                   ratio=f"{r['over_better']:.4f}x", matched=r["matched"]))
+        doc["auto_measured"] = dict(
+            n_cells=len(mr), rechecked_note=T.row("auto_rechecked_note") if payload.get("auto_rechecked") else "",
+            table=md_table(["world", "cells", "picks expert_wave", "> 1 % slower than the better", "worst",
+                            "geomean auto / interleaved", "geomean auto / expert_wave",
+                            "identical kernels: auto / interleaved"],
+                           [[r["world"], r["cells"], r["picks_expert_wave"], r["over_1pct"], f"{r['worst']:.4f}x",
+                             f"{r['geo_over_interleaved']:.4f}", f"{r['geo_over_expert_wave']:.4f}",
+                             "–" if r["same_kernel_min"] is None
+                             else f"{r['same_kernel_min']:.4f} – {r['same_kernel_max']:.4f}"]
+                            for r in measured_auto_summary(mr)]),
+            notes="\n".join(notes))
 
     # the sign test per cell
-    L += ["## Sign test per cell", "",
-          "Paired over the trials at the reference clock; one-sided sign tests at alpha = 0.05 "
-          "(p: interleaved faster / interleaved slower).", ""]
-    L += _table(["shape", "routing", "tokens", "world", "P", "speedup", "verdict", "p (faster / slower)", "matched"],
-                [[r["shape"], r["routing"], r["tokens"], r["world"], r["P"], _f(r["speedup"], "{:.3f}x"), r["verdict"],
-                  _pair(r["p_interleaved_faster"], r["p_interleaved_slower"], "{:.3g}"),
-                  f"{r['n_matched']}/{r['n_trials']}"] for r in verdict_rows(cells)])
-    L.append("")
+    doc["sign_test"] = dict(table=md_table(
+        ["shape", "routing", "tokens", "world", "P", "speedup", "verdict", "p (faster / slower)", "matched"],
+        [[r["shape"], r["routing"], r["tokens"], r["world"], r["P"], fmt(r["speedup"], "{:.3f}x"), r["verdict"],
+          _pair(r["p_interleaved_faster"], r["p_interleaved_slower"], "{:.3g}"), f"{r['n_matched']}/{r['n_trials']}"]
+         for r in verdict_rows(cells)]))
 
     # regressions
-    regs = regressions(cells)
-    L += ["## Regressions: interleaved slower (for the author to explain)", ""]
-    if not regs:
-        L.append("None: interleaved is at least as fast in every measured cell.")
-    for r in regs:
-        L.append(f"- {r['shape']} {r['routing']} T={r['tokens']} {r['world']} P={r['P']}: {r['speedup']:.3f}x "
-                 f"({r['verdict']}); mainloop L1 wave / int. {_pair(*r['l1_mainloop_us'])} us, L2 "
-                 f"{_pair(*r['l2_mainloop_us'])} us; measured stall wave / int. {_pair(*r['stall_measured_us'])} us. "
-                 + ("Explained under Findings." if findings else "Explanation: _to be written_."))
-    L.append("")
+    explanation = T.row("explained" if findings else "unexplained")
+    regs = [T.row("regression", shape=r["shape"], routing=r["routing"], tokens=r["tokens"], world=r["world"], P=r["P"],
+                  speedup=f"{r['speedup']:.3f}x", verdict=r["verdict"], l1=_pair(*r["l1_mainloop_us"]),
+                  l2=_pair(*r["l2_mainloop_us"]), stall=_pair(*r["stall_measured_us"]), explanation=explanation)
+            for r in regressions(cells)]
+    doc["regressions"] = dict(notes="\n".join(regs) or T.row("no_regression"))
 
     # overhead, skips, errors
-    ov = trace_overhead_summary(payload)
-    L += ["## Trace overhead", "", "Traced / untraced kernel time of the same cell and schedule (paired trials); "
-          "the per-tile numbers above come from traced calls.", ""]
-    L += _table(["schedule", "cells", "median", "min", "max"],
-                [[s, o["n"], _f(o["median"]), _f(o["min"]), _f(o["max"])] for s, o in ov.items()])
+    doc["trace_overhead"] = dict(table=md_table(
+        ["schedule", "cells", "median", "min", "max"],
+        [[s, o["n"], fmt(o["median"]), fmt(o["min"]), fmt(o["max"])] for s, o in trace_overhead_summary(payload).items()]))
     other = [r for r in allrecs if r.get("status") != "ok"]
-    if other:
-        L += ["", "## Not measured", ""]
-        for r in other:
-            c = r["cell"]
-            L.append(f"- {c['shape']} {c['routing']} T={c['tokens']} {c['world']} P={c['P']} {c['precision']}: "
-                     f"{r.get('status')}: {r.get('reason') or r.get('error')}")
-    return "\n".join(L) + "\n"
+    doc["not_measured"] = dict(notes="\n".join(
+        T.row("not_measured", **{k: r["cell"][k] for k in ("shape", "routing", "tokens", "world", "P", "precision")},
+              status=r.get("status"), reason=r.get("reason") or r.get("error")) for r in other)) if other else None
+    return T.document(doc)
 
 
 def write_report(payload: Mapping, out_dir, *, precision: str = "bf16", **selection) -> dict:

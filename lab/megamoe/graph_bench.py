@@ -4,13 +4,13 @@ own time, the eager calls, and the two grouped GEMMs alone / the unfused torch p
 and clock-matched; small batches (decode-like) as first-class points. The library part of
 ``scripts/bench_megamoe_graph.py``.
 
-Per (shape, routing, P, tokens per rank), in one paired run (:func:`xstage.bench.paired_trials`,
+Per (shape, routing, P, tokens per rank), in one paired run (:func:`lab.bench.paired_trials`,
 baseline "fused kernels"):
 
 * ``graph replay``: ``layer.replay()`` between two CUDA events (the whole layer, every rank);
 * ``fused kernels``: the fused kernels of every rank alone (``MegaMoE.rerun``'s
   ``last_kernel_us``: events around the back-to-back launches, host-planned);
-* ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`megamoe_interleave.bench`.
+* ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`lab.megamoe.bench`.
 
 Outside the paired run: the eager ``enqueue`` and ``forward`` (CUDA events around one call:
 ``forward`` includes its host planning and syncs), ``enqueue``'s host time alone, and a profiler
@@ -26,10 +26,9 @@ import os
 
 import torch
 
-from xstage import bench, timing
-
-from .bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
-from .reference import unfused_pipeline
+from lab import bench, timing
+from lab.megamoe.bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from megamoe_interleave.reference import unfused_pipeline
 
 BASELINE = "fused kernels"
 SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that would block the host

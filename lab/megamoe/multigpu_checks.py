@@ -1,6 +1,6 @@
 """MegaMoE correctness in a real multi-GPU world (issue 6, step 4; ``scripts/multigpu/correctness.py``).
 
-The checks of tests/test_megamoe_gpu.py across processes (frame: :func:`xstage.multigpu.run_checks`):
+The checks of tests/test_megamoe_gpu.py across processes (frame: :func:`lab.multigpu.run_checks`):
 every rank generates the *whole* problem (all ranks' inputs, same seeds) so it can compute the
 float32 reference of its own output locally, runs its own part of the real multi-rank kernel path
 (Dispatch's peer loads, Combine's peer stores over NVLink; MegaMoE NaN-poisons the Combine slots
@@ -20,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import traceback
 
-from xstage import multigpu as mg
-
-from .config import DISPATCH_COPIES
-from .scheduler import SCHEDULES
+from lab import multigpu as mg
+from megamoe_interleave.config import DISPATCH_COPIES
+from megamoe_interleave.scheduler import SCHEDULES
 
 MOE_E, MOE_H, MOE_I = 16, 256, 128
 # api-defaults case: (H, I, tokens per rank before the per-rank trim, top-k); P * T * k / E rows
@@ -68,7 +67,7 @@ def moe_cases(P: int, quick: bool = False):
 def case_config(schedule: str, variant: str, cfg: dict):
     """The MegaMoEConfig of one (case, variant): every field at its default for the api-defaults
     case, else 128 x 64 tiles, lead 2 / 2 experts per wave and the Dispatch copy ``variant``."""
-    from .config import MegaMoEConfig
+    from megamoe_interleave.config import MegaMoEConfig
 
     if cfg.get("api_defaults"):
         return MegaMoEConfig(schedule=schedule)
@@ -78,14 +77,14 @@ def case_config(schedule: str, variant: str, cfg: dict):
 
 def run_checks(ctx, quick: bool = False, copies=None) -> list:
     """Every case of :func:`moe_cases` on this process's ranks of ``ctx`` (an
-    :class:`xstage.multigpu.Ctx`), both schedules, once per Dispatch copy of ``copies`` (default
+    :class:`lab.multigpu.Ctx`), both schedules, once per Dispatch copy of ``copies`` (default
     :func:`dispatch_copies`): one record per (case, variant, rank), ``ok`` on a pass; an exception
     is recorded as a failed check and the next case runs (the other ranks do the same)."""
     import torch
 
-    from .api import MegaMoE
-    from .reference import reference_moe_fp32
-    from .routing import make_routing
+    from megamoe_interleave.api import MegaMoE
+    from megamoe_interleave.reference import reference_moe_fp32
+    from megamoe_interleave.routing import make_routing
 
     P, dev = ctx.P, ctx.device
     copies = dispatch_copies(copies, quick)

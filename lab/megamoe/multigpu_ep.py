@@ -16,15 +16,15 @@ configurations; configurations with speedup < 1 are listed as regressions.
 ``--grouped-gemms`` also times the two ``torch._grouped_mm`` GEMMs alone on each rank's rows
 (every process regenerates every rank's routing, so it knows how many rows each of its local
 experts receives; random bf16 A of those shapes), with the same trials, alignment and
-reduction (:func:`megamoe_interleave.bench.grouped_gemms` on the global weights), and reports
+reduction (:func:`lab.megamoe.bench.grouped_gemms` on the global weights), and reports
 each schedule's kernel time over theirs. Medians of separate trial series, not paired or
-clock-matched (megamoe_interleave.bench's paired comparison is loopback only).
+clock-matched (lab.megamoe.bench's paired comparison is loopback only).
 
 In the loopback world one call runs every simulated rank's kernel back to back on one GPU,
 so ``last_kernel_us`` is the whole world's time (reported as rank 0's sample).
 
-  torchrun --nproc-per-node=8 -m megamoe_interleave.multigpu_ep --world torch-symm --out results/h200x8/megamoe
-  python -m megamoe_interleave.multigpu_ep --world loopback --P 8 --quick --out results/h200x1-loopback/megamoe
+  torchrun --nproc-per-node=8 -m lab.megamoe.multigpu_ep --world torch-symm --out results/h200x8/megamoe
+  python -m lab.megamoe.multigpu_ep --world loopback --P 8 --quick --out results/h200x1-loopback/megamoe
 
 (``scripts/multigpu/megamoe_ep.py`` is the same command line.)
 """
@@ -35,11 +35,10 @@ import dataclasses
 import sys
 import time
 
-from xstage import bench
-from xstage import multigpu as mg
-
-from .config import BLOCK_M, BLOCK_NS, MegaMoEConfig
-from .scheduler import SCHEDULES
+from lab import bench
+from lab import multigpu as mg
+from megamoe_interleave.config import BLOCK_M, BLOCK_NS, MegaMoEConfig
+from megamoe_interleave.scheduler import SCHEDULES
 
 GROUPED = "grouped_mm x2"  # the rows of --grouped-gemms (their "schedule" key)
 DEFAULT_SHAPES = ("deepseek-v4-flash", "mimo-v2-flash")  # same (H, I): one compile per schedule
@@ -69,7 +68,7 @@ def parse_args(argv=None):
 
 def resolve_shapes(names, P: int):
     """Shape objects for ``names`` ('all' = every known shape); experts must split over P ranks."""
-    from .shapes import SHAPES, get_shape
+    from megamoe_interleave.shapes import SHAPES, get_shape
 
     if list(names) == ["all"]:
         names = [n for n, s in SHAPES.items() if s.known]
@@ -121,8 +120,8 @@ def summarize(rows) -> dict:
 def run(ctx, args):
     import torch
 
-    from .api import MegaMoE
-    from .routing import imbalance, make_routing
+    from megamoe_interleave.api import MegaMoE
+    from megamoe_interleave.routing import imbalance, make_routing
 
     P = ctx.P
     shapes = resolve_shapes(args.shape, P)
@@ -200,8 +199,8 @@ def time_grouped_gemms(ctx, args, shape, kind: str, T: int, w1, w2):
     expert, from every rank's routing regenerated with the seeds of ``run``; the global weights
     ``w1``, ``w2``), timed with CUDA events per aligned trial; the reduced row on the root, None
     elsewhere."""
-    from .bench import grouped_gemms
-    from .routing import make_routing
+    from lab.megamoe.bench import grouped_gemms
+    from megamoe_interleave.routing import make_routing
 
     routes = [make_routing(kind, T, shape.num_experts, shape.topk, seed=r, strength=args.strength)
               for r in range(ctx.P)]

@@ -1,7 +1,7 @@
 """The X-Stage evaluation of MegaMoE on one GPU (paper Section 5.2: Figure 8, Figure 10, Table 2):
 a resumable sweep of expert_wave vs interleaved over a grid of cells, with per-tile statistics
 and the Burst-Gap model's predictions per cell. The command line is ``scripts/sweep_megamoe.py``
-(:func:`main`); the figures, tables and README come from :mod:`megamoe_interleave.evaluation`
+(:func:`main`); the figures, tables and README come from :mod:`lab.megamoe.evaluation`
 (``scripts/megamoe_xstage_report.py``).
 
 Cells (:func:`cell_grid`): shape (every :data:`~megamoe_interleave.shapes.SHAPES` entry with known
@@ -20,8 +20,8 @@ Per cell (:class:`GpuRunner`):
 1. inputs (the weights are made once per shape), the unfused pipeline's outputs;
 2. per schedule a MegaMoE with ``MegaMoEConfig(schedule)`` (every other field resolved by
    MegaMoE), one untimed warm-up ``forward`` whose output is checked against the unfused
-   pipeline (:func:`megamoe_interleave.bench.check_against`);
-3. ``trials`` paired trials (:func:`xstage.bench.paired_trials`): one call of each schedule per
+   pipeline (:func:`lab.megamoe.bench.check_against`);
+3. ``trials`` paired trials (:func:`lab.bench.paired_trials`): one call of each schedule per
    trial, in an order rotated per cell (its position in the grid) and per trial, the SM clock
    after each; a call's time is ``moe.last_kernel_us`` of ``MegaMoE.rerun()``: the device time
    of the fused kernels of every rank, launched back to back on the one GPU -- the *world's*
@@ -68,13 +68,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from xstage import bench as xbench
-from xstage import model, paired, planner, profiles, provenance
-from xstage.multigpu import quantile
-
-from .config import BLOCK_M, MegaMoEConfig
-from .scheduler import PHASE_L1, PHASE_L2, SCHEDULES
-from .shapes import SHAPES, get_shape
+from lab import bench as xbench
+from lab import paired
+from lab.multigpu import quantile
+from megamoe_interleave.config import BLOCK_M, MegaMoEConfig
+from megamoe_interleave.scheduler import PHASE_L1, PHASE_L2, SCHEDULES
+from megamoe_interleave.shapes import SHAPES, get_shape
+from xstage import model, planner, profiles, provenance
 
 SCHEMA = "megamoe-xstage-sweep/1"
 DEFAULT_OUT = "results/h200/megamoe/xstage/sweep.json.gz"
@@ -394,12 +394,12 @@ def trace_statistics(recs_by_rank: Mapping[int, Sequence[Sequence[Mapping]]]) ->
 
 def compare_schedules(samples: Mapping, clocks: Mapping, tol_mhz: float = 30.0, min_matched: int = 5) -> dict:
     """The paired, clock-matched comparison of one cell (``samples``/``clocks``: schedule ->
-    list per trial, :func:`xstage.bench.paired_trials`): speedup = the median over the matched
+    list per trial, :func:`lab.bench.paired_trials`): speedup = the median over the matched
     trials of T_expert_wave / T_interleaved (> 1: interleaved faster), the schedules' medians,
     both one-sided sign tests and a verdict: "interleaved faster" / "interleaved slower" (the
     sign test passes at alpha = 0.05), "no significant difference", or "inconclusive" (fewer than
     ``min_matched`` trials at the reference clock). ``paired`` keeps
-    :func:`xstage.bench.paired_verdicts`'s row (the samples and clocks)."""
+    :func:`lab.bench.paired_verdicts`'s row (the samples and clocks)."""
     row = xbench.paired_verdicts(dict(samples), dict(clocks), BASELINE, tol_mhz, min_matched)
     v = row["variants"]["expert_wave"]
     il_faster, il_slower = v["slower"], v["faster"]  # expert_wave slower than interleaved = interleaved faster
@@ -531,7 +531,7 @@ def flat_row(rec: Mapping) -> dict:
 
 def new_payload(meta: Optional[Mapping] = None) -> dict:
     return {"schema": SCHEMA, "description": "MegaMoE X-Stage sweep: expert_wave vs interleaved per cell "
-            "(megamoe_interleave.sweep)", "time_scope": TIME_SCOPE, "baseline": BASELINE,
+            "(lab.megamoe.sweep)", "time_scope": TIME_SCOPE, "baseline": BASELINE,
             "meta": dict(meta or {}), "runs": [], "cells": []}
 
 
@@ -645,7 +645,7 @@ class GpuRunner:
 
     def weights(self, shape):
         """The global weights of ``shape`` (made once per run of cells of one shape)."""
-        from . import bench
+        from lab.megamoe import bench
 
         if self._weights is None or self._weights[0] != shape.name:
             self._weights = None
@@ -665,8 +665,8 @@ class GpuRunner:
                 empty_host()
 
     def __call__(self, cell: Cell, position: int) -> dict:
-        from . import bench
-        from .reference import unfused_pipeline
+        from lab.megamoe import bench
+        from megamoe_interleave.reference import unfused_pipeline
 
         shape = get_shape(cell.shape)
         w1, w2 = self.weights(shape)
@@ -709,8 +709,8 @@ class GpuRunner:
         are all used, i.e. possibly truncated; 0 expected)."""
         import torch
 
-        from . import bench
-        from .api import decode_trace
+        from lab.megamoe import bench
+        from megamoe_interleave.api import decode_trace
 
         out = {}
         ys = moe.rerun()

@@ -2,7 +2,7 @@
 
 A traced call (``MegaMoEConfig(trace=True)``) leaves one int64 tensor per rank in
 ``MegaMoE.last_trace``; :func:`api.decode_trace` turns it into per-CTA tile records.
-Here: those records as a CSV (:func:`write_trace`, the file ``megamoe_interleave.bench --trace``
+Here: those records as a CSV (:func:`write_trace`, the file ``lab.megamoe.bench --trace``
 writes) and back (:func:`read_trace`, plain or .gz), the mainloop cycles over time
 (:func:`timeline`), the L1 tiles' waits under a Dispatch window (:func:`window_waits`), and the
 split of an ncu PM-sampling export of one launch by the trace's L1 / L2 phases
@@ -17,7 +17,7 @@ import gzip
 import re
 import statistics
 
-from .api import trace_mainloop_cycles
+from megamoe_interleave.api import trace_mainloop_cycles
 
 # Columns of a trace CSV: one row per tile, times in ns from the earliest tile start of the call.
 TRACE_CSV_FIELDS = ("cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",

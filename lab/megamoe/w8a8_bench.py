@@ -2,7 +2,7 @@
 kernel, paired and clock-matched: the library part of ``scripts/bench_megamoe_w8a8.py``.
 
 Per (shape, routing, P, tokens per rank) and cooldown protocol, in one paired run
-(:func:`xstage.bench.paired_trials`, baseline "fused w8a8"):
+(:func:`lab.bench.paired_trials`, baseline "fused w8a8"):
 
 * ``fused w8a8`` / ``fused bf16``: the fused kernels of every rank (``MegaMoE.rerun``'s
   ``last_kernel_us``), both schedules' default (interleaved) unless ``--schedule``;
@@ -25,15 +25,14 @@ import os
 
 import torch
 
-from xstage import bench
-
-from .bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
-from .config import MegaMoEConfig
-from .reference import (
+from lab import bench
+from lab.megamoe.bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, kernel_time_call, make_problem, rank_weight_views
+from megamoe_interleave.config import MegaMoEConfig
+from megamoe_interleave.reference import (
     W8A8_FP32_REL_ERROR, gather_rows, permute_for_rank, relative_error, slot_rows, swiglu, topk_reduce,
     unfused_pipeline,
 )
-from .shapes import get_shape
+from megamoe_interleave.shapes import get_shape
 
 BASELINE = "fused w8a8"
 E4M3 = torch.float8_e4m3fn

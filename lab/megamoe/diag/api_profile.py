@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where does ``MegaMoE.forward`` spend the time outside the fused kernels?
 
-Runs the benchmark problem (megamoe_interleave.bench.make_problem: DeepSeek-V4-Flash by default,
+Runs the benchmark problem (lab.megamoe.bench.make_problem: DeepSeek-V4-Flash by default,
 balanced routing, loopback world; the schedule's default MegaMoEConfig)
 and reports, per phase of one call, the host wall time with the GPU drained before and
 after the phase (``--sync``: serialised view, each phase's full cost) and the overlapped
@@ -21,8 +21,8 @@ import time
 
 import torch
 
+from lab.megamoe.bench import DEFAULT_OUT, build_moe, make_problem
 from megamoe_interleave.api import MegaMoE
-from megamoe_interleave.bench import DEFAULT_OUT, build_moe, make_problem
 from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
 from xstage import provenance

@@ -3,10 +3,10 @@
 P ranks (default 8) x 8192 tokens, balanced routing: the fused kernel of both schedules as
 shipped (MegaMoEConfig defaults: the bulk Dispatch at P = 8, with its window for expert_wave),
 and the same kernel, same resolved config, with the Dispatch copy skipped
-(megamoe_interleave.diag.NoDispatchCopy: rows are published at the shipped kernel's pace, without
+(lab.megamoe.diag.no_dispatch_copy.NoDispatchCopy: rows are published at the shipped kernel's pace, without
 being copied), timed side by side against the two grouped GEMMs (clock-matched paired trials,
-xstage.bench.paired_trials). The no-copy objects first get their pool filled by torch (each pool
-row gathered from its source rank's x, as the Dispatch copies it: megamoe_interleave.diag.fill_pool),
+lab.bench.paired_trials). The no-copy objects first get their pool filled by torch (each pool
+row gathered from its source rank's x, as the Dispatch copies it: lab.megamoe.diag.no_dispatch_copy.fill_pool),
 so they compute the shipped kernel's y from the same data -- checked bitwise -- without the
 Dispatch traffic. (Without that fill their pool holds stale memory, and the tensor cores,
 multiplying mostly zeros, run at higher clocks under the power limit: 0.86x, an artefact.)
@@ -20,11 +20,11 @@ import os
 
 import torch
 
-from megamoe_interleave import bench as moe_bench
+from lab import bench
+from lab.megamoe import bench as moe_bench
+from lab.megamoe.diag.no_dispatch_copy import NoDispatchCopyMoE, fill_pool
 from megamoe_interleave.config import MegaMoEConfig
-from megamoe_interleave.diag import NoDispatchCopyMoE, fill_pool
 from megamoe_interleave.shapes import get_shape
-from xstage import bench
 
 
 def timed_object(shape, P, T, config, problem, **kw):

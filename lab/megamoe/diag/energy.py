@@ -30,10 +30,11 @@ import time
 
 import torch
 
-from megamoe_interleave import bench
+from lab import paired
+from lab.megamoe import bench
 from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
-from xstage import paired, provenance
+from xstage import provenance
 
 POWER_INSTANT_FIELD = 186  # NVML_FI_DEV_POWER_INSTANT (mW)
 REASON_BITS = {0x1: "gpu_idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",

@@ -12,7 +12,7 @@ twice, so ncu can pick one rank kernel and the GEMMs of the same rank:
 MemoryWorkloadAnalysis sections and sm__pipe_tensor_op_hmma_cycles_active added.)
 
 ``--no-dispatch-copy``: the fused kernel without its Dispatch copy
-(megamoe_interleave.diag.NoDispatchCopy, same config; pool filled by torch after the first
+(lab.megamoe.diag.no_dispatch_copy.NoDispatchCopy, same config; pool filled by torch after the first
 call, so it computes the real y): one forward, the fill, then the two forwards above, so
 ``--launch-skip P`` still picks the second of them. Its kernel is named after the subclass:
 select it with ``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing).
@@ -24,7 +24,7 @@ import argparse
 
 import torch
 
-from megamoe_interleave.bench import build_moe, grouped_gemms, make_problem
+from lab.megamoe.bench import build_moe, grouped_gemms, make_problem
 from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
 
@@ -55,7 +55,7 @@ def main():
     s = get_shape("deepseek-v4-flash")
     w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
     if args.no_dispatch_copy:
-        from megamoe_interleave.diag import NoDispatchCopyMoE, fill_pool
+        from lab.megamoe.diag.no_dispatch_copy import NoDispatchCopyMoE, fill_pool
 
         moe = build_moe(s, P, T, config, w1, w2, moe_class=NoDispatchCopyMoE)
         moe.forward(xs, idx, wts)  # compiles NoDispatchCopy; sizes the pool

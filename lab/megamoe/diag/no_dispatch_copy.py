@@ -17,12 +17,11 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, const_expr
 
+from megamoe_interleave import reference
+from megamoe_interleave.api import MegaMoE
+from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
+from megamoe_interleave.sm90_dispatch import DISPATCH_POLL_NS
 from xstage import device as xdev
-
-from . import reference
-from .api import MegaMoE
-from .kernel_sm90 import MegaMoESm90, fake_launch_arguments
-from .sm90_dispatch import DISPATCH_POLL_NS
 
 
 class NoDispatchCopy(MegaMoESm90):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """DRAM bytes of one fused-kernel launch per phase stretch: ncu's PM sampling (DRAM read /
 write throughput, SM clock over time) against the L1 / L2 phases of a trace of the same
-problem (``python -m megamoe_interleave.bench --trace``). Says where in the schedule the DRAM bytes go.
+problem (``python -m lab.megamoe.bench --trace``). Says where in the schedule the DRAM bytes go.
 
     ncu --clock-control none --section PmSampling --metrics dram__bytes_read.sum,dram__bytes_write.sum \\
         --kernel-name regex:MegaMoE --launch-skip 8 --launch-count 1 -o pm \\
@@ -15,14 +15,14 @@ stretched onto the sampled kernel's active samples: phase boundaries are placed 
 share of the span, not by absolute times. The sampled throughputs are percentages of the
 DRAM peak; they are scaled so that they add up to ncu's dram__bytes_*.sum of the same
 launch when those are in the CSV, else by --dram-peak-gbs. The analysis is
-:mod:`megamoe_interleave.trace` (read_pm_kernels, phase_bytes); this is its command line.
+:mod:`lab.megamoe.trace` (read_pm_kernels, phase_bytes); this is its command line.
 """
 import argparse
 import os
 import re
 import sys
 
-from megamoe_interleave.trace import DRAM_PEAK_GBS, phase_bytes, read_pm_kernels, read_trace
+from lab.megamoe.trace import DRAM_PEAK_GBS, phase_bytes, read_pm_kernels, read_trace
 from xstage import provenance
 
 

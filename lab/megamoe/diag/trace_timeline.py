@@ -7,13 +7,13 @@ tile). Shows, e.g., the mainloops slowing while the overlapped Dispatch runs.
 ``--window W`` (the bulk Dispatch's window, MegaMoEConfig(dispatch_window=W)) adds how the L1
 tiles waited for their rows: row r may be copied once row r - W has a finished L1 tile (the
 window opens), and its tiles wait until every CTA has copied its share (see
-megamoe_interleave.trace.window_waits, which holds the analysis; this is its command line).
+lab.megamoe.trace.window_waits, which holds the analysis; this is its command line).
 
     python scripts/diag/megamoe_trace_timeline.py TRACE.csv[.gz] [--bucket-us 250] [--window 5]
 """
 import argparse
 
-from megamoe_interleave.trace import read_trace, timeline, window_waits
+from lab.megamoe.trace import read_trace, timeline, window_waits
 
 
 def main():
