@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from lab import multigpu as mg
+from lab.report import Templates, fmt, md_table
 
 # step -> result file (relative to the results directory)
 STEP_FILES = {
@@ -46,60 +47,57 @@ def fa4_a2a_figure(payload: dict, path: Path) -> Optional[str]:
 SUITE_FIGURES = {"fa4_a2a": fa4_a2a_figure}
 
 
-def _f(x, fmt="{:.2f}", none="–"):
-    try:
-        return none if x is None else fmt.format(x)
-    except (TypeError, ValueError):
-        return str(x)
+TEMPLATE = Templates("multigpu_report.md")  # the reports' text, under lab/templates/
+
+
+def _f(x, spec="{:.2f}"):
+    return fmt(x, spec)
 
 
 def _world_line(d: dict) -> str:
     w = d.get("world", {})
-    return (f"GPUs on the host: {d.get('gpu_count')}; world `{w.get('backend')}` with {w.get('world_size')} ranks "
-            f"({w.get('processes')} process(es)); NVLink multicast env: `{d.get('multicast_env')}`")
+    return TEMPLATE.row("world", gpu_count=d.get("gpu_count"), backend=w.get("backend"),
+                        world_size=w.get("world_size"), processes=w.get("processes"),
+                        multicast_env=d.get("multicast_env"))
 
 
-def _topology_block(d: dict) -> list:
+def _topology(d: dict) -> str:
     # nvidia-smi underlines the header with ANSI escapes; markdown shows them as text
-    topo = re.sub(r"\x1b\[[0-9;]*m", "", d.get("topology") or "").rstrip()
-    return ["", "NVLink topology (`nvidia-smi topo -m`):", "", "```", topo or "<not recorded>", "```"]
+    return re.sub(r"\x1b\[[0-9;]*m", "", d.get("topology") or "").rstrip() or TEMPLATE.row("no_topology")
 
 
 def report_topology(d: dict) -> str:
-    L = ["## Step 0: topology and environment", "", _world_line(d)]
-    L += _topology_block(d)
-    L += ["", "| rank | GPU | SMs | peer access | failed checks |", "|---|---|---|---|---|"]
+    rows = []
     for r in d.get("ranks", []):
         bad = [k for k, v in r.get("checks", {}).items() if not v]
         peers = sum(1 for v in r.get("peer_access", {}).values() if v)
-        L.append(f"| {r.get('rank')} | {r.get('name')} | {r.get('sms')} | {peers}/{len(r.get('peer_access', {}))} | "
-                 f"{', '.join(bad) or 'none'} |")
-    L += ["", f"All checks passed: **{d.get('all_ok')}**"]
-    return "\n".join(L) + "\n"
+        rows.append([r.get("rank"), r.get("name"), r.get("sms"), f"{peers}/{len(r.get('peer_access', {}))}",
+                     ", ".join(bad) or "none"])
+    return TEMPLATE.document({"body": dict(
+        world=_world_line(d), topology=_topology(d), all_ok=d.get("all_ok"),
+        table=md_table(["rank", "GPU", "SMs", "peer access", "failed checks"], rows))}, "topology")
 
 
 def report_calibration(d: dict) -> str:
     paper = d.get("paper", mg.PAPER)
-    L = ["## Step 1: peer (NVLink) calibration", "", _world_line(d)]
-    L += ["", "| mode | R (GB/s) | paper R (GB/s) | R / paper | K | Q(K) (MiB) | T_iss0 (a, slope) | "
-          "T_iss median err (spin / mma) | T_period median err (spin) |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for mode, s in d.get("modes", {}).items():
         if "skipped" in s or "error" in s:
-            L.append(f"| {mode} | {s.get('skipped') or s.get('error')} |||||||| ")
+            rows.append([mode, s.get("skipped") or s.get("error")] + [""] * 7)
             continue
         v = s.get("validation", {})
         sp, mm = v.get("spin", {}), v.get("mma", {})
         q = _f(s.get("Q_MiB")) + (" (lower bound)" if s.get("Q_is_lower_bound") else "")
-        L.append(f"| {mode} | {_f(s.get('R_GBps'), '{:.1f}')} | {paper['R_GBps']:.0f} | {_f(s.get('R_vs_paper'))} | "
-                 f"{s.get('K', '–')} | {q} | {_f(s.get('t_iss0_a_us'), '{:.3f}')} us + "
-                 f"{_f(s.get('t_iss0_slope_us_per_MiB'), '{:.3f}')} us/MiB | "
-                 f"{_f(sp.get('T_iss_median_abs_rel'), '{:.1%}')} / {_f(mm.get('T_iss_median_abs_rel'), '{:.1%}')} | "
-                 f"{_f(sp.get('T_period_median_abs_rel'), '{:.1%}')} |")
-    if d.get("profile"):
-        L += ["", f"Profile (not shipped): `{d['profile']}`"]
-    L += ["", "Per-mode fit, validation table and figures: `calibration/<mode>/report.md`.",
-          "The paper's R is for its platform (B200 NVLink); ours is one H200 sender."]
-    return "\n".join(L) + "\n"
+        rows.append([mode, _f(s.get("R_GBps"), "{:.1f}"), f"{paper['R_GBps']:.0f}", _f(s.get("R_vs_paper")),
+                     s.get("K", "–"), q, f"{_f(s.get('t_iss0_a_us'), '{:.3f}')} us + "
+                     f"{_f(s.get('t_iss0_slope_us_per_MiB'), '{:.3f}')} us/MiB",
+                     f"{_f(sp.get('T_iss_median_abs_rel'), '{:.1%}')} / {_f(mm.get('T_iss_median_abs_rel'), '{:.1%}')}",
+                     _f(sp.get("T_period_median_abs_rel"), "{:.1%}")])
+    table = md_table(["mode", "R (GB/s)", "paper R (GB/s)", "R / paper", "K", "Q(K) (MiB)", "T_iss0 (a, slope)",
+                      "T_iss median err (spin / mma)", "T_period median err (spin)"], rows)
+    return TEMPLATE.document({"body": dict(world=_world_line(d), table=table),
+                              "profile": dict(profile=d["profile"]) if d.get("profile") else None,
+                              "notes": {}}, "calibration")
 
 
 def fa_headline(d: dict) -> dict:
@@ -113,58 +111,57 @@ def fa_headline(d: dict) -> dict:
     return best
 
 
+def _fa_heads_table(rs: list, variants) -> str:
+    """One head count's table: a column per M, a row per variant and per derived number."""
+    rows = [[v] + [_f(r["median_us"].get(v), "{:.1f}") for r in rs] for v in variants]
+    for k in [k for k in rs[0] if k.startswith(("E_res", "speedup_", "H_fused"))]:
+        spec = "{:+.1f}" if k.startswith("E_res") else ("{:.0%}" if k.startswith("H_") else "{:.3f}x")
+        rows.append([k] + [_f(r.get(k), spec) for r in rs])
+    for k in ("E_drain_us", "E_cap_us", "E_tail_us", "M_star_ub"):
+        if k in rs[0].get("model", {}):
+            rows.append([f"model {k} ({rs[0]['model'].get('platform')})"]
+                        + [_f(r["model"].get(k), "{:.1f}") for r in rs])
+    rows.append(["rank spread fused (max/min)"]
+                + [_f(r["timings"].get("fused", {}).get("rank_spread"), "{:.3f}") for r in rs])
+    return md_table(["method"] + [f"M={r['M']}" for r in rs], rows)
+
+
 def report_fa(d: dict) -> str:
     paper = d.get("paper", mg.PAPER)
     rows = d.get("rows", [])
-    L = ["## Step 2: fa4_a2a Table-3 sweep", "", _world_line(d),
-         "", "Times: max across ranks per trial, median of trials (us)."]
-    if d.get("skipped_variants"):
-        L.append(f"Skipped variants (no process group in this world): {d['skipped_variants']}")
     best = fa_headline(d)
-    if best:
-        L += ["", "| headline | ours | paper |", "|---|---|---|"]
-        for k, b in sorted(best.items()):
-            L.append(f"| max {k} | {b['value']:.3f}x (H={b['H']}, M={b['M']}) | up to {paper['fa_speedup_max']}x (FA3/FA4) |")
-    variants = d.get("variants", [])
+    per_heads = []
     for H in sorted({r["H"] for r in rows}):
         rs = sorted((r for r in rows if r["H"] == H), key=lambda r: r["M"])
-        L += ["", f"### H = {H} (P = {rs[0]['P']}, Hl = {rs[0]['H_local']})", "",
-              "| method | " + " | ".join(f"M={r['M']}" for r in rs) + " |", "|---" * (len(rs) + 1) + "|"]
-        for v in variants:
-            L.append(f"| {v} | " + " | ".join(_f(r["median_us"].get(v), "{:.1f}") for r in rs) + " |")
-        keys = [k for k in rs[0] if k.startswith(("E_res", "speedup_", "H_fused"))]
-        for k in keys:
-            fmt = "{:+.1f}" if k.startswith("E_res") else ("{:.0%}" if k.startswith("H_") else "{:.3f}x")
-            L.append(f"| {k} | " + " | ".join(_f(r.get(k), fmt) for r in rs) + " |")
-        for k in ("E_drain_us", "E_cap_us", "E_tail_us", "M_star_ub"):
-            if k in rs[0].get("model", {}):
-                L.append(f"| model {k} ({rs[0]['model'].get('platform')}) | "
-                         + " | ".join(_f(r["model"].get(k), "{:.1f}") for r in rs) + " |")
-        L.append("| rank spread fused (max/min) | " + " | ".join(
-            _f(r["timings"].get("fused", {}).get("rank_spread"), "{:.3f}") for r in rs) + " |")
-    return "\n".join(L) + "\n"
+        per_heads.append(TEMPLATE.row("fa4_a2a_heads", H=H, P=rs[0]["P"], H_local=rs[0]["H_local"]) + "\n\n"
+                         + _fa_heads_table(rs, d.get("variants", [])))
+    skipped = d.get("skipped_variants")
+    return TEMPLATE.document({
+        "body": dict(world=_world_line(d), skipped=TEMPLATE.row("fa4_a2a_skipped", variants=skipped) if skipped else ""),
+        "headline": dict(table=md_table(["headline", "ours", "paper"], [
+            [f"max {k}", f"{b['value']:.3f}x (H={b['H']}, M={b['M']})", f"up to {paper['fa_speedup_max']}x (FA3/FA4)"]
+            for k, b in sorted(best.items())])) if best else None,
+        "per_heads": dict(tables="\n\n".join(per_heads)) if per_heads else None}, "fa4_a2a")
 
 
 def report_megamoe(d: dict) -> str:
     paper = d.get("paper", mg.PAPER)
     s = d.get("summary", {})
-    L = ["## Step 3: MegaMoE expert-wave vs interleaved", "", _world_line(d),
-         "", "Fused-kernel device time, max across ranks per trial, median of trials.", "",
-         "| headline | ours | paper |", "|---|---|---|",
-         f"| geometric-mean speedup (expert_wave / interleaved) | {_f(s.get('geomean_speedup'), '{:.3f}x')} | "
-         f"{paper['megamoe_geomean']}x |",
-         f"| range | {_f(s.get('min_speedup'), '{:.3f}x')} – {_f(s.get('max_speedup'), '{:.3f}x')} | |",
-         "", "| shape | routing | tokens/rank | expert_wave (us) | interleaved (us) | speedup | speedup (whole forward) |",
-         "|---|---|---|---|---|---|---|"]
-    for c in s.get("configs", []):
-        L.append(f"| {c['shape']} | {c['routing']} | {c['tokens_per_rank']} | {c['expert_wave_us']:.1f} | "
-                 f"{c['interleaved_us']:.1f} | {c['speedup']:.3f}x | {c['speedup_api']:.3f}x |")
+    headline = md_table(["headline", "ours", "paper"], [
+        ["geometric-mean speedup (expert_wave / interleaved)", _f(s.get("geomean_speedup"), "{:.3f}x"),
+         f"{paper['megamoe_geomean']}x"],
+        ["range", f"{_f(s.get('min_speedup'), '{:.3f}x')} – {_f(s.get('max_speedup'), '{:.3f}x')}", ""]])
+    table = md_table(["shape", "routing", "tokens/rank", "expert_wave (us)", "interleaved (us)", "speedup",
+                      "speedup (whole forward)"],
+                     [[c["shape"], c["routing"], c["tokens_per_rank"], f"{c['expert_wave_us']:.1f}",
+                       f"{c['interleaved_us']:.1f}", f"{c['speedup']:.3f}x", f"{c['speedup_api']:.3f}x"]
+                      for c in s.get("configs", [])])
     regs = s.get("regressions", [])
-    L += ["", f"Regressions (speedup < 1): {len(regs)}"]
-    for c in regs:
-        L.append(f"- {c['shape']} {c['routing']} T={c['tokens_per_rank']}: {c['speedup']:.3f}x — explain from the "
-                 "trace (`scripts/bench_megamoe.py --trace`) before quoting")
-    return "\n".join(L) + "\n"
+    return TEMPLATE.document({"body": dict(
+        world=_world_line(d), headline=headline, table=table, n_regressions=len(regs),
+        regressions="\n".join(TEMPLATE.row("megamoe_regression", shape=c["shape"], routing=c["routing"],
+                                           tokens=c["tokens_per_rank"], speedup=f"{c['speedup']:.3f}x")
+                              for c in regs))}, "megamoe")
 
 
 def merge_correctness(parts) -> dict:
@@ -183,17 +180,13 @@ def merge_correctness(parts) -> dict:
 
 def report_correctness(d: dict) -> str:
     s = d.get("summary", {})
-    L = ["## Step 4: correctness in the multi-GPU world", "", _world_line(d), "",
-         "| kernel | checks | passed | failed |", "|---|---|---|---|"]
-    for k, v in s.items():
-        if isinstance(v, dict):
-            L.append(f"| {k} | {v['checks']} | {v['passed']} | {len(v['failed'])} |")
-    L += ["", f"All passed: **{s.get('all_ok')}**"]
-    for k, v in s.items():
-        if isinstance(v, dict):
-            for f in v["failed"][:20]:
-                L.append(f"- FAILED {k}: {f}")
-    return "\n".join(L) + "\n"
+    kernels = {k: v for k, v in s.items() if isinstance(v, dict)}
+    return TEMPLATE.document({"body": dict(
+        world=_world_line(d), all_ok=s.get("all_ok"),
+        table=md_table(["kernel", "checks", "passed", "failed"],
+                       [[k, v["checks"], v["passed"], len(v["failed"])] for k, v in kernels.items()]),
+        failed="\n".join(TEMPLATE.row("correctness_failed", kernel=k, failure=f)
+                         for k, v in kernels.items() for f in v["failed"][:20]))}, "correctness")
 
 
 RENDER = {"topology": report_topology, "calibration": report_calibration, "fa4_a2a": report_fa,
@@ -211,7 +204,7 @@ def write_reports(results_dir, steps=None, figures: Figures = None) -> list:
         rels = (rel,) if isinstance(rel, str) else rel
         found = [results_dir / r for r in rels if (results_dir / r).exists()]
         if not found:
-            sections.append(f"## {step}\n\nnot run (none of {', '.join(f'`{r}`' for r in rels)})\n")
+            sections.append(TEMPLATE.row("not_run", step=step, files=", ".join(f"`{r}`" for r in rels)) + "\n")
             continue
         ds = [json.loads(f.read_text()) for f in found]
         d = merge_correctness(ds) if step == "correctness" else ds[0]
@@ -221,15 +214,13 @@ def write_reports(results_dir, steps=None, figures: Figures = None) -> list:
             rel, caption = FIGURES[step]
             fig = draw(d, results_dir / rel)
             if fig:
-                md += f"\n![{caption}]({Path(rel).parent.as_posix()}/{Path(fig).name})\n"
+                md += "\n" + TEMPLATE.row("figure", caption=caption, path=f"{Path(rel).parent.as_posix()}/{Path(fig).name}") + "\n"
         out = results_dir / f"report-{step}.md"
-        out.write_text(f"# X-Stage multi-GPU: {step}\n\n" + md)
+        out.write_text(TEMPLATE.row("step_file", step=step) + "\n\n" + md)
         written.append(out)
         sections.append(md)
     combined = results_dir / "report.md"
-    combined.write_text(f"# X-Stage multi-GPU results: `{results_dir}`\n\n"
-                        "Paper (arXiv:2607.23264): R = 717 GB/s on its platform; FA3/FA4 speedups up to 1.43x; "
-                        "MegaMoE 1.18x geometric mean.\n\n" + "\n".join(sections))
+    combined.write_text(TEMPLATE.row("combined", results_dir=results_dir) + "\n\n" + "\n".join(sections))
     written.append(combined)
     return written
 

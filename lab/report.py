@@ -5,8 +5,9 @@ A template file is split by marker lines into named pieces, each a :class:`strin
 
 * ``<!-- section: NAME -->`` starts a section of the document; the document is its sections in
   the file's order, each left out when the code passes None for it, separated by one blank line.
-* ``<!-- row: NAME -->`` starts a one-line piece (a list item, a figure link, a message) that the
-  code fills per row or per case (:meth:`Templates.row`) and puts into a section.
+  A file with several documents names their sections ``DOCUMENT.NAME``.
+* ``<!-- row: NAME -->`` starts a piece (a list item, a figure link, a message) that the code
+  fills per row or per case (:meth:`Templates.row`) and puts into a section.
 
 Text before the first marker is a comment for the reader and is not rendered.
 """
@@ -18,7 +19,7 @@ from string import Template
 from typing import Mapping, Optional, Sequence
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-_MARKER = re.compile(r"^<!-- (section|row): (\w+) -->\n", re.MULTILINE)
+_MARKER = re.compile(r"^<!-- (section|row): ([\w.]+) -->\n", re.MULTILINE)
 
 
 def fmt(x, spec: str = "{:.3f}", none: str = "–") -> str:
@@ -54,14 +55,17 @@ class Templates:
         """One row piece filled with ``values`` (every placeholder must be given)."""
         return self.rows[name].substitute(values)
 
-    def document(self, sections: Mapping[str, Optional[Mapping]]) -> str:
-        """The document: every section of the file with its values (None: the section is left out),
-        in the file's order. A section of the file missing from ``sections``, or one that the file
-        does not have, is an error (a typo would otherwise drop text silently)."""
-        unknown = set(sections) - set(self.sections)
-        missing = set(self.sections) - set(sections)
+    def document(self, sections: Mapping[str, Optional[Mapping]], name: Optional[str] = None) -> str:
+        """The document ``name`` (None: the file's one document): every section of it with its
+        values (None: the section is left out), in the file's order. A section of the document
+        missing from ``sections``, or one that it does not have, is an error (a typo would
+        otherwise drop text silently)."""
+        prefix = "" if name is None else name + "."
+        own = {k[len(prefix):]: t for k, t in self.sections.items()
+               if k.startswith(prefix) and "." not in k[len(prefix):]}
+        unknown, missing = set(sections) - set(own), set(own) - set(sections)
         if unknown or missing:
             raise KeyError(f"{self.name}: sections not in the template {sorted(unknown)}, "
                            f"not given {sorted(missing)}")
-        filled = [t.substitute(sections[k]).strip("\n") for k, t in self.sections.items() if sections[k] is not None]
+        filled = [t.substitute(sections[k]).strip("\n") for k, t in own.items() if sections[k] is not None]
         return "\n\n".join(filled) + "\n"

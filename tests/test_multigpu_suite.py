@@ -574,5 +574,5 @@ def test_topology_block_strips_ansi_escapes():
     """nvidia-smi topo -m underlines its header with ANSI escapes (seen on the 2 x H200 host);
     the report's code block carries the table without them."""
     raw = "\x1b[4mGPU0\tGPU1\tCPU Affinity\x1b[0m\nGPU0\t X \tNV18\n"
-    block = "\n".join(multigpu_report._topology_block({"topology": raw}))
+    block = multigpu_report.report_topology({"topology": raw})
     assert "\x1b" not in block and "GPU0\tGPU1\tCPU Affinity" in block and "NV18" in block
