@@ -51,9 +51,9 @@ class Templates:
                 raise ValueError(f"{name}: {kind} {key!r} twice")
             pieces[key] = Template(text.rstrip("\n") if kind == "row" else text.strip("\n"))
 
-    def row(self, name: str, **values) -> str:
-        """One row piece filled with ``values`` (every placeholder must be given)."""
-        return self.rows[name].substitute(values)
+    def row(self, key: str, /, **values) -> str:
+        """The row ``key`` filled with ``values`` (every placeholder must be given)."""
+        return self.rows[key].substitute(values)
 
     def document(self, sections: Mapping[str, Optional[Mapping]], name: Optional[str] = None) -> str:
         """The document ``name`` (None: the file's one document): every section of it with its

@@ -4,7 +4,8 @@ routing, the loopback control next to the remote Combine over PCIe), Figure 10 (
 distributions of the Linear-2 tiles' sender-visible remote-store span T_RS per schedule, remote
 vs the loopback control) and Table 2 (per shape: span wave / interleaved, mainloop L2 / L1,
 predicted / measured stall), the whole kernel against the drain-rate bound
-(:func:`xstage.model.kernel_rate_bounds`), and a markdown README: geometric mean, median and max speedup per
+(:func:`xstage.model.kernel_rate_bounds`), and a markdown README (its text:
+lab/templates/megamoe_xstage_readme.md, filled with the tables): geometric mean, median and max speedup per
 world next to the paper's 1.18x / 1.17x / 1.62x, the sign-test verdict per cell, and the
 regressions (cells where interleaved is slower) for the author to explain. Figures need
 matplotlib (the ``plot`` extra); without it they are skipped with a message, the tables stay.
