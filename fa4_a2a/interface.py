@@ -46,7 +46,7 @@ class KernelConfig:
     has_lse: bool = False
     num_sms: int = 132
     o_staging: str = "own"  # persistent only: "own" O buffer or "defer_q" (see kernel.py)
-    trace: bool = False  # per-tile timestamps (kernel.TRACE_FIELDS; fa4_a2a.trace)
+    trace: bool = False  # per-tile timestamps (kernel.TRACE_FIELDS; lab.fa4_a2a.trace)
 
     def key(self) -> tuple:
         return (FlashAttentionUlyssesSm90.__qualname__, LAYOUT) + tuple(sorted(asdict(self).items(), key=lambda kv: kv[0]))

@@ -44,7 +44,7 @@ from quack import layout_utils
 from xstage import device as xdev
 from xstage.device import peer_address
 
-# Per-tile trace row (``trace=True``, Ulysses builds; fa4_a2a.trace decodes it), int64 %globaltimer
+# Per-tile trace row (``trace=True``, Ulysses builds; lab.fa4_a2a.trace decodes it), int64 %globaltimer
 # ns unless named otherwise: the CTA's start (non-persistent: the tile's own CTA; persistent: the
 # CTA's first tile), epilogue entry (this tile's mainloop done, thread 0), the first remote store's
 # issue (min over the epilogue threads), the last one's (max: the tile's store-issue span ends),

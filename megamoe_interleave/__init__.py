@@ -21,17 +21,11 @@ reference       float32 reference, the unfused torch pipeline baseline, the W8A8
 quant           E4M3 quantization of the W8A8 recipe (1x128 activations, 128x128 weights), kernel layout
 routing         balanced / skewed (Zipf) routing generators, masking
 shapes          MoE shapes of the paper's models (with sources; unknown ones marked)
-bench           the one-GPU benchmark (fused variants vs grouped GEMMs vs the unfused pipeline;
-                scripts/bench_megamoe.py) and the problems / objects the diagnostics build
-trace           per-tile trace files and their analyses (timeline, Dispatch-window waits, ncu PM phases)
-sweep           the X-Stage evaluation sweep on one GPU (expert_wave vs interleaved per cell, per-tile
-                statistics, the model's predictions; resumable; scripts/sweep_megamoe.py)
-evaluation      its figures, tables and README from the sweep JSON (CPU; scripts/megamoe_xstage_report.py)
-diag            diagnostic kernel variants (the kernel without its Dispatch copy; scripts/diag)
-multigpu_ep     multi-GPU step 3: expert_wave vs interleaved per rank (torchrun or loopback)
-multigpu_checks multi-GPU step 4, megamoe half: correctness across processes
 
-Importing the package does not import the CuTe DSL; ``kernel_sm90``, ``schedule_trace`` and ``diag`` do.
+Benchmarks, the X-Stage sweep and its evaluation, the multi-GPU steps and the diagnostics:
+``lab.megamoe``.
+
+Importing the package does not import the CuTe DSL; ``kernel_sm90`` and ``schedule_trace`` do.
 """
 from .api import MegaMoE, MegaMoEBuffer, make_world, transform_weights
 from .config import MegaMoEConfig

@@ -276,7 +276,7 @@ class MegaMoE:
         """Per-tile tracing (``MegaMoEConfig.trace``) on or off for the calls that follow, on this
         object: its buffers, weights, scratch and the staged inputs' plan stay (``rerun()`` still
         applies), so a traced and an untraced call of one problem can alternate (the trace's
-        overhead, :mod:`megamoe_interleave.sweep`). Only the compiled kernel changes (its own
+        overhead, :mod:`lab.megamoe.sweep`). Only the compiled kernel changes (its own
         compile-cache key; compiled on the first call that uses it). ``last_trace`` keeps the
         last traced call's tensors."""
         self._configs = {s: dataclasses.replace(c, trace=bool(enabled)) for s, c in self._configs.items()}

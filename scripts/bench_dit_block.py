@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """One DiT attention block (QKV projections, pre-A2A, attention, post-A2A, output projection)
-through the stock Ulysses path and the fused one: the command line of :mod:`fa4_a2a.dit_block`
+through the stock Ulysses path and the fused one: the command line of :mod:`lab.fa4_a2a.dit_block`
 (variants, method and flags: ``--help``).
 
   python scripts/bench_dit_block.py                                  # loopback, P = 8
@@ -9,7 +9,7 @@ through the stock Ulysses path and the fused one: the command line of :mod:`fa4_
 """
 import sys
 
-from fa4_a2a.dit_block import main
+from lab.fa4_a2a.dit_block import main
 
 if __name__ == "__main__":
     sys.exit(main())

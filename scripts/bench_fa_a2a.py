@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """FA4 + Ulysses post-attention All-to-All on one H200 (paper Section 5.3, Table 3, Fig. 11):
-the command line of :mod:`fa4_a2a.bench` (variants, method and flags: ``--help``).
+the command line of :mod:`lab.fa4_a2a.bench` (variants, method and flags: ``--help``).
 
   python scripts/bench_fa_a2a.py                       # full sweep, loopback, P = 8
   python scripts/bench_fa_a2a.py --world host --seqs 8192 16384 32768
@@ -10,7 +10,7 @@ the command line of :mod:`fa4_a2a.bench` (variants, method and flags: ``--help``
 """
 import sys
 
-from fa4_a2a.bench import main
+from lab.fa4_a2a.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

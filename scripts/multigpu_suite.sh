@@ -18,8 +18,8 @@
 #   --tar FILE  at the end (also after failures) pack the results directory into FILE (.tgz),
 #               e.g. --tar "$OUT/h200x8-steps04.tgz" to bring it back through the device tool
 #
-# Entry points: library modules run with -m (xstage.multigpu_envcheck, calibration.peer,
-# fa4_a2a.multigpu_sweep, megamoe_interleave.multigpu_ep) and scripts/multigpu/{correctness,report}.py,
+# Entry points: lab modules run with -m (lab.multigpu_envcheck, lab.calibration.peer,
+# lab.fa4_a2a.multigpu_sweep, lab.megamoe.multigpu_ep) and scripts/multigpu/{correctness,report}.py,
 # with the repository on PYTHONPATH. See docs/multigpu.md and results/README-multigpu.md.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -130,20 +130,20 @@ for s in "${step_list[@]}"; do
       shell_to "$out/topology/topo.txt" nvidia-smi topo -m
       shell_to "$out/topology/clocks.txt" nvidia-smi -q -d CLOCK
       shell_to "$out/topology/nvlink.txt" nvidia-smi nvlink --status
-      run step0-envcheck "${launch[@]}" -m xstage.multigpu_envcheck "${world[@]}" --out "$out/topology"
+      run step0-envcheck "${launch[@]}" -m lab.multigpu_envcheck "${world[@]}" --out "$out/topology"
       report topology ;;
     1)
-      run step1-calibration "${launch[@]}" -m calibration.peer "${world[@]}" "${q[@]}" \
+      run step1-calibration "${launch[@]}" -m lab.calibration.peer "${world[@]}" "${q[@]}" \
         --no-progress --out "$out/calibration"
       report calibration ;;
     2)
       prof=(); pj="$out/calibration/profile-h200-nvlink-peer.json"
       [ -f "$pj" ] && prof=(--profile "$pj")
-      run step2-fa4_a2a "${launch[@]}" -m fa4_a2a.multigpu_sweep "${world[@]}" "${q[@]}" "${prof[@]}" \
+      run step2-fa4_a2a "${launch[@]}" -m lab.fa4_a2a.multigpu_sweep "${world[@]}" "${q[@]}" "${prof[@]}" \
         --out "$out/fa4_a2a"
       report fa4_a2a ;;
     3)
-      run step3-megamoe "${launch[@]}" -m megamoe_interleave.multigpu_ep "${world[@]}" "${q[@]}" --out "$out/megamoe"
+      run step3-megamoe "${launch[@]}" -m lab.megamoe.multigpu_ep "${world[@]}" "${q[@]}" --out "$out/megamoe"
       report megamoe ;;
     4)
       run step4-correctness-fa4 "${launch[@]}" scripts/multigpu/correctness.py "${world[@]}" "${q[@]}" \

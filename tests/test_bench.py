@@ -1,4 +1,4 @@
-"""xstage.bench on the CPU: the paired trial loop with fake timed calls, the clock-matched
+"""lab.bench on the CPU: the paired trial loop with fake timed calls, the clock-matched
 verdicts against a baseline and their table on synthetic samples, result files, progress."""
 import csv
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_paired import _dvfs_row  # synthetic DVFS-affected row (pytest puts tests/ on sys.path)
 
-from xstage import bench
+from lab import bench
 
 
 def _bimodal_baseline(n=21, seed=1):

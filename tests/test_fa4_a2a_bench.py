@@ -1,4 +1,4 @@
-"""fa4_a2a.bench (scripts/bench_fa_a2a.py) on the CPU: its arguments, the acceptance verdicts of
+"""lab.fa4_a2a.bench (scripts/bench_fa_a2a.py) on the CPU: its arguments, the acceptance verdicts of
 its rows (the statistics themselves: tests/test_paired.py), re-analysis of a saved JSON, the
 multi-process agreement and the trial loop on host stand-ins (trial sizing: tests/test_bench.py)."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_paired import _dvfs_row  # synthetic DVFS-affected row (pytest puts tests/ on sys.path)
 
-from fa4_a2a import bench
-from xstage import paired
+from lab.fa4_a2a import bench
+from lab import paired
 
 
 def test_args_defaults_plain_and_stabilized():
@@ -166,7 +166,7 @@ def test_variant_fns_on_a_cpu_loopback_world():
 
 
 def test_script_is_a_thin_cli():
-    """scripts/bench_fa_a2a.py runs fa4_a2a.bench.main with nothing but the repository on the path."""
+    """scripts/bench_fa_a2a.py runs lab.fa4_a2a.bench.main with nothing but the repository on the path."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, str(root / "scripts" / "bench_fa_a2a.py"), "--help"], capture_output=True,

@@ -112,7 +112,7 @@ def test_trace_decode_and_statistics():
     from a tile's last store to the next CTA's start, the tail; unrun tiles are skipped."""
     import torch
 
-    from fa4_a2a.trace import UNSET_MIN, decode_trace, trace_rows, trace_statistics
+    from lab.fa4_a2a.trace import UNSET_MIN, decode_trace, trace_rows, trace_statistics
 
     t = trace_rows(1, 1, 3 * 128, 128, "cpu")
     assert t.shape == (1, 1, 3, 5) and (t[..., 2] == UNSET_MIN).all()

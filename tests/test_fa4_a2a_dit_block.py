@@ -1,11 +1,11 @@
-"""fa4_a2a.dit_block on the CPU: the command line's checks, and both block paths (stock: pre-A2A,
+"""lab.fa4_a2a.dit_block on the CPU: the command line's checks, and both block paths (stock: pre-A2A,
 FA4, A2A copies; fused: ulysses_attention) through a CPU loopback world against the float32 block
 reference, with float32 stand-ins for the two kernel launches (the fused one stores through the
 real folded peer table). The GPU run of the benchmark checks the real kernels the same way."""
 import pytest
 import torch
 
-from fa4_a2a import dit_block as DB
+from lab.fa4_a2a import dit_block as DB
 from fa4_a2a import ulysses as U
 from fa4_a2a.reference import attention_fp32
 from xstage.world import make_world

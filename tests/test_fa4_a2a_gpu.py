@@ -154,10 +154,10 @@ def test_pinned_destinations(world_name):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_trace_build_stores_the_same_bits_and_records_every_tile(persistent):
-    """The trace build (fa4_a2a.trace) writes the shipped build's destinations bit for bit, and
+    """The trace build (lab.fa4_a2a.trace) writes the shipped build's destinations bit for bit, and
     every tile's row is ordered: CTA start <= epilogue entry <= first store issue <= last one,
     on an SM of this GPU."""
-    from fa4_a2a.trace import decode_trace, traced_attention_a2a
+    from lab.fa4_a2a.trace import decode_trace, traced_attention_a2a
 
     P, B, C, Hl, D, dtype = 4, 2, 300, 2, 128, torch.bfloat16  # straddling tiles, several tiles per CTA
     world = make_world("loopback", P)

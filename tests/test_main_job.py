@@ -24,7 +24,7 @@ def test_cpu_main_job_refits_the_shipped_calibration(tmp_path):
 
 
 def test_gpu_demo_modules_import_without_a_gpu():
-    import fa4_a2a.demo
-    import megamoe_interleave.demo
+    import lab.fa4_a2a.demo
+    import lab.megamoe.demo
 
-    assert callable(fa4_a2a.demo.run) and callable(megamoe_interleave.demo.run)
+    assert callable(lab.fa4_a2a.demo.run) and callable(lab.megamoe.demo.run)

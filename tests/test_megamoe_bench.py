@@ -1,18 +1,18 @@
-"""megamoe_interleave.bench on the CPU: the paired fused-vs-grouped-GEMM comparison (trial
-rotation and the verdicts, through xstage.bench) with fake timed calls, the side-by-side
+"""lab.megamoe.bench on the CPU: the paired fused-vs-grouped-GEMM comparison (trial
+rotation and the verdicts, through lab.bench) with fake timed calls, the side-by-side
 MegaMoEConfig variants (names, configs, the skip of a variant that does not resolve), the
-command line, and the trace analyses of megamoe_interleave.trace on hand-made traces; the bench
+command line, and the trace analyses of lab.megamoe.trace on hand-made traces; the bench
 itself needs a GPU."""
 import csv
 import dataclasses
 
 import pytest
 
-from megamoe_interleave import bench
-from megamoe_interleave import trace as trace_mod
+from lab.megamoe import bench
+from lab.megamoe import trace as trace_mod
 from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
-from xstage import bench as xbench
+from lab import bench as xbench
 
 FLASH = get_shape("deepseek-v4-flash")
 
@@ -47,7 +47,7 @@ def test_mainloop_cycles_converts_through_each_tiles_clock():
 
 
 def test_trace_timeline_buckets_mainloop_cycles():
-    """megamoe_interleave.trace.timeline: per phase and time bucket, the median mainloop in
+    """lab.megamoe.trace.timeline: per phase and time bucket, the median mainloop in
     cycles (clock from cycles / ns over tile start -> mainloop end) and the median clock."""
     import gzip
     import os
@@ -73,7 +73,7 @@ def test_trace_timeline_buckets_mainloop_cycles():
 
 
 def test_trace_window_waits():
-    """megamoe_interleave.trace.window_waits: row 2 (W = 2) opens when row 0's first L1 tile ends
+    """lab.megamoe.trace.window_waits: row 2 (W = 2) opens when row 0's first L1 tile ends
     (t = 50 us); one of its tiles waits 8 us and its row is ready 12 us after the opening; row
     3's tiles do not wait; L2 tiles are not counted."""
     def tile(cta, row, t0, wait, end, phase=1):
@@ -104,7 +104,7 @@ def _pm_export(path, read_pct, write_pct, cycles, totals_gb=None):
 
 
 def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
-    """megamoe_interleave.trace.phase_bytes (scripts/diag/megamoe_pm_phases.py): the sampled DRAM percentages go to the L1 / L2 stretch
+    """lab.megamoe.trace.phase_bytes (scripts/diag/megamoe_pm_phases.py): the sampled DRAM percentages go to the L1 / L2 stretch
     the trace puts each sample in (trace span stretched onto the active samples), scaled to
     ncu's counted totals when the export has them, else by the peak; idle samples at either
     end are dropped; a short blip of the other phase joins the stretch around it."""
@@ -326,7 +326,8 @@ def test_main_on_a_cpu_stand_in(monkeypatch, tmp_path, capsys):
     import torch
 
     from megamoe_interleave.config import MegaMoEConfig as Cfg
-    from xstage import paired, provenance, timing
+    from lab import paired, timing
+    from xstage import provenance
 
     P = 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -403,10 +404,10 @@ def test_command_lines_import_the_library(script):
 
 
 def test_no_dispatch_copy_moe_compiles_its_own_kernel(monkeypatch):
-    """megamoe_interleave.diag.NoDispatchCopyMoE: the same resolved config as a MegaMoE, but its
+    """lab.megamoe.diag.no_dispatch_copy.NoDispatchCopyMoE: the same resolved config as a MegaMoE, but its
     fused kernel is NoDispatchCopy of that config, under its own compile-cache key (a shipped
     kernel of the same config in the cache is not reused)."""
-    from megamoe_interleave import diag
+    from lab.megamoe.diag import no_dispatch_copy as diag
     from megamoe_interleave.api import MegaMoE, make_world
     from xstage import cute_compile
 
@@ -472,7 +473,7 @@ def test_fill_pool_gathers_the_dispatched_rows(monkeypatch):
     the Dispatch copy writes, so the no-copy kernel computes the shipped kernel's y)."""
     import torch
 
-    from megamoe_interleave import diag
+    from lab.megamoe.diag import no_dispatch_copy as diag
 
     _cpu_build(monkeypatch)
     shape, w1, w2, xs, idx, wts = _tiny_problem()
@@ -495,7 +496,7 @@ def test_graph_report_splits_the_replay_into_kernels_and_writes_the_summary(tmp_
     import csv
     import json
 
-    from megamoe_interleave import graph_bench
+    from lab.megamoe import graph_bench
 
     def case(P, T, n_matched, replay):
         v = lambda med: {"median_us": med, "baseline_median_us": 1000.0, "median_ratio": med / 1000.0,  # noqa: E731
@@ -538,7 +539,7 @@ def test_w8a8_bench_summary_and_rowwise_quantize():
     share of the dense FP8 rate) from a paired result, and its rowwise E4M3 quantization."""
     import torch
 
-    from megamoe_interleave import w8a8_bench
+    from lab.megamoe import w8a8_bench
 
     x = torch.randn(8, 256)
     q, s = w8a8_bench.rowwise_quantize(x)

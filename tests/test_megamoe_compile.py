@@ -481,11 +481,11 @@ def test_setmaxnreg_fits_the_launch_register_pool():
 @pytest.mark.compile
 @pytest.mark.parametrize("copy", ["lsu", "bulk"])
 def test_no_dispatch_copy_kernel_has_no_dispatch_copy(copy):
-    """megamoe_interleave.diag.NoDispatchCopy (scripts/diag/megamoe_dispatch_cost.py, the ncu
+    """lab.megamoe.diag.no_dispatch_copy.NoDispatchCopy (scripts/diag/megamoe_dispatch_cost.py, the ncu
     driver's --no-dispatch-copy): the shipped kernel of the config copies the rows (LSU: the
     16-byte vector loads / stores of copy_chunks; bulk: cp.async.bulk pieces into and out of smem),
     the subclass of the same config does not, and its TMA tile loads are the shipped ones."""
-    from megamoe_interleave.diag import NoDispatchCopy
+    from lab.megamoe.diag.no_dispatch_copy import NoDispatchCopy
     from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
     from xstage.cute_compile import compile_hopper
 

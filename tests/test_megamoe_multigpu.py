@@ -1,5 +1,5 @@
-"""CPU tests of the megamoe parts of the multi-GPU suite: megamoe_interleave.multigpu_ep (step 3)
-and megamoe_interleave.multigpu_checks (the megamoe half of step 4), imported as library modules
+"""CPU tests of the megamoe parts of the multi-GPU suite: lab.megamoe.multigpu_ep (step 3)
+and lab.megamoe.multigpu_checks (the megamoe half of step 4), imported as library modules
 (their command lines, scripts/multigpu/megamoe_ep.py and correctness.py, only run as
 subprocesses: tests/test_multigpu_suite.py)."""
 import argparse
@@ -9,10 +9,10 @@ import math
 import pytest
 from test_multigpu_suite import _moe_row, use_cpu_loopback
 
-from megamoe_interleave import multigpu_checks as checks
-from megamoe_interleave import multigpu_ep as megamoe_ep
-from xstage import multigpu as mg
-from xstage import multigpu_report
+from lab.megamoe import multigpu_checks as checks
+from lab.megamoe import multigpu_ep as megamoe_ep
+from lab import multigpu as mg
+from lab import multigpu_report
 
 
 @pytest.fixture
@@ -145,15 +145,15 @@ def test_megamoe_main_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
 
 
 def test_megamoe_grouped_gemms_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
-    """--grouped-gemms: the two grouped GEMMs of every rank's received rows (megamoe_interleave.bench.
+    """--grouped-gemms: the two grouped GEMMs of every rank's received rows (lab.megamoe.bench.
     grouped_gemms on the global weights, run for real on the CPU), one timed call per aligned
-    trial (xstage.bench.event_timed, faked: 125 us), a row per case; the summary's kernel times
+    trial (lab.bench.event_timed, faked: 125 us), a row per case; the summary's kernel times
     over theirs."""
     import torch
 
     from megamoe_interleave import api
     from megamoe_interleave.shapes import MoEShape
-    from xstage import bench as xbench
+    from lab import bench as xbench
 
     tiny = MoEShape("tiny", 256, 128, 16, 2, "test")
     monkeypatch.setattr(megamoe_ep, "resolve_shapes", lambda names, P: [tiny])

@@ -1,5 +1,5 @@
-"""CPU tests of the MegaMoE X-Stage sweep (megamoe_interleave.sweep) and its evaluation
-(megamoe_interleave.evaluation): the cell grid and its memory-based skips, resumability, the
+"""CPU tests of the MegaMoE X-Stage sweep (lab.megamoe.sweep) and its evaluation
+(lab.megamoe.evaluation): the cell grid and its memory-based skips, resumability, the
 per-tile statistics, the per-cell comparison, the model's predictions, the GPU runner on a CPU
 stand-in, the evaluation's tables and README, the command lines."""
 import csv
@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_interleave import bench, evaluation
-from megamoe_interleave import sweep as S
+from lab.megamoe import bench, evaluation
+from lab.megamoe import sweep as S
 from megamoe_interleave.config import TRACE_FIELDS, MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
-from xstage import model, paired, planner, profiles
+from lab import paired
+from xstage import model, planner, profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 FLASH = get_shape("deepseek-v4-flash")
@@ -436,7 +437,7 @@ def test_gpu_runner_checks_the_outputs_and_the_placement(monkeypatch):
     assert {m.config.precision for m in _StandInMoE.built} == {"w8a8"}
 
 
-# ----------------------------------------------------------------------------- pieces of megamoe_interleave.bench / api
+# ----------------------------------------------------------------------------- pieces of lab.megamoe.bench / api
 
 
 def test_make_weights_cpu_numbers_and_the_weight_views():

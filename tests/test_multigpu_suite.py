@@ -1,10 +1,10 @@
 """CPU tests of the multi-GPU suite (issue 6): argument checks, the max-across-ranks/median
 reduction, result summaries, report generation on synthetic data and the suite's dry run.
 
-The library modules (xstage.multigpu, xstage.multigpu_report, calibration.peer,
-fa4_a2a.multigpu_sweep, fa4_a2a.multigpu_checks) are imported; the command lines under
-scripts/multigpu only run as subprocesses. The megamoe modules (megamoe_interleave.multigpu_ep,
-megamoe_interleave.multigpu_checks): tests/test_megamoe_multigpu.py. The GPU parts run on a multi-GPU host
+The library modules (lab.multigpu, lab.multigpu_report, lab.calibration.peer,
+lab.fa4_a2a.multigpu_sweep, lab.fa4_a2a.multigpu_checks) are imported; the command lines under
+scripts/multigpu only run as subprocesses. The megamoe modules (lab.megamoe.multigpu_ep,
+lab.megamoe.multigpu_checks): tests/test_megamoe_multigpu.py. The GPU parts run on a multi-GPU host
 (scripts/multigpu_suite.sh) or in the loopback world (``--loopback``);
 tests/test_multigpu_gpu.py covers those where a GPU is present."""
 import importlib.util
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from calibration import peer
-from fa4_a2a import multigpu_checks, multigpu_sweep
-from xstage import multigpu as mg
-from xstage import multigpu_report
+from lab.calibration import peer
+from lab.fa4_a2a import multigpu_checks, multigpu_sweep
+from lab import multigpu as mg
+from lab import multigpu_report
 
 ROOT = Path(__file__).resolve().parents[1]
 MG = ROOT / "scripts" / "multigpu"
@@ -342,8 +342,8 @@ def test_suite_dry_run_prints_every_step():
     for c in launched:
         assert "--standalone --nproc-per-node=4" in c and "--world torch-symm --P 4" in c
         assert "results/h200x4/" in c
-    for entry in ("-m xstage.multigpu_envcheck", "-m calibration.peer", "-m fa4_a2a.multigpu_sweep",
-                  "-m megamoe_interleave.multigpu_ep", "scripts/multigpu/correctness.py"):
+    for entry in ("-m lab.multigpu_envcheck", "-m lab.calibration.peer", "-m lab.fa4_a2a.multigpu_sweep",
+                  "-m lab.megamoe.multigpu_ep", "scripts/multigpu/correctness.py"):
         assert any(f"--nproc-per-node=4 {entry} --world" in c for c in launched), entry
     assert any("nvidia-smi topo -m > results/h200x4/topology/topo.txt" in c for c in cmds)
     assert cmds[-1].endswith("scripts/multigpu/report.py --dir results/h200x4")
@@ -357,8 +357,8 @@ def test_suite_dry_run_steps_and_loopback():
     assert not any("torch.distributed.run" in c for c in cmds)
     entries = [c for c in cmds if "--world" in c]
     assert len(entries) == 2 and all("--world loopback --P 2 --quick" in c for c in entries)
-    assert " -m fa4_a2a.multigpu_sweep --world" in entries[0]
-    assert " -m megamoe_interleave.multigpu_ep --world" in entries[1]
+    assert " -m lab.fa4_a2a.multigpu_sweep --world" in entries[0]
+    assert " -m lab.megamoe.multigpu_ep --world" in entries[1]
     assert all("results/h200x1-loopback-P2/" in c for c in entries)
     r = _suite("--dry-run", "--loopback", "--full", "--steps", "4", "--out", "/tmp/xx")
     entries = [c for c in r.stdout.splitlines() if c.startswith("+ ") and "--world" in c]
@@ -379,8 +379,8 @@ def test_suite_rejects_bad_arguments(args, msg):
 
 def test_entry_points_refuse_torch_symm_outside_torchrun():
     env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    for cmd in ([str(MG / "megamoe_ep.py")], ["-m", "megamoe_interleave.multigpu_ep"],
-                ["-m", "xstage.multigpu_envcheck"]):
+    for cmd in ([str(MG / "megamoe_ep.py")], ["-m", "lab.megamoe.multigpu_ep"],
+                ["-m", "lab.multigpu_envcheck"]):
         r = subprocess.run([sys.executable, *cmd, "--world", "torch-symm"], capture_output=True, text=True,
                            timeout=120, env=env, cwd=ROOT)
         assert r.returncode == 2 and "must run under torchrun" in r.stderr, cmd
@@ -407,7 +407,7 @@ class _FakeWorld:
 def _coordination_worker(rank, P, store_path, out_dir):
     import torch.distributed as dist
 
-    from xstage import multigpu
+    from lab import multigpu
 
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=P)
     try:
@@ -485,7 +485,7 @@ class _Props:
 
 
 def use_cpu_loopback(monkeypatch):
-    """xstage.multigpu.setup makes a CPU loopback world (addressing only, no alignment) and the
+    """lab.multigpu.setup makes a CPU loopback world (addressing only, no alignment) and the
     device queries answer for an H200 (also used by tests/test_megamoe_multigpu.py)."""
     import torch
 
@@ -544,7 +544,7 @@ def test_fa_sweep_bad_shapes_fail_before_launch(cpu_loopback, tmp_path):
 
 
 def test_correctness_frame_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
-    """The correctness step (xstage.multigpu.run_checks) with the fa4 checks and the kernels
+    """The correctness step (lab.multigpu.run_checks) with the fa4 checks and the kernels
     replaced by one that raises: every fa4 case is recorded as failed and the step goes on, the
     per-rank records are written as they come, the exit status is 1."""
     import argparse
@@ -574,5 +574,5 @@ def test_topology_block_strips_ansi_escapes():
     """nvidia-smi topo -m underlines its header with ANSI escapes (seen on the 2 x H200 host);
     the report's code block carries the table without them."""
     raw = "\x1b[4mGPU0\tGPU1\tCPU Affinity\x1b[0m\nGPU0\t X \tNV18\n"
-    block = "\n".join(multigpu_report._topology_block({"topology": raw}))
+    block = multigpu_report.report_topology({"topology": raw})
     assert "\x1b" not in block and "GPU0\tGPU1\tCPU Affinity" in block and "NV18" in block

@@ -1,9 +1,9 @@
-"""xstage.paired: rotation, sign test, clock matching and the paired acceptance verdict."""
+"""lab.paired: rotation, sign test, clock matching and the paired acceptance verdict."""
 import random
 
 import pytest
 
-from xstage import paired
+from lab import paired
 
 
 def test_rotation():

@@ -1,7 +1,7 @@
 """Timing statistics (CPU) and the event/graph harness (GPU)."""
 import pytest
 
-from xstage.timing import Timing, bench, bench_graph, ratio
+from lab.timing import Timing, bench, bench_graph, ratio
 
 
 def test_timing_stats():

@@ -2,8 +2,7 @@
 
 Modules: model (eq. 1-20), simulate (fluid queue), profiles (platform JSON),
 planner (design test), cli, world (peer memory), device (CuTe DSL helpers),
-timing (CUDA events / graph replay), bench (paired trials, verdicts, result
-files), multigpu (the multi-GPU suite's world set-up, timing protocol and result
-header; multigpu_envcheck, multigpu_report), provenance, cute_compile.
+pipeline (mbarrier pipelines), cute_compile, provenance (result files' provenance;
+calibration writes it). Timing, paired trials and the multi-GPU harness: the lab package.
 """
 __version__ = "0.1.0"

@@ -1,0 +1,12 @@
+"""MegaMoE diagnostics; each module but ``no_dispatch_copy`` is the ``main`` of one script under
+``scripts/diag/``.
+
+no_dispatch_copy  the fused kernel without its Dispatch copy (imports the CuTe DSL)
+dispatch_cost     what the Dispatch copy costs (scripts/diag/megamoe_dispatch_cost.py)
+energy            energy per call from NVML (scripts/diag/megamoe_energy.py)
+ncu_driver        a problem for ncu to profile (scripts/diag/megamoe_ncu_driver.py)
+pm_phases         DRAM bytes per phase from ncu PM sampling (scripts/diag/megamoe_pm_phases.py)
+trace_clock       the SM clock inside the kernel from its trace (scripts/diag/megamoe_trace_clock.py)
+trace_timeline    mainloop cycles over time from a trace (scripts/diag/megamoe_trace_timeline.py)
+api_profile       host time of MegaMoE.forward outside the kernels (scripts/diag/profile_megamoe_api.py)
+"""

@@ -1,0 +1,214 @@
+"""The MegaMoE layer as a serving stack runs it: one CUDA-graph replay of
+:meth:`MegaMoE.capture` (staging, device-side plan, kernels, reduction) against the fused kernels'
+own time, the eager calls, and the two grouped GEMMs alone / the unfused torch pipeline, paired
+and clock-matched; small batches (decode-like) as first-class points. The library part of
+``scripts/bench_megamoe_graph.py``.
+
+Per (shape, routing, P, tokens per rank), in one paired run (:func:`lab.bench.paired_trials`,
+baseline "fused kernels"):
+
+* ``graph replay``: ``layer.replay()`` between two CUDA events (the whole layer, every rank);
+* ``fused kernels``: the fused kernels of every rank alone (``MegaMoE.rerun``'s
+  ``last_kernel_us``: events around the back-to-back launches, host-planned);
+* ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`lab.megamoe.bench`.
+
+Outside the paired run: the eager ``enqueue`` and ``forward`` (CUDA events around one call:
+``forward`` includes its host planning and syncs), ``enqueue``'s host time alone, and a profiler
+trace of one replay: its CUDA runtime calls (a replay must be one ``cudaGraphLaunch``, no
+synchronisation) and its kernels' device times.
+Before timing, the replay's y is checked bitwise against ``forward``'s and against the unfused
+pipeline (:func:`bench.check_against`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from lab import bench, timing
+from lab.megamoe.bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from megamoe_interleave.reference import unfused_pipeline
+
+BASELINE = "fused kernels"
+SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that would block the host
+
+
+def replay_profile(layer) -> dict:
+    """One ``layer.replay()`` under torch.profiler: its CUDA runtime calls [(name, count)] and its
+    device kernels [(name, count, total us)], dearest first, and ``span_us``: first node's start to
+    the last one's end on the device (the replay's own time, clocks and all, to set against the
+    sum of its kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        layer.replay()
+        torch.cuda.synchronize()
+    calls, kernels, starts, ends = {}, {}, [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            calls[e.name] = calls.get(e.name, 0) + 1
+        elif e.device_type == torch.autograd.DeviceType.CUDA:
+            n, us = kernels.get(e.name[:80], (0, 0.0))
+            kernels[e.name[:80]] = (n + 1, us + e.time_range.elapsed_us())
+            starts.append(e.time_range.start), ends.append(e.time_range.end)
+    return dict(runtime_calls=sorted(calls.items()), span_us=round(max(ends) - min(starts), 1),
+                kernels=sorted(((k, n, round(us, 1)) for k, (n, us) in kernels.items()), key=lambda x: -x[2]))
+
+
+def host_enqueue_us(fn, trials: int) -> float:
+    """Median host time of ``fn()`` (enqueue only, no synchronisation inside the timed span)."""
+    import time
+
+    out = []
+    for _ in range(trials):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(out)[len(out) // 2]
+
+
+def run_case(shape, kind, P, tokens, args) -> dict:
+    """One case: {"paired": the paired row, "eager_us": {...}, "replay_runtime_calls": [...],
+    "checks": {...}}."""
+    w1, w2, xs, idx, wts = make_problem(shape, kind, P, tokens, args.strength)
+    (w1_t, w2_t), gemms_only = grouped_gemms(shape, P, w1, w2, idx, wts)
+    refs = unfused_pipeline(xs, idx, wts, w1_t, w2_t)
+    moe = build_moe(shape, P, tokens, None, w1, w2, world=args.world, poison_combine=False)
+    layer = moe.capture(tokens)
+    for r in range(P):
+        layer.x[r].copy_(xs[r]), layer.topk_idx[r].copy_(idx[r]), layer.topk_weights[r].copy_(wts[r])
+    ys = [y.clone() for y in layer.replay()]
+    layer.check()
+    check_against(ys, refs, "graph replay")
+    eager = moe.forward(xs, idx, wts)  # the host-planned call (and the plan rerun() repeats)
+    bitwise = all(torch.equal(a, b) for a, b in zip(ys, eager))
+    if not bitwise:
+        raise RuntimeError(f"{shape.name} P={P} T={tokens}: graph replay y != forward y")
+    del refs, eager
+    prof = replay_profile(layer)
+    calls = [c for c in prof["runtime_calls"] if c[0] != "cudaDeviceSynchronize"]  # the profile's own sync
+    blocking = [n for n, _ in calls if any(s in n for s in SYNC_CALLS)]
+    fns = {BASELINE: kernel_time_call(moe, rerun=True), "graph replay": bench.event_timed(layer.replay),
+           "grouped_mm x2 only": bench.event_timed(gemms_only),
+           "unfused torch pipeline": bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t))}
+    fns[BASELINE]()  # warm-up of the rerun path
+    samples, clocks = bench.paired_trials(fns, args.trials, args.cooldown_s)
+    case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
+    paired_row = dict(case, **bench.paired_verdicts(samples, clocks, BASELINE, args.clock_tol_mhz))
+    bench.print_paired(paired_row, label=f"{shape.name}, P={P}, T={tokens}")
+    eager_us = {}
+    for name, fn in (("eager enqueue", lambda: moe.enqueue(layer.x, layer.topk_idx, layer.topk_weights)),
+                     ("eager forward", lambda: moe.forward(xs, idx, wts))):
+        eager_us[name] = timing.bench(fn, warmup=1, iters=1, trials=args.trials).median_us
+    eager_us["enqueue host"] = host_enqueue_us(lambda: moe.enqueue(layer.x, layer.topk_idx, layer.topk_weights),
+                                               args.trials)
+    layer.check()
+    print(f"  eager enqueue {eager_us['eager enqueue']:.1f} us (host {eager_us['enqueue host']:.1f} us), eager forward "
+          f"{eager_us['eager forward']:.1f} us; replay runtime calls: {calls}; kernels: {prof['kernels'][:8]}",
+          flush=True)
+    return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls, replay_kernels=prof["kernels"],
+                replay_span_us=prof["span_us"],
+                checks=dict(replay_equals_forward_bitwise=bitwise, replay_blocking_calls=blocking,
+                            device_ctas=moe.device_ctas))
+
+
+def summary_rows(results) -> list:
+    """One row per case: medians of every variant at the reference clock, the layer's overhead
+    over the kernels (graph replay / fused kernels) and against the baselines."""
+    rows = []
+    for res in results:
+        p = res["paired"]
+        v = p["variants"]
+        med = {k: x.get("median_us") for k, x in v.items()}
+        row = {k: p[k] for k in ("shape", "routing", "world", "P", "tokens_per_rank")}
+        row.update(fused_kernels_us=v["graph replay"].get("baseline_median_us"), graph_replay_us=med["graph replay"],
+                   replay_over_kernels=v["graph replay"].get("median_ratio"),
+                   grouped_mm_us=med["grouped_mm x2 only"], unfused_us=med["unfused torch pipeline"],
+                   eager_enqueue_us=round(res["eager_us"]["eager enqueue"], 1),
+                   eager_forward_us=round(res["eager_us"]["eager forward"], 1),
+                   enqueue_host_us=round(res["eager_us"]["enqueue host"], 1),
+                   n_matched=v["graph replay"]["n_matched"],
+                   replay_blocking_calls=";".join(res["checks"]["replay_blocking_calls"]) or "none")
+        if med["graph replay"] and med["grouped_mm x2 only"]:
+            row["replay_over_grouped_mm"] = round(med["graph replay"] / med["grouped_mm x2 only"], 4)
+            row["replay_over_unfused"] = round(med["graph replay"] / med["unfused torch pipeline"], 4)
+        rows.append(row)
+    return rows
+
+
+def kernel_shares(res) -> dict:
+    """The replay's device kernels (profiler) split into the fused kernels, the top-k reduction and
+    everything else (the device-side plan, staging, memsets): us each, and the profiled replay's
+    device span over their sum (what is left is the gaps between the graph's nodes). Results
+    from before the span was recorded fall back to the paired replay median (other clocks)."""
+    ks = res["replay_kernels"]
+    fused = sum(us for name, _, us in ks if "MegaMoESm90" in name)
+    reduce = sum(us for name, _, us in ks if "TopkReduce" in name)
+    total = sum(us for _, _, us in ks)
+    replay = res.get("replay_span_us") or res["paired"]["variants"]["graph replay"].get("median_us")
+    return dict(nodes=sum(n for _, n, _ in ks), fused_us=round(fused, 1), reduce_us=round(reduce, 1),
+                plan_and_rest_us=round(total - fused - reduce, 1), kernels_sum_us=round(total, 1),
+                replay_over_kernels_sum=round(replay / total, 4) if replay else None,
+                replay_over_fused_in_replay=round(replay / fused, 4) if replay and fused else None)
+
+
+def report(json_paths, out_dir) -> list:
+    """Summary rows (:func:`summary_rows` + :func:`kernel_shares`) of the cases in ``json_paths``
+    (this bench's result files), as ``out_dir/summary.csv`` and ``out_dir/graph_layer.png``
+    (layer time per case against the fused kernels and the baselines); returns the rows."""
+    import json
+
+    cases = []
+    for path in json_paths:
+        with open(path) as f:
+            cases += [c for c in json.load(f)["cases"] if c["paired"]["variants"]["graph replay"]["n_matched"]]
+    rows = [dict(row, **kernel_shares(res)) for row, res in zip(summary_rows(cases), cases)]
+    rows.sort(key=lambda r: (r["P"], r["tokens_per_rank"]))
+    bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
+    if rows:
+        series = [("fused kernels", "fused_kernels_us"), ("graph replay (layer)", "graph_replay_us"),
+                  ("grouped_mm x2 only", "grouped_mm_us"), ("unfused torch pipeline", "unfused_us")]
+        bench.ratio_bars(os.path.join(out_dir, "graph_layer.png"),
+                         [f"P={r['P']}\nT={r['tokens_per_rank']}" for r in rows],
+                         [(name, [r[key] / r["fused_kernels_us"] for r in rows]) for name, key in series],
+                         ylabel="time / fused kernels (paired medians)", ticks=[1, 1.1, 1.25, 1.5, 2, 3, 5, 8],
+                         title="MegaMoE layer as one CUDA-graph replay, DeepSeek-V4-Flash, loopback, H200",
+                         ref=(1.03, "fused kernels + 3 %", "--"))
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_problem_arguments(ap, tokens=[256, 1024, 2048, 8192])
+    ap.add_argument("--world", default="loopback")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--cooldown-s", type=float, default=0.0)
+    add_output_arguments(ap, out="results/h200/megamoe/graph", figure="graph_layer.png")
+    return ap
+
+
+def main(argv=None):
+    """bench_megamoe_graph{tag}.json (everything, with provenance), .csv (the summary rows) and
+    _paired.csv under ``--out``."""
+    args = build_parser().parse_args(argv)
+    if not report_or_gpu_run(args, report):
+        return
+    cases = problem_cases(args)
+    results = []
+    for case in bench.progress(cases, desc="graph cases"):
+        results.append(run_case(*case, args))
+        torch.cuda.empty_cache()
+    stem = f"bench_megamoe_graph{args.tag}"
+    bench.write_csv(os.path.join(args.out, f"{stem}_paired.csv"), bench.paired_table([r["paired"] for r in results]))
+    rows = summary_rows(results)
+    bench.write_result(args.out, stem, {"args": vars(args), "cases": results, "summary": rows}, rows)
+    for row in rows:
+        print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""lab.report: templates split into sections and rows, documents assembled from the sections given,
+and the shipped templates parse with every section a renderer passes."""
+import pytest
+
+from lab import report
+
+
+def _templates(tmp_path, monkeypatch, text):
+    monkeypatch.setattr(report, "TEMPLATES", tmp_path)
+    (tmp_path / "t.md").write_text(text)
+    return report.Templates("t.md")
+
+
+TEXT = """a comment for the reader
+<!-- section: head -->
+# $title
+
+<!-- section: notes -->
+$notes
+
+<!-- section: other.body -->
+second document: $x
+<!-- row: item -->
+ - $name
+"""
+
+
+def test_document_joins_the_sections_given_in_file_order(tmp_path, monkeypatch):
+    t = _templates(tmp_path, monkeypatch, TEXT)
+    assert t.document({"notes": {"notes": "n"}, "head": {"title": "T"}}) == "# T\n\nn\n"
+    assert t.document({"head": {"title": "T"}, "notes": None}) == "# T\n"
+    assert t.document({"body": {"x": 1}}, "other") == "second document: 1\n"
+    assert t.row("item", name="a") == " - a"  # a row keeps its leading space, loses its newline
+
+
+def test_document_rejects_missing_and_unknown_sections(tmp_path, monkeypatch):
+    t = _templates(tmp_path, monkeypatch, TEXT)
+    with pytest.raises(KeyError, match="not given"):
+        t.document({"head": {"title": "T"}})
+    with pytest.raises(KeyError, match="not in the template"):
+        t.document({"head": {"title": "T"}, "notes": None, "typo": {}})
+    with pytest.raises(KeyError):
+        t.document({"head": {}, "notes": None})  # a placeholder without a value
+
+
+def test_md_table_and_fmt():
+    assert report.md_table(["a", "b"], [[1, None]]) == "| a | b |\n|---|---|\n| 1 | None |"
+    assert report.fmt(None) == "–" and report.fmt(1.23456) == "1.235" and report.fmt("x", "{:.2f}") == "x"
+
+
+@pytest.mark.parametrize("name, documents", [
+    ("megamoe_xstage_readme.md", {None: 14}),
+    ("multigpu_report.md", {"topology": 1, "calibration": 3, "fa4_a2a": 3, "megamoe": 1, "correctness": 1}),
+])
+def test_shipped_templates_parse(name, documents):
+    t = report.Templates(name)
+    for doc, n in documents.items():
+        prefix = "" if doc is None else doc + "."
+        assert sum(k.startswith(prefix) and "." not in k[len(prefix):] for k in t.sections) == n
