@@ -17,6 +17,7 @@ demo                ``scripts/run``'s main job (GPU: both kernels; CPU: planner 
 ceilings            copy bandwidth and dense bf16 rate of the GPU
 transients          X-Stage transients in the fluid simulator
 report              markdown templates (``templates/``) filled with tables and numbers
+sanitize            compute-sanitizer (memcheck, racecheck) over a small case of every shipped kernel
 
 Per library
 -----------
@@ -25,6 +26,7 @@ fa4_a2a             bench (Table 3), dit_block, trace (per-tile timelines), mult
                     multigpu_checks (step 4, fa4 half), demo
 megamoe             bench, graph_bench, w8a8_bench, sweep (X-Stage cells) and evaluation (its figures,
                     tables and README), trace (per-tile trace files and analyses), multigpu_ep (step 3),
-                    multigpu_checks (step 4, megamoe half), demo, diag (diagnostic kernel variants and
+                    multigpu_checks (step 4, megamoe half), demo, fuzz (seeded random problems against the
+                    references), diag (diagnostic kernel variants and
                     the ``scripts/diag/megamoe_*`` command lines)
 """

@@ -44,12 +44,14 @@ def _files_on_disk():
     return found
 
 
+TEMPLATES = "lab/templates/"  # report templates: their links are filled in where the report is written
+
+
 def markdown_files():
-    """The tracked *.md files (without git: every *.md outside hidden folders)."""
+    """The tracked *.md files but the report templates (without git: every *.md outside hidden folders)."""
     out = _git("ls-files", "-z", "--", "*.md") if _in_git_checkout() else None
-    if out is None:
-        return sorted(ROOT / f for f in _files_on_disk() if f.endswith(".md"))
-    return sorted(ROOT / f for f in out.split("\0") if f and (ROOT / f).is_file())
+    files = _files_on_disk() if out is None else [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+    return sorted(ROOT / f for f in files if f.endswith(".md") and not f.startswith(TEMPLATES))
 
 
 def _prose_lines(text):

@@ -192,17 +192,13 @@ def test_w8a8_reads_nothing_past_its_tensors_under_memcheck(tmp_path):
     63 rows past the pool (CTA 1 of an expert's last pair with no rows of its own), which faulted
     only when the caching allocator had put the scale scratch at the end of a mapped segment. With
     the allocator off every tensor is its own allocation and memcheck flags any such read, whatever
-    ran before: scripts/diag/sanitize.py's W8A8 case (the issue's P = 1 problem included) must be
+    ran before: lab.sanitize's W8A8 case (the issue's P = 1 problem included) must be
     clean and correct under it."""
-    import importlib.util
     import shutil
-    from pathlib import Path
+
+    from lab import sanitize
 
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer (CUDA toolkit) not found")
-    path = Path(__file__).resolve().parents[1] / "scripts" / "diag" / "sanitize.py"
-    spec = importlib.util.spec_from_file_location("xstage_sanitize", path)
-    sanitize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sanitize)
     errors, _, log = sanitize.sanitize("megamoe_w8a8_expert_wave", "memcheck", str(tmp_path), 600)
     assert errors == 0, open(log).read()[-4000:]

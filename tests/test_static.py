@@ -40,20 +40,6 @@ def test_code_cites_no_path_outside_the_repository():
     assert not bad, "\n".join(bad)
 
 
-# Import cycles among the library modules that are known, each as the set of modules of its strongly
-# connected component. (issue 40: being removed) test_no_import_cycles_among_the_libraries fails on
-# any other cycle (a component that is not a subset of one of these); each entry shows as an xfail
-# of test_known_import_cycle_is_gone until it is gone: then delete the entry, and once the set is
-# empty every cycle fails the test.
-KNOWN_IMPORT_CYCLES = (
-    # transform_weights / untransform_w1 live in api.py
-    frozenset({"megamoe_interleave.api", "megamoe_interleave.quant", "megamoe_interleave.reference",
-               "megamoe_interleave.torch_backend"}),
-    # sm90_fp8 imports swiglu_tanh back from sm90_mainloop
-    frozenset({"megamoe_interleave.sm90_mainloop", "megamoe_interleave.sm90_fp8"}),
-)
-
-
 def library_import_graph() -> dict:
     """module -> the modules of the packages in LIBRARIES and of lab that it imports, from the source
     with ast: module-level and function-local imports, relative ones resolved. ``from P import N``
@@ -159,17 +145,7 @@ def test_libraries_do_not_import_lab():
 
 def test_no_import_cycles_among_the_libraries():
     cycles = import_cycles(library_import_graph())
-    new = [path for component, path in cycles if not any(component <= known for known in KNOWN_IMPORT_CYCLES)]
-    assert not new, "import cycles:\n" + "\n".join(new)
-
-
-@pytest.mark.parametrize("known", KNOWN_IMPORT_CYCLES, ids=lambda c: "+".join(sorted(m.rpartition(".")[2] for m in c)))
-def test_known_import_cycle_is_gone(known):
-    """xfail while the cycle is there (issue 40: being removed); passes once it is gone: then delete
-    it from KNOWN_IMPORT_CYCLES."""
-    remaining = [path for component, path in import_cycles(library_import_graph()) if component <= known]
-    if remaining:
-        pytest.xfail("issue 40: being removed: " + "; ".join(remaining))
+    assert not cycles, "import cycles:\n" + "\n".join(path for _, path in cycles)
 
 
 def test_import_graph_sees_relative_function_local_and_lab_imports(tmp_path, monkeypatch):

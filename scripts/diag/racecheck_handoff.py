@@ -9,7 +9,6 @@ does not depend on them (results/h200/sanitizers/README.md).
 shipped: as the kernel is (epilogue warps arrive on EMPTY and wait on FULL, consumers the reverse);
 epilogue_sync: the epilogue warps wait on EMPTY too; all_sync: and the consumers wait on FULL.
 """
-import os
 import runpy
 import sys
 
@@ -27,4 +26,4 @@ if variant != "shipped":
         return arrive(barrier_id=barrier_id, number_of_threads=number_of_threads, **kw)
     cute.arch.barrier_arrive = two_sided
 sys.argv = ["sanitize.py", "--case", case]
-runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sanitize.py"), run_name="__main__")
+runpy.run_module("lab.sanitize", run_name="__main__")

@@ -55,10 +55,10 @@ class NoDispatchCopy(MegaMoESm90):
 class NoDispatchCopyMoE(MegaMoE):
     """A MegaMoE whose fused kernel is :class:`NoDispatchCopy` (same config, same launch)."""
 
-    def _kernel(self):
+    def _kernel(self, config=None):
         from xstage.cute_compile import cached, compile_hopper
 
-        key = ("NoDispatchCopy", self.hidden, self.intermediate, self.config.kernel_key())
+        key = ("NoDispatchCopy", self.hidden, self.intermediate, (config or self.config).kernel_key())
         return cached(key, lambda: compile_hopper(NoDispatchCopy(self.hidden, self.intermediate, key[-1]),
                                                   *fake_launch_arguments(self.hidden, self.intermediate)).fn)
 
