@@ -172,6 +172,8 @@ def _read_profile_file(path: Path) -> str:
 def load(name_or_path: str | Path) -> Platform:
     """Load a shipped profile by name, or a profile JSON file by path."""
     s = str(name_or_path)
+    if not s.strip():  # Path("") is the current directory: say what is wrong instead
+        raise ProfileError(f"empty platform name; shipped profiles: {', '.join(available())}")
     path = Path(s)
     if s.endswith(".json") or path.exists() or "/" in s:
         text, where = _read_profile_file(path), str(path)
