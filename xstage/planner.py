@@ -50,9 +50,9 @@ def _check_out_bytes(out_bytes: int, row_elems: int, row_name: str) -> None:
                          f" of the {STORE_BYTES}-byte stores")
 
 
-# Sanity limits on a planned shape. Sizes and element offsets are 32-bit in the kernels (CuTe
-# DSL Int32 shapes; MegaMoE indexes its rows in int32), and no single tensor of a real layer
-# comes near 1 TiB (an H200 holds 141 GB): past either, the input is a typo, not a layer.
+# Sanity limits on a planned shape. The kernels take sizes as 32-bit integers (CuTe DSL Int32
+# dynamic shapes; MegaMoE also indexes its dispatched rows in int32), and no single tensor of a
+# real layer comes near 1 TiB (an H200 holds 141 GB): past either, the input is a typo, not a layer.
 INT32_MAX = 2**31 - 1
 MAX_TENSOR_BYTES = 2**40
 # Tile granularity of a Hopper WGMMA (m64nNk16 for 16-bit inputs): an output tile's rows are a
