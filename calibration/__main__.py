@@ -4,6 +4,8 @@
     python -m calibration fit --dir results/h200/calibration [--profile xstage/profiles/h200-pcie-host.json]
     python -m calibration report --dir results/h200/calibration
     python -m calibration all --target host local --out DIR --profile FILE          # run + fit + report
+    python -m calibration sigma --bench results/h200/fa4_a2a/bench_loopback_stabilized.json \
+        [--profile xstage/profiles/h200-pcie-host.json ...]   # FA Q-loop slope (CPU), into the profiles
 
 ``run --quick`` shrinks the grids (smoke test).  ``--target peer`` needs
 torchrun with >= 2 GPUs (torch symmetric memory).  ``run`` and ``all`` check
@@ -41,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-name", default="h200-pcie-host")
     p = sub.add_parser("report", help="figures + markdown report from a fitted directory")
     p.add_argument("--dir", type=Path, required=True)
+    p = sub.add_parser("sigma", help="fit the FlashAttention Q-loop slope sigma from a fa4_a2a bench JSON (CPU)")
+    p.add_argument("--bench", type=Path, required=True, help="scripts/bench_fa_a2a.py output, clock-stabilised")
+    p.add_argument("--profile", type=Path, nargs="*", default=[], help="write sigma into these profile JSONs")
+    p.add_argument("--note", default="", help="a sentence to append to the profiles' sigma note")
     return ap
 
 
@@ -62,6 +68,17 @@ def main(argv=None) -> int:
     from .runner import NoGPUError
 
     try:
+        if args.cmd == "sigma":
+            from .qloop import fit_bench_file, write_sigma
+
+            fit = fit_bench_file(args.bench)
+            print(f"sigma = {fit.sigma_s * 1e6:.4f} +- {fit.sigma_err_s * 1e6:.4f} us per KV tile, fixed component "
+                  f"{fit.fixed_s * 1e6:.2f} us ({fit.n} rows, d = {fit.head_dim} {fit.dtype}, "
+                  + (f"{fit.clock_mhz:.0f} MHz)" if fit.clock_mhz else "clocks NOT matched)"))
+            for prof in args.profile:
+                write_sigma(prof, fit, args.note)
+                print(f"wrote sigma into {prof}")
+            return 0
         if args.cmd in ("run", "all"):
             from .runner import run_targets
 

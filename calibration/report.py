@@ -117,6 +117,7 @@ def fit_directory(run_dir: Path, *, profile_out: Optional[Path] = None, profile_
         (run_dir / f"profile-{target}.json").write_text(json.dumps(prof, indent=2) + "\n")
         if target == "host" and profile_out is not None:
             Path(profile_out).parent.mkdir(parents=True, exist_ok=True)
+            prof = _keep_unfitted(prof, Path(profile_out))
             Path(profile_out).write_text(json.dumps(prof, indent=2) + "\n")
     (run_dir / "fit.json").write_text(json.dumps(fitmod._jsonable(out), indent=2) + "\n")
     if val_rows:
@@ -129,6 +130,31 @@ def fit_directory(run_dir: Path, *, profile_out: Optional[Path] = None, profile_
             for r in val_rows:
                 w.writerow({k: r.get(k) for k in keys})
     return out
+
+
+# Profile keys measured elsewhere than in this calibration (sigma: calibration.qloop from the FA
+# bench; dense_tflops: scripts/measure_ceilings.py): a refit keeps them, with their notes.
+UNFITTED_KEYS = ("sigma_us_per_kv_tile", "dense_tflops")
+_UNFITTED_NOTES = {"sigma_us_per_kv_tile": "sigma", "dense_tflops": "dense_tflops"}
+_UNFITTED_ERRORS = {"sigma_us_per_kv_tile": "sigma_err_us"}
+
+
+def _keep_unfitted(prof: dict, old_path: Path) -> dict:
+    """``prof`` with the UNFITTED_KEYS (and their notes and errors) of the profile it replaces."""
+    try:
+        old = json.loads(old_path.read_text())
+    except (OSError, ValueError):
+        return prof
+    for key in UNFITTED_KEYS:
+        if key in old:
+            prof[key] = old[key]
+            note = (old.get("notes") or {}).get(_UNFITTED_NOTES[key])
+            if note is not None:
+                prof.setdefault("notes", {})[_UNFITTED_NOTES[key]] = note
+            err = (old.get("uncertainty") or {}).get(_UNFITTED_ERRORS.get(key, ""))
+            if err is not None:
+                prof.setdefault("uncertainty", {})[_UNFITTED_ERRORS[key]] = err
+    return prof
 
 
 def _read_validation(run_dir: Path) -> List[dict]:

@@ -124,6 +124,22 @@ class MegaMoE:
     def __init__(self, world, num_experts: int, hidden: int, intermediate: int, topk: int,
                  max_tokens_per_rank: int, config: Optional[MegaMoEConfig] = None, *, backend: Optional[str] = None,
                  num_sms: Optional[int] = None, poison_combine: bool = True):
+        # Misuse of the constructor fails here, with what was passed, before anything is resolved or allocated.
+        from xstage.world import World
+
+        if not isinstance(world, World):
+            raise TypeError(f"world must be an xstage World (make_world('loopback' | 'host' | 'torch-symm' | 'nvshmem',"
+                            f" world_size=P)), got {type(world).__name__} {world!r:.80}")
+        for name, v in (("num_experts", num_experts), ("hidden", hidden), ("intermediate", intermediate),
+                        ("topk", topk), ("max_tokens_per_rank", max_tokens_per_rank), ("num_sms", num_sms)):
+            if (v is not None or name != "num_sms") and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r:.80}")
+        if config is not None and not isinstance(config, MegaMoEConfig):
+            raise TypeError(f"config must be a MegaMoEConfig or None, got {type(config).__name__} {config!r:.80}"
+                            + ("; backend is a keyword of MegaMoE itself: MegaMoE(..., backend=...)"
+                               if isinstance(config, str) else ""))
+        if num_sms is not None and num_sms <= 0:
+            raise ValueError(f"num_sms must be positive, got {num_sms}")
         P = world.world_size
         if min(num_experts, hidden, intermediate, topk, max_tokens_per_rank) <= 0:
             raise ValueError("num_experts, hidden, intermediate, topk and max_tokens_per_rank must be positive")

@@ -2,7 +2,9 @@
 # dependencies, installing them into ./.venv on first use.
 #
 # * On a GPU host prepared with the offline wheel bundle (docs/gpu.md), the
-#   system python3 + /tmp/xstage-gpu-env.sh are used as they are (no registry).
+#   system python3 + /tmp/xstage-gpu-env.sh are used as they are (no registry),
+#   and one line on stderr says so. XSTAGE_SYSTEM_PYTHON=1 asks for that mode
+#   anywhere; XSTAGE_SYSTEM_PYTHON=0 uses ./.venv even where the file exists.
 # * Elsewhere a local venv is created. On the CPU machines torch==2.13.0 (a CPU
 #   build on disk) is installed first so the `torch>=2.9` requirement does not
 #   pull a multi-GB CUDA build. XSTAGE_TORCH overrides that pin.
@@ -14,8 +16,15 @@ export FLASH_ATTENTION_ARCH=${FLASH_ATTENTION_ARCH:-sm_90}
 export FLASH_ATTENTION_NUM_SMS=${FLASH_ATTENTION_NUM_SMS:-132}
 export PYTHONUNBUFFERED=1
 
-if [ -f /tmp/xstage-gpu-env.sh ] || [ "${XSTAGE_SYSTEM_PYTHON:-0}" = 1 ]; then
-  [ -f /tmp/xstage-gpu-env.sh ] && source /tmp/xstage-gpu-env.sh
+gpu_env=${XSTAGE_GPU_ENV:-/tmp/xstage-gpu-env.sh}  # XSTAGE_GPU_ENV: another path (tests)
+use_system=${XSTAGE_SYSTEM_PYTHON:-}
+if [ -z "$use_system" ] && [ -f "$gpu_env" ]; then
+  # the offline GPU-host workflow (docs/gpu.md) has no registry for a venv: keep it, but say so
+  echo "[xstage] using system python3 + $gpu_env (GPU host bundle); set XSTAGE_SYSTEM_PYTHON=0 to use ./.venv" >&2
+  use_system=1
+fi
+if [ "$use_system" = 1 ]; then
+  if [ -f "$gpu_env" ]; then source "$gpu_env"; fi
   PY=python3
   export PYTHONPATH="$XSTAGE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
 else

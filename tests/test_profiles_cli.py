@@ -90,23 +90,29 @@ def _cli(capsys, *argv):
 
 
 def test_cli_plan_fa_a2a_paper_example(capsys):
+    """Section 4.3's worst aligned case, K = 148: a shape with at least 148 output tiles per rank
+    (24 heads over P = 8: 3 x 64 = 192 tiles at 8K)."""
     rc, out, _ = _cli(capsys, "plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "8192",
-                      "--heads", "8", "--head-dim", "128", "--world", "8", "--json")
+                      "--heads", "24", "--head-dim", "128", "--world", "8", "--json")
     assert rc == 0
     d = json.loads(out)
+    assert d["producers"] == 148 and d["tiles_per_rank"] == 192 and d["burst_waves"] == 2
     assert 5.8e-6 <= d["recovery_gap_s"] <= 6.2e-6
-    assert d["verdict"] == "piggyback"
+    assert d["verdict"] == "piggyback" and d["rate_bound"] == "holds"
     assert 900 < d["m_star_ub"] < 1100
     rc, text, _ = _cli(capsys, "plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "8192",
-                       "--heads", "8", "--head-dim", "128", "--world", "8")
+                       "--heads", "24", "--head-dim", "128", "--world", "8")
     assert rc == 0 and "G* (eq. 5)" in text and "6.004 us" in text and "piggyback" in text
 
 
 def test_cli_plan_fa_a2a_short_sequence_reshapes(capsys):
+    """M = 512 with 160 output tiles per rank (batch 40): two burst waves, and a 4-KV-tile Q-loop
+    (3.2 us) cannot drain a 148-tile burst (G* = 6 us): the rate bound fails."""
     rc, out, _ = _cli(capsys, "plan", "fa-a2a", "--platform", "paper-b200-nvlink", "--seq", "512",
-                      "--heads", "8", "--head-dim", "128", "--world", "8", "--json")
+                      "--heads", "8", "--head-dim", "128", "--world", "8", "--batch", "40", "--json")
     d = json.loads(out)
     assert rc == 0 and d["verdict"] == "reshape" and d["rate_ok"] is False
+    assert (d["tiles_per_rank"], d["producers"], d["burst_waves"]) == (160, 148, 2)
 
 
 def test_cli_plan_megamoe(capsys):

@@ -8,13 +8,17 @@
 
 Bad arguments print one line ``xstage: error: ...`` and exit with code 2.
 Every numeric flag is checked here, before the model runs, and errors name
-the flag and the value as given (in the flag's unit).
+the flag and the value as given (in the flag's unit): positive, within the
+int32 range of the kernels' sizes, tile sizes on the Hopper MMA grid, and no
+tensor of the planned layer over 1 TiB (planner.MAX_TENSOR_BYTES).
 
 If stdout is closed early (``xstage profiles | head -1``) the command stops
 quietly with exit code 141 (128 + SIGPIPE, what a Unix tool killed by SIGPIPE
 reports), without a traceback; under ``set -o pipefail`` that status shows
 that the output was cut short.  (``--help`` and ``--version`` still exit 0:
-argparse drops their failed write itself.)
+argparse drops their failed write itself.)  Any other failed write (a full
+disk, ``> /dev/full``, a stdout closed before the start, ``>&-``) prints one
+``xstage: error: ...`` line and exits with code 1.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+EXIT_WRITE_ERROR = 1
 
 # --out-bytes: bytes per output element (fp8, bf16/fp16, fp32), and the 16-byte remote
 # stores (st.global.v4.b32) an output tile row must be a whole number of.
@@ -85,31 +90,53 @@ def _fmt_fa(p: planner.FAPlan) -> str:
         ("platform", p.platform),
         ("shape", f"M={p.seq_len} H={p.heads} d={p.head_dim} P={p.world} B={p.batch} (H/P={p.local_heads} heads per rank)"),
         ("tile", f"b_m={p.tile_m} b_n={p.tile_n}, {p.out_bytes}-byte outputs"),
-        ("producers K", f"{p.producers} (aligned worst case)"),
-        ("output tiles per rank", f"{p.tiles_per_rank} in {p.burst_waves} burst wave(s)"),
-        ("burst volume V", f"{_mib(p.volume_bytes)} ({p.volume_bytes} B)"),
+        ("producers K", _producers(p.producers, p.producer_limit, p.tiles_per_rank, "output tiles")),
+        ("output tiles per rank", f"{p.tiles_per_rank} in {_waves(p.burst_waves, p.tiles_per_rank, p.producer_limit)}"),
+        ("burst volume V", f"{_mib(p.volume_bytes)} ({p.volume_bytes} B = K x {p.volume_bytes // p.producers} B)"),
         ("T_iss0", _us(p.t_iss0_s)),
         ("G* (eq. 5)", _us(p.recovery_gap_s)),
         ("V - R*T_iss0 (eq. 6)", f"{_mib(p.peak_outstanding_bytes)} vs Q {_mib(p.capacity_bytes)}"
                                  f" -> {'holds' if p.capacity_ok else 'FAILS'}"),
-        ("sigma", _us(p.sigma_s) + " per KV tile" if p.sigma_s else "n/a"),
-        ("G_Qloop(M) >= sigma*M/b_n", _us(p.qloop_gap_s)),
-        ("M*_ub (eq. 20)", "n/a" if p.m_star_ub is None else f"{p.m_star_ub:.0f} tokens"),
-        ("predicted dt(M) (eq. 18)", _us(p.drain_stall_s)),
-        ("predicted E_drain(M)", _us(p.drain_residual_s)),
-        ("verdict", p.verdict),
     ]
+    no_sigma = f"not evaluated: {p.sigma_source}; give --sigma-us"
+    sigma_rows = [
+        ("sigma", no_sigma if p.sigma_s is None else f"{_us(p.sigma_s)} per KV tile ({p.sigma_source})"),
+        ("G_Qloop(M) >= sigma*M/b_n", "not evaluated (no sigma)" if p.qloop_gap_s is None else _us(p.qloop_gap_s)),
+        ("M*_ub (eq. 20)", "not evaluated (no sigma)" if p.m_star_ub is None else f"{p.m_star_ub:.0f} tokens"),
+    ]
+    if p.burst_waves == 1:  # one burst into an empty X-Stage: eq. 7, no eq. 18
+        stall_rows = [("rate bound (eq. 10)", p.rate_bound),
+                      ("predicted stall (eq. 7)", _us(p.drain_stall_s))]
+    else:
+        stall_rows = [("rate bound (eq. 10)", p.rate_bound),
+                      ("predicted dt(M) (eq. 18)", "not evaluated (no sigma)" if p.drain_stall_s is None
+                       else _us(p.drain_stall_s)),
+                      ("predicted E_drain(M)", "not evaluated (no sigma)" if p.drain_residual_s is None
+                       else _us(p.drain_residual_s))]
+    rows += sigma_rows + stall_rows + [("verdict", p.verdict)]
     return _table(rows, "FA-A2A design test") + "\n" + "\n".join(f"  - {r}" for r in p.reasons)
 
 
+def _producers(k: int, limit: int, tiles: int, what: str) -> str:
+    if k < limit:
+        return f"{k} (aligned worst case: every one of the {what} that exist, fewer than the {limit} producer CTAs)"
+    return f"{k} (aligned worst case)"
+
+
+def _waves(waves: int, tiles: int, limit: int) -> str:
+    if tiles < limit:
+        return "1 partial burst wave"
+    return f"{waves} burst wave{'s' if waves > 1 else ''}"
+
+
 def _fmt_moe(p: planner.MoEPlan) -> str:
-    choice = planner.schedule_choice_of(p)
     rows = [
         ("platform", p.platform),
         ("shape", f"hidden={p.hidden} inter={p.intermediate} experts={p.experts} top-k={p.topk}"),
         ("tokens", f"{p.tokens_per_rank} per rank, P={p.world}, ~{p.rows_per_expert:.1f} rows per expert"),
         ("tiles", f"b_m={p.block_m} b_n={p.block_n}; per row n1={p.n1} L1, n2={p.n2} L2"),
-        ("producers K", f"{p.producers} (aligned worst case)"),
+        ("producers K", _producers(p.producers, p.producer_limit, p.l2_tiles, "Linear-2 tiles")),
+        ("Linear-2 tiles per rank", f"{p.l2_tiles} in {_waves(p.burst_waves, p.l2_tiles, p.producer_limit)}"),
         ("burst volume V", f"{_mib(p.volume_bytes)} (V_t = {p.tile_volume_bytes} B)"),
         ("T_iss0", _us(p.t_iss0_s)),
         ("T_L1^mma / T_L2^mma", f"{_us(p.t_l1_mma_s)} / {_us(p.t_l2_mma_s)} ({p.mma_source})"),
@@ -126,7 +153,8 @@ def _fmt_moe(p: planner.MoEPlan) -> str:
          f"{_us(p.kernel_wave_s)} / {_us(p.kernel_interleaved_s)} "
          f"({p.kernel_wave_s / p.kernel_interleaved_s:.2f}x; eq. 11 over the kernel)"),
         ("verdict", p.verdict),
-        ("schedule=\"auto\" picks", f"{choice.schedule} (balanced routing, 4 expert waves: {choice.reason})"),
+        ("schedule=\"auto\" picks", f"{p.schedule} (balanced routing, {p.expert_waves} expert waves:"
+                                   f" {p.schedule_reason})"),
     ]
     return _table(rows, "MegaMoE design test") + "\n" + "\n".join(f"  - {r}" for r in p.reasons)
 
@@ -218,6 +246,8 @@ def _check_numbers(args) -> None:
         if kind == "int":
             if v <= 0:
                 _fail(f"{flag} must be a positive integer, got {v}")
+            if v > planner.INT32_MAX:
+                _fail(f"{flag} {v} is past the int32 range of the kernels' sizes (max {planner.INT32_MAX})")
         elif not math.isfinite(v):
             _fail(f"{flag} must be a finite number, got {v:g}")
         elif v <= 0:
@@ -233,19 +263,41 @@ def _check_out_bytes(out_bytes: int, width: int, width_flag: str) -> None:
               f" not a multiple of the kernels' {STORE_BYTES}-byte stores")
 
 
+def _check_tile(flag: str, v: int, multiple: int, what: str) -> None:
+    if v % multiple:
+        _fail(f"{flag} {v} is not a multiple of {multiple} ({what})")
+
+
+_MMA_ROWS = f"the rows of one Hopper WGMMA, m{planner.MMA_M}nNk{planner.MMA_K}"
+_MMA_K = f"the k step of a 16-bit Hopper WGMMA, m{planner.MMA_M}nNk{planner.MMA_K}"
+
+
+def _check_tensor_sizes(tensors: dict) -> None:
+    for what, nbytes in tensors.items():
+        if nbytes > planner.MAX_TENSOR_BYTES:
+            _fail(f"this shape gives {what} of {nbytes / 2**40:.3g} TiB, over the"
+                  f" {planner.MAX_TENSOR_BYTES // 2**40} TiB sanity limit for one tensor (an H200 has 141 GB)")
+
+
 def _check_plan(args):
     """Check a plan command's flags, then load its platform (errors name the flags)."""
     _check_numbers(args)
     if args.kernel == "fa-a2a":
         _check_out_bytes(args.out_bytes, args.head_dim, "--head-dim")
+        _check_tile("--tile-m", args.tile_m, planner.MMA_M, _MMA_ROWS)
+        _check_tile("--tile-n", args.tile_n, planner.MMA_K, _MMA_K + ": the KV tile is the reduction of P x V")
         if args.heads % args.world:
             _fail(f"--heads {args.heads} is not divisible by --world {args.world}"
                   " (Ulysses splits the heads across ranks)")
         if args.seq % args.world:
             _fail(f"--seq {args.seq} is not divisible by --world {args.world}"
                   " (Ulysses splits the sequence across ranks)")
+        _check_tensor_sizes(planner.fa_tensor_bytes(seq_len=args.seq, heads=args.heads, head_dim=args.head_dim,
+                                                    world=args.world, batch=args.batch, out_bytes=args.out_bytes))
     else:
         _check_out_bytes(args.out_bytes, args.block_n, "--block-n")
+        _check_tile("--block-m", args.block_m, planner.MMA_M, _MMA_ROWS)
+        _check_tile("--block-n", args.block_n, planner.MMA_K, _MMA_K)
         if args.experts % args.world:
             _fail(f"--experts {args.experts} is not divisible by --world {args.world} (expert parallelism)")
         if args.topk > args.experts:
@@ -255,6 +307,9 @@ def _check_plan(args):
                   " (Linear-1 tiles)")
         if args.hidden % args.block_n:
             _fail(f"--hidden {args.hidden} is not a multiple of --block-n {args.block_n} (Linear-2 tiles)")
+        _check_tensor_sizes(planner.moe_tensor_bytes(hidden=args.hidden, intermediate=args.intermediate,
+                                                     experts=args.experts, topk=args.topk, tokens=args.tokens,
+                                                     world=args.world, out_bytes=args.out_bytes))
     platform = profiles.load(args.platform)
     if args.producers is not None and args.producers > platform.num_sms:
         _fail(f"--producers {args.producers} exceeds the {platform.num_sms} SMs of platform {platform.name!r}"
@@ -294,6 +349,15 @@ def _run(args) -> str:
     return json.dumps(p.as_dict(), indent=2) if args.json else _fmt_moe(p)
 
 
+def _error(msg: str) -> None:
+    """One ``xstage: error:`` line on stderr, if there is a stderr to write to."""
+    if sys.stderr is not None:
+        try:
+            print(f"xstage: error: {msg}", file=sys.stderr, flush=True)
+        except OSError:
+            pass
+
+
 def _main(argv) -> int:
     try:
         args = _build_parser().parse_args(argv)
@@ -301,7 +365,7 @@ def _main(argv) -> int:
     except SystemExit as e:  # --help / --version printed their text
         return e.code if isinstance(e.code, int) else 0
     except (_UsageError, ValueError) as e:  # ProfileError is a ValueError
-        print(f"xstage: error: {e}", file=sys.stderr)
+        _error(str(e))
         return 2
     return 0
 
@@ -317,13 +381,20 @@ def _stdout_to_devnull() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with fd 1 closed (xstage ... >&-): nowhere to print to
+        _error("cannot write the output: stdout is closed")
+        return EXIT_WRITE_ERROR
     try:
         rc = _main(argv)
-        sys.stdout.flush()  # a closed pipe must show up here, not at interpreter exit
+        sys.stdout.flush()  # a failed write must show up here, not at interpreter exit
         return rc
     except BrokenPipeError:  # reader went away (xstage ... | head): stop quietly
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+    except OSError as e:  # ENOSPC (> /dev/full), EBADF, EIO: the output is lost, say so
+        _stdout_to_devnull()
+        _error(f"cannot write the output: {e.strerror or e}")
+        return EXIT_WRITE_ERROR
 
 
 if __name__ == "__main__":

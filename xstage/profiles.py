@@ -13,7 +13,8 @@ Schema ``xstage-platform/1`` (units are in the key names)::
           | {"K": [..], "V_bytes": [..], "us": [[..per V..] per K]},
       "Q_bytes": 4456448                         # required: number, or
           | {"132": 1.2e6, "66": 0.9e6},         #   a map from K to bytes
-      "sigma_us_per_kv_tile": 0.79,              # optional (FA Q-loop slope)
+      "sigma_us_per_kv_tile": 0.79,              # optional (FA Q-loop slope, b_m = b_n = d = 128;
+                                                 #   calibration.qloop fits it from the FA bench)
       "dense_tflops": 790,                       # optional (bf16 dense rate)
       "uncertainty": {...}, "provenance": {...}, "notes": {...}   # optional
     }
@@ -172,6 +173,8 @@ def _read_profile_file(path: Path) -> str:
 def load(name_or_path: str | Path) -> Platform:
     """Load a shipped profile by name, or a profile JSON file by path."""
     s = str(name_or_path)
+    if not s.strip():  # Path("") is the current directory: say what is wrong instead
+        raise ProfileError(f"empty platform name; shipped profiles: {', '.join(available())}")
     path = Path(s)
     if s.endswith(".json") or path.exists() or "/" in s:
         text, where = _read_profile_file(path), str(path)
