@@ -179,23 +179,32 @@ def _check_row_metadata_handoff(ptx, empty, full):
     the consumers' code (after setmaxnreg.inc) every scalar shared load (the routing weights)
     runs between a wait on EMPTY and the next arrive on FULL. Returns (epilogue stores, consumer
     loads) checked."""
+    aux, consumers = _role_regions(ptx)
+    stores = _count_in_window(aux, rf"bar\.arrive\s+{empty},", rf"bar\.sync\s+{full},", r"\bst\.shared\.(b32|b64|u64|f32)\b",
+                              inside=False, what="shared store after publishing the metadata")
+    loads = _count_in_window(consumers, rf"bar\.sync\s+{empty},", rf"bar\.arrive\s+{full},", r"\bld\.shared\.(b32|f32)\b",
+                             inside=True, what="shared load outside the EMPTY..FULL window")
+    return stores, loads
+
+
+def _role_regions(ptx):
+    """(the aux warpgroup's code between the two setmaxnreg, the consumers' code after setmaxnreg.inc)."""
     lines = ptx.splitlines()
     dec = next(i for i, ln in enumerate(lines) if "setmaxnreg.dec" in ln)
     inc = next(i for i, ln in enumerate(lines) if "setmaxnreg.inc" in ln)
-    stores = loads = 0
-    epilogue = lines[dec:inc]
-    published = window_states(epilogue, rf"bar\.arrive\s+{empty},", rf"bar\.sync\s+{full},", must=False)
-    for ln, pub in zip(epilogue, published):
-        if re.search(r"\bst\.shared\.(b32|b64|u64|f32)\b", ln):
-            assert not pub, f"shared store after publishing the metadata: {ln.strip()}"
-            stores += 1
-    consumers = lines[inc:]
-    inside = window_states(consumers, rf"bar\.sync\s+{empty},", rf"bar\.arrive\s+{full},", must=True)
-    for ln, ok in zip(consumers, inside):
-        if re.search(r"\bld\.shared\.(b32|f32)\b", ln):
-            assert ok, f"shared load outside the EMPTY..FULL window: {ln.strip()}"
-            loads += 1
-    return stores, loads
+    return lines[dec:inc], lines[inc:]
+
+
+def _count_in_window(lines, opens, closes, pattern, *, inside, what):
+    """The lines matching ``pattern``, each asserted inside (on every path) or outside (on every
+    path) the window from ``opens`` to ``closes`` (ptx_utils.window_states); returns their count."""
+    states = window_states(lines, opens, closes, must=inside)
+    count = 0
+    for ln, state in zip(lines, states):
+        if re.search(pattern, ln):
+            assert state == inside, f"{what}: {ln.strip()}"
+            count += 1
+    return count
 
 
 @pytest.mark.compile
@@ -558,22 +567,13 @@ def _check_staging_handoff_w8a8(ptx, empty, full):
     tile: every consumer shared store runs between a wait on EMPTY and the next arrive on FULL,
     and every epilogue-side shared load between a wait on FULL and the next arrive on EMPTY
     (racecheck reports these pairs, results/h200/sanitizers/README.md). Returns (stores, loads)."""
-    lines = ptx.splitlines()
-    dec = next(i for i, ln in enumerate(lines) if "setmaxnreg.dec" in ln)
-    inc = next(i for i, ln in enumerate(lines) if "setmaxnreg.inc" in ln)
-    stores = loads = 0
-    consumers = lines[inc:]
-    inside = window_states(consumers, rf"bar\.sync\s+{empty},", rf"bar\.arrive\s+{full},", must=True)
-    for ln, ok in zip(consumers, inside):
-        if re.search(r"\bst\.shared\.(b16|b32|f32)\b", ln):
-            assert ok, f"consumer shared store outside the EMPTY..FULL window: {ln.strip()}"
-            stores += 1
-    aux = lines[dec:inc]
-    staged = window_states(aux, rf"bar\.sync\s+{full},", rf"bar\.arrive\s+{empty},", must=True)
-    for ln, ok in zip(aux, staged):
-        if re.search(r"\bld\.shared\.(v4\.)?(b32|f32|u32)\b", ln):
-            assert ok, f"epilogue shared load outside the FULL..EMPTY window: {ln.strip()}"
-            loads += 1
+    aux, consumers = _role_regions(ptx)
+    stores = _count_in_window(consumers, rf"bar\.sync\s+{empty},", rf"bar\.arrive\s+{full},",
+                              r"\bst\.shared\.(b16|b32|f32)\b", inside=True,
+                              what="consumer shared store outside the EMPTY..FULL window")
+    loads = _count_in_window(aux, rf"bar\.sync\s+{full},", rf"bar\.arrive\s+{empty},",
+                             r"\bld\.shared\.(v4\.)?(b32|f32|u32)\b", inside=True,
+                             what="epilogue shared load outside the FULL..EMPTY window")
     return stores, loads
 
 
