@@ -4,7 +4,8 @@
 
 Modules
 -------
-api             ``MegaMoE`` (the layer), ``MegaMoEBuffer``
+api             ``MegaMoE`` (the layer)
+workspace       ``MegaMoEBuffer`` (the symmetric buffers) and the counter words' layout
 weights         ``transform_weights``: the kernel's gate/up interleaved w1 layout
 config          ``MegaMoEConfig`` and its tuned defaults (``resolve``), tile and trace constants
 kernel          the fused kernel of a precision (``kernel_class``, ``compile_megamoe_sm90``)

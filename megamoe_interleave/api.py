@@ -43,55 +43,11 @@ from .config import AUTO, BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, che
 from .device_plan import DevicePlan, plan_all_ranks, plan_sizes
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
 from .weights import transform_weights, untransform_w1  # noqa: F401  (re-exported: the layout is part of the API)
+from .workspace import COUNTER_BARRIER, COUNTER_ERROR, MegaMoEBuffer, counter_words
 from .shapes import MoEShape
 from xstage.world import make_world, single_process  # noqa: F401  (make_world: re-export for callers)
 
 BACKENDS = ("torch", "fused")
-
-
-class MegaMoEBuffer:
-    """Symmetric per-rank buffers, sized from ``max_tokens_per_rank``.
-
-    ``x`` [T, H] bf16, ``topk_idx`` [T, k] int64, ``topk_weights`` [T, k] f32 (inputs, read
-    remotely by Dispatch), ``combine`` [k, T, H] bf16 (written remotely by Combine),
-    ``precision="w8a8"``: ``x`` [T, H] E4M3 and ``x_scales`` [T, H/128] f32 (read by Dispatch too;
-    None otherwise), ``combine`` still bf16;
-    ``counters[r]`` int32 workspace of rank r (kernel: error word, grid-barrier counter,
-    per-row L1->L2 and Dispatch readiness counters; row counters are reset in-kernel so repeated calls
-    need no host memset). Only rank r's own kernel touches it, so it is plain device memory,
-    not symmetric (in the ``host`` world the symmetric buffers live in pinned host memory,
-    where the counters' atomics would cross PCIe)."""
-
-    def __init__(self, world, *, hidden: int, topk: int, max_tokens_per_rank: int, num_counters: int = 1024,
-                 dtype=torch.bfloat16, precision: str = "bf16"):
-        if max_tokens_per_rank <= 0 or hidden <= 0 or topk <= 0:
-            raise ValueError("hidden, topk and max_tokens_per_rank must be positive")
-        if (hidden * torch.tensor([], dtype=dtype).element_size()) % 16:
-            raise ValueError(f"hidden*{dtype} row must be a multiple of 16 bytes (16-byte remote stores)")
-        self.world = world
-        self.hidden, self.topk, self.max_tokens = hidden, topk, max_tokens_per_rank
-        self.dtype = dtype
-        T = max_tokens_per_rank
-        w8a8 = precision == "w8a8"
-        self.x = world.alloc((T, hidden), quant.E4M3 if w8a8 else dtype)
-        self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if w8a8 else None
-        self.topk_idx = world.alloc((T, topk), torch.int64)
-        self.topk_weights = world.alloc((T, topk), torch.float32)
-        # The Combine stores' destinations: [k, T, H] slots (combine_slots) plus one padding row,
-        # where the reduction's masked picks point (reference.topk_reduce: never read).
-        self.combine = world.alloc((topk * T + 1, hidden), dtype, remote=True)
-        # One [local ranks, n] tensor, n padded to 16 bytes, so the device-side path touches every
-        # rank's error word / barrier counter with one op; counters[r] is rank r's row.
-        n = -(-num_counters // 4) * 4
-        self.counters_all = torch.zeros(len(world.local_ranks), n, dtype=torch.int32, device=world.device)
-        self.counters = {r: self.counters_all[i] for i, r in enumerate(world.local_ranks)}
-        self.num_tokens = [0] * world.world_size
-
-    def combine_slots(self, r: int) -> torch.Tensor:
-        """Rank ``r``'s Combine slots ``[k, T, H]``: ``[pick, token]`` receives that pick's weighted
-        expert output (the kernel's stores; ``max_tokens`` is the pick stride)."""
-        k, T = self.topk, self.max_tokens
-        return self.combine.local(r)[: k * T].view(k, T, self.hidden)
 
 
 class MegaMoE:
@@ -186,7 +142,7 @@ class MegaMoE:
                                experts_per_wave=c.experts_per_wave) for s, c in self._configs.items()}
         self.device_plan_sizes = sizes[config.schedule]
         self.buffer = MegaMoEBuffer(world, hidden=hidden, topk=topk, max_tokens_per_rank=max_tokens_per_rank,
-                                    num_counters=2 + 2 * max(z.max_rows for z in sizes.values()),
+                                    num_counters=counter_words(max(z.max_rows for z in sizes.values())),
                                     precision=self.config.precision)
         self.poison_combine = poison_combine
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
@@ -521,7 +477,7 @@ class MegaMoE:
         i32 = dict(dtype=torch.int32, device=dev)
         perm, grid = self.plan_rank(d)
         n_pool = perm.src_rank.numel()
-        if 2 + 2 * grid.num_rows > buf.counters[d].numel():
+        if counter_words(grid.num_rows) > buf.counters[d].numel():
             raise ValueError(f"{grid.num_rows} scheduler rows exceed the counter workspace")
         if n_pool == 0:  # keep every tensor non-empty
             pool_src = torch.zeros(1, 3, **i32)
@@ -600,7 +556,7 @@ class MegaMoE:
         # Single process: the reductions are stream-ordered after every rank's kernel, so they
         # are queued before the error read-back (no idle gap); on error their output is dropped.
         ys = [self.reduce_rank(r) for r in ranks] if single else None
-        errors = buf.counters_all[:, 0].tolist()  # the one post-launch sync (waits for kernels and reductions)
+        errors = buf.counters_all[:, COUNTER_ERROR].tolist()  # the one post-launch sync (waits for kernels and reductions)
         self.last_kernel_us = start.elapsed_time(end) * 1e3
         self._raise_device_errors(errors)
         if not single:
@@ -612,7 +568,7 @@ class MegaMoE:
         """The grid-barrier counter of every local rank to 0 before its launch, which then passes
         barrier_base 0: one small op per call, and nothing the host must remember between calls (a
         captured graph replays the same arguments)."""
-        self.buffer.counters_all[:, 1].zero_()
+        self.buffer.counters_all[:, COUNTER_BARRIER].zero_()
 
     def _raise_device_errors(self, errors: Sequence[int]) -> None:
         """DeviceError for the first non-zero error word of ``errors`` (one per local rank); the
@@ -629,7 +585,7 @@ class MegaMoE:
         replays): a timed-out wait in the kernel, an expert id out of range found by the device-side
         plan (:data:`xstage.device.ERR_ROUTING`). Reads every local rank's error word: one device
         sync, so call it outside the hot path (after a step, in a debug mode)."""
-        self._raise_device_errors(self.buffer.counters_all[:, 0].tolist())
+        self._raise_device_errors(self.buffer.counters_all[:, COUNTER_ERROR].tolist())
 
     # -- the device-side plan: no host sync, CUDA-graph capturable ----------------------
     def enqueue(self, x, topk_idx, topk_weights) -> List[torch.Tensor]:
@@ -698,7 +654,7 @@ class MegaMoE:
         if self.poison_combine:
             for r in self.world.local_ranks:
                 buf.combine_slots(r)[:, : buf.num_tokens[r]].fill_(float("nan"))
-        buf.counters_all[:, 0].bitwise_or_(code)
+        buf.counters_all[:, COUNTER_ERROR].bitwise_or_(code)
 
     def device_plans(self, idx_all: torch.Tensor, w_all: torch.Tensor, num_tokens: torch.Tensor) -> DevicePlan:
         """Every rank's device-side plan (:func:`~megamoe_interleave.device_plan.plan_all_ranks`)

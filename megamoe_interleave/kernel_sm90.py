@@ -20,10 +20,8 @@ row's L1 tiles through ``l2_full[row]`` release/acquire counters, an L1 tile for
 ``DeviceError`` instead of hanging. Deadlock freedom: :mod:`.scheduler` (the ring waits are
 between the roles of one cluster, which walk identical tile sequences).
 
-Counter words (``mCounters`` int32, per rank): ``[0]`` error word, ``[1]`` grid-barrier counter
-(monotonic; the host passes its value before the call as ``barrier_base``), ``[2 + row]``
-``l2_full``, ``[2 + num_rows + row]`` ``x_ready``; the row counters are zeroed at the end of each
-call. Not done in the kernel: the routing's prefix sums (host, :func:`.reference.permute_ranks`)
+Counter words (``mCounters`` int32, per rank): their layout is :mod:`.workspace`'s (error word,
+grid-barrier counter, ``l2_full[row]``, ``x_ready[row]``). Not done in the kernel: the routing's prefix sums (host, :func:`.reference.permute_ranks`)
 and the final top-k reduction (torch, after every rank's Combine).
 """
 from __future__ import annotations
@@ -45,6 +43,7 @@ from .config import BLOCK_K, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
+from . import workspace
 from .named_barrier import NamedBarrier
 from .sm90_mainloop import ConsumerMixin, ProducerMixin
 
@@ -146,9 +145,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         DISPATCH_WARP_UNROLL
     row_scale_words, amax_words = 1, 1  # shared words a precision's staging needs (bf16: placeholders)
     NamedBarrier = NamedBarrier
-    COUNTER_ERROR = 0
-    COUNTER_BARRIER = 1
-    COUNTER_L2_FULL = 2
+    COUNTER_ERROR = workspace.COUNTER_ERROR
+    COUNTER_BARRIER = workspace.COUNTER_BARRIER
+    COUNTER_L2_FULL = workspace.COUNTER_ROWS  # l2_full[row], then x_ready[row] (workspace.py)
     ERR_DEPENDENCY_TIMEOUT = ERR_DEPENDENCY_TIMEOUT
     ERR_RING_TIMEOUT = ERR_RING_TIMEOUT
 
