@@ -42,9 +42,9 @@ from . import quant, reference, torch_backend
 from .config import AUTO, BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, check_launch_arguments
 from .device_plan import DevicePlan, plan_all_ranks, plan_sizes
 from .scheduler import balanced_l2_start, make_row_grid, schedule_table
+from .shapes import MoEShape
 from .weights import transform_weights, untransform_w1  # noqa: F401  (re-exported: the layout is part of the API)
 from .workspace import COUNTER_BARRIER, COUNTER_ERROR, MegaMoEBuffer, counter_words
-from .shapes import MoEShape
 from xstage.world import make_world, single_process  # noqa: F401  (make_world: re-export for callers)
 
 BACKENDS = ("torch", "fused")
