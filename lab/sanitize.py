@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 CASES = ("calibration", "fa4_a2a", "fa4_a2a_copy", "megamoe_expert_wave", "megamoe_interleaved",
@@ -180,10 +181,12 @@ def run_megamoe_plan():
                                                                                             num_tokens, **kw)
         for name in ("counts", "n_pool", "pool_src", "pool_weight", "num_rows", "row_record", "schedule_table"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), f"plan kernel {name} differs"
+        print(f"plan kernel ({schedule}) equals the torch plan", flush=True)
     moe = megamoe_layer(PLAN_PROBLEM, "bf16", "interleaved", "cuda")
     moe.load_weights(w1, w2)
     ys = moe.enqueue(xs, idx, wts)
     moe.check()
+    print("enqueue (device plan + fused kernel) ran", flush=True)
     refs = reference_moe_fp32(xs, idx, wts, w1, w2)
     err = max((y.float() - r).abs().max().item() for y, r in zip(ys, refs))
     assert err < 0.05, f"megamoe enqueue: max error {err}"
@@ -225,10 +228,37 @@ def run_case(case):
         run_megamoe(*megamoe_precision_schedule(case))
 
 
-def sanitize(case, tool, log_dir, timeout_s):
-    """One case under one tool: (errors or None when the run failed, seconds, log path)."""
+HAZARD = re.compile(r"Potential (\w+) hazard")
+ACCESS = re.compile(r"(Write|Read) Thread .* at \S+?\+(0x[0-9a-f]+)(?: in (\S+))?")
+KEEP_LINES = 400  # of the sanitizer's output, in the log; the rest is summarised per site
+
+
+def summarise_sites(lines):
+    """Per hazard site (kind, write pc and line, read pc and line): how many reports. The
+    sanitizer's full listing of a racy kernel is hundreds of MB; this table is what a reader needs."""
+    sites, kind, access = {}, None, {}
+    for line in lines:
+        h = HAZARD.search(line)
+        if h:
+            kind, access = h.group(1), {}
+            continue
+        a = ACCESS.search(line)
+        if a and kind:
+            access[a.group(1)] = f"{a.group(3) or '?'} ({a.group(2)})"
+            if len(access) == 2:
+                key = (kind, access["Write"], access["Read"])
+                sites[key] = sites.get(key, 0) + 1
+                kind = None
+    return sites
+
+
+def sanitize(case, tool, log_dir, timeout_s, print_limit=20, blocking=False):
+    """One case under one tool: (errors or None when the run failed, seconds, log path). The log
+    keeps the first KEEP_LINES lines of the output, its last lines, and a table of hazard sites
+    over every displayed report (`print_limit` 0: all of them)."""
     log = os.path.join(log_dir, f"{case}.{tool}.log")
-    cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "20", "--kernel-name", f"kns={KERNEL_FILTER[case]}"]
+    cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", str(print_limit),
+           "--kernel-name", f"kns={KERNEL_FILTER[case]}"]
     # Host API error returns (cuda-python probes driver entry points with cuGetProcAddress and
     # gets INVALID_VALUE for ones this driver lacks) are not kernel errors: leave them out.
     cmd += ["--report-api-errors", "no"]
@@ -240,15 +270,40 @@ def sanitize(case, tool, log_dir, timeout_s):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONPATH=path, **{SANITIZED_ENV: "1"})
+    if blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"  # a fault is reported at the launch that made it
+    head, tail, rc = [], [], None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                            errors="replace")
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+
+    def stream():
+        for line in proc.stdout:
+            if len(head) < KEEP_LINES:
+                head.append(line)
+            else:
+                tail.append(line)
+                del tail[:-KEEP_LINES]
+            yield line
+
+    sites = summarise_sites(stream())
+    rc = proc.wait()
+    timed_out = not timer.is_alive()
+    timer.cancel()
+    text = "".join(head + tail)
     with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=env).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    text = open(log).read()
+        f.write("".join(head))
+        if tail:
+            f.write("[... reports left out; the hazard sites below count every displayed one ...]\n")
+            f.write("".join(tail))
+        if sites:
+            f.write("\nhazard sites (kind, write, read): reports\n")
+            for (kind, w, r), n in sorted(sites.items(), key=lambda kv: -kv[1]):
+                f.write(f"  {kind}  write {w}  read {r}: {n}\n")
     m = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards displayed \((\d+) errors)", text)
-    errors = None if rc is None or m is None else int(m.group(4) or m.group(2))
-    if rc not in (0, None) and errors == 0:
+    errors = None if timed_out or m is None else int(m.group(4) or m.group(2))
+    if rc != 0 and errors == 0:
         errors = None  # the case itself failed
     return errors, round(time.time() - t0, 1), log
 
@@ -260,6 +315,10 @@ def main():
     ap.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS))
     ap.add_argument("--out", default="results/h200/sanitizers")
     ap.add_argument("--timeout-s", type=float, default=300)
+    ap.add_argument("--print-limit", type=int, default=20,
+                    help="reports the sanitizer prints (0: all; the log keeps a table of their sites)")
+    ap.add_argument("--blocking", action="store_true",
+                    help="CUDA_LAUNCH_BLOCKING=1 in the child: a fault names the launch that made it")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile the megamoe cases' kernels (no GPU; with XSTAGE_KERNEL_CACHE, for the GPU host)")
     args = ap.parse_args()
@@ -279,7 +338,7 @@ def main():
     rows = []
     for case in args.cases:
         for tool in args.tools:
-            errors, secs, log = sanitize(case, tool, args.out, args.timeout_s)
+            errors, secs, log = sanitize(case, tool, args.out, args.timeout_s, args.print_limit, args.blocking)
             rows.append(dict(case=case, tool=tool, errors=errors, seconds=secs, log=os.path.basename(log)))
             print(f"{case:22s} {tool:10s} {'run failed' if errors is None else f'{errors} errors':>12s} {secs:7.1f} s",
                   flush=True)

@@ -1,5 +1,7 @@
 """lab.report: templates split into sections and rows, documents assembled from the sections given,
 and the shipped templates parse with every section a renderer passes."""
+from pathlib import Path
+
 import pytest
 
 from lab import report
@@ -57,3 +59,14 @@ def test_shipped_templates_parse(name, documents):
     for doc, n in documents.items():
         prefix = "" if doc is None else doc + "."
         assert sum(k.startswith(prefix) and "." not in k[len(prefix):] for k in t.sections) == n
+
+
+def test_sanitizer_site_table_counts_every_report():
+    """lab.sanitize summarises racecheck's listing per (kind, write site, read site): on the committed
+    W8A8 log (20 reports shown) the table holds every report, split by program counter."""
+    from lab.sanitize import summarise_sites
+
+    log = Path(__file__).resolve().parents[1] / "results/h200/sanitizers/w8a8/megamoe_w8a8_expert_wave.racecheck.log"
+    sites = summarise_sites(log.read_text().splitlines())
+    assert sum(sites.values()) == 20
+    assert {(k, w.split()[0], r.split()[0]) for k, w, r in sites} == {("RAW", "sm90_fp8.py:187", "sm90_epilogue.py:96")}
