@@ -4,7 +4,12 @@
 
 Modules
 -------
-api             ``MegaMoE`` (the layer)
+api             ``MegaMoE`` (the layer: weights, forward, enqueue, capture)
+host_plan       ``HostPlanner``: one forward's pool, scheduler rows and schedule (auto's choice)
+launcher        ``FusedLauncher``: scratch, launch arguments, launches and error words
+arguments       ``MegaMoEArguments``: the fused kernel's typed launch arguments and their spec
+inputs          the checks and copies of a call's inputs
+trace           decoding the per-tile trace
 workspace       ``MegaMoEBuffer`` (the symmetric buffers) and the counter words' layout
 weights         ``transform_weights``: the kernel's gate/up interleaved w1 layout
 config          ``MegaMoEConfig`` and its tuned defaults (``resolve``), tile and trace constants

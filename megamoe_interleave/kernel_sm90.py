@@ -27,7 +27,7 @@ and the final top-k reduction (torch, after every rank's Combine).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -35,11 +35,12 @@ from cutlass import BFloat16, Float8E4M3FN, Float32, Int8, Int32, Int64, const_e
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
+from quack.cute_dsl_utils import mlir_namedtuple
 
 from xstage import device as xdev
 
-from .config import BLOCK_K, BLOCK_M, NUM_SCALAR_ARGS, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, \
-    smem_plan, tensor_argument_spec
+from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, tensor_argument_spec
+from .config import BLOCK_K, BLOCK_M, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
@@ -104,8 +105,22 @@ class SharedTensors:
     amax_x: Any  # W8A8 half tiles: (2 warpgroups x 64 rows) partial h amax
 
 
-@dataclass(frozen=True)
-class TmaOperands:
+# The host-built arguments become a JIT argument here, where the DSL is imported (arguments.py).
+mlir_namedtuple(MegaMoEArguments)
+
+
+@mlir_namedtuple
+class MmaLayouts(NamedTuple):
+    """The tile's MMA and the shared-memory layouts of the A/B ring and the staging tile."""
+
+    tiled_mma: Any
+    sA: Any
+    sB: Any
+    sC: Any
+
+
+@mlir_namedtuple
+class TmaOperands(NamedTuple):
     """TMA atoms and coordinate tensors of L1 (A = pool rows, B = w1) and L2 (A = h, B = w2)."""
 
     tma_a1: Any
@@ -181,13 +196,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.pairs_l2 = pair_tiles_per_row(hidden, self.block_n)
 
     @cute.jit
-    def __call__(self, mPeerX: cute.Tensor, mPeerCombine: cute.Tensor, mPoolSrc: cute.Tensor,
-                 mPoolWeight: cute.Tensor, mPoolX: cute.Tensor, mH: cute.Tensor, mW1: cute.Tensor, mW2: cute.Tensor,
-                 mRowRecord: cute.Tensor, mScheduleTable: cute.Tensor, mCounters: cute.Tensor, mTrace: cute.Tensor,
-                 mPlan: cute.Tensor, mPeerXScale: cute.Tensor, mPoolXScale: cute.Tensor, mHScale: cute.Tensor,
-                 mW1Scale: cute.Tensor, mW2Scale: cute.Tensor, max_tokens: Int32, topk: Int32, barrier_base: Int32,
-                 num_ctas: Int32, stream):
-        """Launch (shapes: :func:`.config.tensor_argument_spec`)."""
+    def __call__(self, args: MegaMoEArguments, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32,
+                 stream):
+        """Launch one rank's tiles on ``num_ctas`` CTAs (``args``: :func:`.arguments.tensor_argument_spec`)."""
         ab = self.ab_dtype
         # W8A8: the tile's accumulator layout (the promoted FP32 sums; its WGMMAs run per 128 columns)
         self.tiled_mma = sm90_utils.make_tiled_mma(ab, "K", "K", self.block_n, atom_layout_mnk=(2, 1, 1))
@@ -214,10 +225,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
 
         self.shared_storage = SharedStorage
         self.kernel(
-            mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-            mScheduleTable, mCounters, mTrace, mPlan, mPeerXScale, mPoolXScale, mHScale, mW1Scale, mW2Scale,
-            max_tokens, topk, barrier_base, self.tiled_mma, self.sA_layout, self.sB_layout, self.sC_layout,
-            *self.make_tma_atoms(mPoolX, mH, mW1, mW2),
+            args, max_tokens, topk, barrier_base, MmaLayouts(self.tiled_mma, self.sA_layout, self.sB_layout,
+                                                             self.sC_layout),
+            TmaOperands(*self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2)),
         ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                  cluster=[2, 1, 1])  # CTAs 2g, 2g + 1 (a scheduler pair) form one cluster
 
@@ -255,12 +265,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         return m * words + (c ^ (((m // rows_per_line) % groups) * 4))
 
     @cute.kernel
-    def kernel(self, mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mW1, mW2, mRowRecord,
-               mScheduleTable, mCounters, mTrace, mPlan, mPeerXScale, mPoolXScale, mHScale, mW1Scale, mW2Scale,
-               max_tokens: Int32, topk: Int32, barrier_base: Int32, tiled_mma: cute.TiledMma,
-               sA_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout, sC_layout: cute.Layout, tma_a1, mA1, tma_b1, mB1, tma_a2, mA2,
-               tma_b2, mB2):
+    def kernel(self, args: MegaMoEArguments, max_tokens: Int32, topk: Int32, barrier_base: Int32,
+               mma: MmaLayouts, ops: TmaOperands):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
@@ -269,13 +275,13 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         # planner), so a launch needs no host-side knowledge of the routing.
         # Warp-uniform: ptxas keeps it out of the consumers' 208 registers (a plain load serialized
         # the interleaved builds' WGMMAs, C7511).
-        num_rows = cute.arch.make_warp_uniform(Int32(mPlan[0]))
+        num_rows = cute.arch.make_warp_uniform(Int32(args.mPlan[0]))
         timeout = Int64(self.timeout_ns)
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         sm = SharedTensors(
-            sA=storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner),
-            sB=storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner),
-            sC=storage.sC.get_tensor(sC_layout, dtype=Int32),
+            sA=storage.sA.get_tensor(mma.sA.outer, swizzle=mma.sA.inner),
+            sB=storage.sB.get_tensor(mma.sB.outer, swizzle=mma.sB.inner),
+            sC=storage.sC.get_tensor(mma.sC, dtype=Int32),
             row_w=storage.row_w.get_tensor(cute.make_layout(BLOCK_M)),
             row_addr=storage.row_addr.get_tensor(cute.make_layout(BLOCK_M)),
             bulk_buf=storage.bulk_buf.data_ptr(), bulk_mbar=storage.bulk_mbar.data_ptr(),
@@ -285,33 +291,33 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         if const_expr(self.trace):
             if tidx == 0:
                 cute.make_tensor(sm.stamp_word, cute.make_layout(1))[0] = Int32(1)  # before the CTA sync below
-        ops = TmaOperands(tma_a1, mA1, tma_b1, mB1, tma_a2, mA2, tma_b2, mB2)
         if self.producer_warp(tidx):
-            for atom in (tma_a1, tma_b1, tma_a2, tma_b2):
+            for atom in (ops.tma_a1, ops.tma_b1, ops.tma_a2, ops.tma_b2):
                 cpasync.prefetch_descriptor(atom)
         ab_pipe = self.make_ab_pipeline(storage.ab_mbar.data_ptr())  # all threads (inits + CTA sync)
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
-                       row_record=DeviceRowRecords(mRowRecord), wave_row_start=mScheduleTable,
-                       l2_start=mScheduleTable, pair_splits_m=True, row_block=self.pool_rows_per_row)
+                       row_record=DeviceRowRecords(args.mRowRecord), wave_row_start=args.mScheduleTable,
+                       l2_start=args.mScheduleTable, pair_splits_m=True, row_block=self.pool_rows_per_row)
         ctx = CtaContext(grid, cta, nctas, timeout)
-        gm = GlobalTensors(mPeerX, mPeerCombine, mPoolSrc, mPoolWeight, mPoolX, mH, mCounters, mTrace, max_tokens,
-                           mPeerXScale, mPoolXScale, mHScale, mW1Scale, mW2Scale)
+        gm = GlobalTensors(args.mPeerX, args.mPeerCombine, args.mPoolSrc, args.mPoolWeight, args.mPoolX, args.mH,
+                           args.mCounters, args.mTrace, max_tokens, args.mPeerXScale, args.mPoolXScale, args.mHScale,
+                           args.mW1Scale, args.mW2Scale)
         # Prologue: every thread copies this CTA's share of the rows the first tiles may read; the
         # dispatch warp copies the rest while the tiles run.
         self.dispatch_rows(gm, ctx, Int32(0), self.prologue_rows(grid, nctas), tidx // 32, self.num_threads // 32,
                            tidx % 32, DISPATCH_UNROLL)
         if tidx == 0:  # arrive only: the barrier counter still advances by 2 * grid per call
-            xdev.red_add_relaxed(mCounters.iterator + self.COUNTER_BARRIER, Int32(1), "gpu")
-        self.warp_roles(ctx, tidx, gm, sm, ops, ab_pipe, tiled_mma)
+            xdev.red_add_relaxed(args.mCounters.iterator + self.COUNTER_BARRIER, Int32(1), "gpu")
+        self.warp_roles(ctx, tidx, gm, sm, ops, ab_pipe, mma.tiled_mma)
         # Neither CTA of the pair exits while the other may still multicast into its smem or arrive
         # on its barriers. Unbounded but hang-free: every wait before it is bounded.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         # Every tile of this rank is done: reset the row counters for the next call.
-        self.grid_sync(mCounters, barrier_base + 2 * nctas, timeout, tidx)
+        self.grid_sync(args.mCounters, barrier_base + 2 * nctas, timeout, tidx)
         i = cta * self.num_threads + tidx
         while i < 2 * num_rows:
-            mCounters[self.COUNTER_L2_FULL + i] = Int32(0)
+            args.mCounters[self.COUNTER_L2_FULL + i] = Int32(0)
             i = i + nctas * self.num_threads
 
     def producer_warp(self, tidx):
@@ -360,7 +366,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
 
 
 def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16"):
-    """Fake tensors, scalars and stream for compiling without a GPU (:func:`.config.tensor_argument_spec`)."""
+    """Fake arguments, scalars and stream for compiling without a GPU (:func:`.arguments.tensor_argument_spec`)."""
     from quack.compile_utils import make_fake_tensor
 
     from xstage.cute_compile import fake_stream
@@ -368,7 +374,7 @@ def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16
     dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16, "float8_e4m3fn": Float8E4M3FN}
     div = {"bfloat16": 8, "float8_e4m3fn": 16}  # 16-byte rows
     syms = {}
-    tensors = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
-                                                  for d in shape), divisibility=div.get(dtype, 1))
-               for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
-    return (*tensors, *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
+    fake = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
+                                               for d in shape), divisibility=div.get(dtype, 1))
+            for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
+    return (MegaMoEArguments(*fake), *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())

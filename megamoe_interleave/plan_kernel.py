@@ -1,5 +1,5 @@
 """The device-side plan's tables in one CuTe DSL kernel (work in progress: compiled and
-PTX-checked in CI, not yet run on a GPU; :meth:`MegaMoE.device_plans` uses it on CUDA).
+PTX-checked in CI, not yet run on a GPU; :meth:`FusedLauncher.device_plans <megamoe_interleave.launcher.FusedLauncher.device_plans>` uses it on CUDA).
 
 :func:`~megamoe_interleave.device_plan.plan_all_ranks` builds every rank's plan from about sixty
 torch ops; in a captured layer they are ~140 graph nodes and 275-858 us per replay on the H200

@@ -26,7 +26,9 @@ def canonical_ptx(ptx: str) -> str:
     """PTX with comments, debug lines, register declarations and the kernel's (class-derived)
     name removed and every register renamed by first use: two builds of the same program --
     whatever Python code structure or SSA order produced them -- give the same text."""
-    ptx = re.sub(r"kernel_cutlass_kernel_\w*?_object_at_", "KERNEL_", ptx)
+    # the entry's name, class and argument types mangled in (a typed-arguments object renames it)
+    for name in set(re.findall(r"\.entry\s+(\w+)\s*\(", ptx)):
+        ptx = ptx.replace(name, "KERNEL")
     maps = {}
 
     def rename(m):

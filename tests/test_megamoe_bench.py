@@ -266,7 +266,7 @@ def test_write_trace_round_trip(tmp_path):
     tile, times relative to the earliest tile start."""
     import torch
 
-    from megamoe_interleave.api import decode_trace
+    from megamoe_interleave.trace import decode_trace
 
     from megamoe_interleave.config import TRACE_FIELDS
 
@@ -420,10 +420,10 @@ def test_no_dispatch_copy_moe_compiles_its_own_kernel(monkeypatch):
     shipped, nocopy = MegaMoE(*args, backend="fused"), diag.NoDispatchCopyMoE(*args, backend="fused")
     assert nocopy.config == shipped.config and nocopy.config.dispatch_window > 0
     cute_compile._CACHE[("MegaMoESm90", 256, 128, shipped.config.kernel_key())] = "shipped"
-    assert shipped._kernel() == "shipped" and nocopy._kernel() == "compiled NoDispatchCopy"
+    assert shipped.launcher.kernel(shipped.config) == "shipped" and nocopy.launcher.kernel(nocopy.config) == "compiled NoDispatchCopy"
     (kernel, nargs), = built
-    assert type(kernel) is diag.NoDispatchCopy and kernel.config == nocopy.config.kernel_key() and nargs == 18 + 4 + 1  # tensors (config.tensor_argument_spec), scalars, stream
-    assert nocopy._kernel() == "compiled NoDispatchCopy" and len(built) == 1  # cached
+    assert type(kernel) is diag.NoDispatchCopy and kernel.config == nocopy.config.kernel_key() and nargs == 1 + 4 + 1  # MegaMoEArguments, scalars, stream
+    assert nocopy.launcher.kernel(nocopy.config) == "compiled NoDispatchCopy" and len(built) == 1  # cached
 
 
 def _cpu_build(monkeypatch):
@@ -481,12 +481,12 @@ def test_fill_pool_gathers_the_dispatched_rows(monkeypatch):
                           moe_class=diag.NoDispatchCopyMoE)
     moe.stage_inputs(xs, idx, wts)
     for d in range(2):
-        moe.launch_arguments(d)  # sizes the pool scratch, as the first forward does
-        moe.dispatched_rows(d).zero_()
+        moe.launcher.launch_arguments(d)  # sizes the pool scratch, as the first forward does
+        moe.launcher.dispatched_rows(d).zero_()
         diag.fill_pool(moe, d)
-        perm = moe.plan_rank(d)[0]
+        perm = moe.planner.plan_rank(d)[0]
         want = torch.stack([xs[s][t] for s, t in zip(perm.src_rank.tolist(), perm.src_token.tolist())])
-        assert perm.src_rank.numel() > 0 and torch.equal(moe.dispatched_rows(d), want)
+        assert perm.src_rank.numel() > 0 and torch.equal(moe.launcher.dispatched_rows(d), want)
 
 
 def test_graph_report_splits_the_replay_into_kernels_and_writes_the_summary(tmp_path):

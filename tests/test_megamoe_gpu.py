@@ -178,7 +178,7 @@ def test_fused_timeout_raises():
 def test_fused_trace_follows_scheduler_and_dependencies(schedule):
     """The executed per-CTA tile order is the Python reference order, timestamps are ordered,
     and every L2 tile became ready only after all L1 tiles of its row had finished."""
-    from megamoe_interleave.api import decode_trace
+    from megamoe_interleave.trace import decode_trace
     from megamoe_interleave.reference import reference_moe_fp32
     from megamoe_interleave.scheduler import PHASE_L1, PHASE_L2
 
@@ -188,9 +188,9 @@ def test_fused_trace_follows_scheduler_and_dependencies(schedule):
     moe.load_weights(w1, w2)
     _check(moe.forward(xs, idx, w), reference_moe_fp32(xs, idx, w, w1, w2))
     for d in range(P):
-        _, grid = moe.plan_rank(d)
+        _, grid = moe.planner.plan_rank(d)
         recs = decode_trace(moe.last_trace[d])
-        ref = enumerate_all(moe.schedule, grid, len(recs))
+        ref = enumerate_all(moe.config.schedule_spec(), grid, len(recs))
         l1_end = {}
         cross_warp_excess, worst = 0, None
         for c, (got, want) in enumerate(zip(recs, ref)):
@@ -290,7 +290,7 @@ def test_l2_columns_bitwise_equal():
     problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=71, hidden=hidden, inter=inter)
 
     def several_rows(moe):
-        assert any(rec[1] >= 1 for rec in moe.plan_rank(0)[1].row_record), "need an expert of several rows"
+        assert any(rec[1] >= 1 for rec in moe.planner.plan_rank(0)[1].row_record), "need an expert of several rows"
     _variants_bitwise_equal(problem, [
         lambda o=o: _make(P, k, "expert_wave", block_n=128, stages=2, hidden=hidden, inter=inter, num_sms=8, **o)
         for o in (dict(l2_columns=False), dict(), dict(l2_columns=True, dispatch_copy="bulk", dispatch_window=2))],
@@ -309,7 +309,7 @@ def test_dispatch_variants_bitwise_equal(hidden, num_sms):
     problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=61, hidden=hidden, inter=inter)
 
     def enough_rows(moe):
-        assert moe.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
+        assert moe.planner.plan_rank(0)[1].num_rows > 4, "need more scheduler rows than the prologue covers"
     _variants_bitwise_equal(problem, [
         lambda s=s, c=c, win=win: _make(P, k, s, block_n=128, stages=2, num_sms=num_sms, hidden=hidden, inter=inter,
                                         dispatch_copy=c, dispatch_window=win)
@@ -378,7 +378,7 @@ def test_schedule_auto_per_call_on_the_pcie_path(monkeypatch):
     pcie = profiles.load("h200-pcie-host")
     monkeypatch.setattr(api, "_remote_path", lambda world: pcie)
     moe = make("auto")
-    plan, waves = moe._auto_model
+    plan, waves = moe.auto_model
 
     def rank_terms(kind):  # (T_L2, Combine bytes) of each destination rank for this routing
         load = sum(expert_load(i.cpu(), E) for i in problems[kind][3])

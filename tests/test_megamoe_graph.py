@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
-from megamoe_interleave.config import BLOCK_M, check_launch_arguments, tensor_argument_spec
+from megamoe_interleave.arguments import MegaMoEArguments, check_launch_arguments, tensor_argument_spec
+from megamoe_interleave.config import BLOCK_M
 from megamoe_interleave.routing import make_routing
 from megamoe_interleave.scheduler import balanced_l2_start, schedule_table
 
@@ -50,27 +51,27 @@ def test_device_launch_arguments_are_the_host_plans(schedule):
     moe.load_weights(w1, w2)
     moe.stage_inputs([torch.randn(t, H).bfloat16() for t in tokens], idx, w)
     names = [n for n, _, _ in tensor_argument_spec(H, I)]
-    plans = moe.device_plans(*_stacked(moe))
+    plans = moe.launcher.device_plans(moe.config, *_stacked(moe))
     for d in range(P):
-        dev = dict(zip(names, moe.device_launch_arguments(d, plans)))
-        _, host_tensors, _ = moe.launch_arguments(d)
+        dev = dict(zip(names, moe.launcher.device_launch_arguments(d, moe.config, plans)))
+        _, host_tensors, _ = moe.launcher.launch_arguments(d)
         host = dict(zip(names, host_tensors))
-        perm, grid = moe.plan_rank(d)
+        perm, grid = moe.planner.plan_rank(d)
         n = perm.src_rank.numel()
         assert dev["mPlan"].tolist() == host["mPlan"].tolist() == [grid.num_rows, n]
         assert torch.equal(dev["mPoolSrc"][:n], host["mPoolSrc"][:n]) and not dev["mPoolSrc"][n:].any()
         assert torch.equal(dev["mPoolWeight"][:n], host["mPoolWeight"][:n])
         assert torch.equal(dev["mRowRecord"][: grid.num_rows], host["mRowRecord"][: grid.num_rows])
         fixed = grid
-        if moe.schedule.balance_l2:
+        if moe.config.schedule_spec().balance_l2:
             fixed = dataclasses.replace(grid, l2_start=balanced_l2_start(
                 grid, moe.device_ctas // 2, block_m=BLOCK_M, hidden=H, intermediate=I))
-        assert dev["mScheduleTable"].tolist() == list(schedule_table(moe.schedule, fixed))
+        assert dev["mScheduleTable"].tolist() == list(schedule_table(moe.config.schedule_spec(), fixed))
         assert dev["mPoolX"].shape[0] == moe.device_plan_sizes.max_pool + BLOCK_M
         assert dev["mCounters"].numel() >= 2 + 2 * moe.device_plan_sizes.max_rows
-        check_launch_arguments(H, I, tuple(dev.values()))
+        check_launch_arguments(H, I, MegaMoEArguments(**dev))
     # The worst-case scratch is kept: a second plan reuses the same pointers (graph replays).
-    again = moe.device_launch_arguments(P - 1, moe.device_plans(*_stacked(moe)))
+    again = moe.launcher.device_launch_arguments(P - 1, moe.config, moe.launcher.device_plans(moe.config, *_stacked(moe)))
     assert again[4].data_ptr() == dev["mPoolX"].data_ptr() and again[5].data_ptr() == dev["mH"].data_ptr()
 
 
@@ -89,16 +90,16 @@ def test_w8a8_device_launch_arguments():
     idx, w = _routing([40, 9], k, 0.1, seed=2)
     moe.stage_inputs([torch.randn(t, Hq).bfloat16() for t in (40, 9)], idx, w)
     names = [n for n, _, _ in tensor_argument_spec(Hq, Iq, "w8a8")]
-    plans = moe.device_plans(*_stacked(moe))
+    plans = moe.launcher.device_plans(moe.config, *_stacked(moe))
     for d in range(P):
-        dev = dict(zip(names, moe.device_launch_arguments(d, plans)))
-        check_launch_arguments(Hq, Iq, tuple(dev.values()), "w8a8")
+        dev = dict(zip(names, moe.launcher.device_launch_arguments(d, moe.config, plans)))
+        check_launch_arguments(Hq, Iq, MegaMoEArguments(**dev), "w8a8")
         assert dev["mPoolX"].dtype == dev["mH"].dtype == quant.E4M3
         n_pad = moe.device_plan_sizes.max_pool + BLOCK_M
         assert dev["mPoolXScale"].shape == (n_pad, Hq // 128) and dev["mHScale"].shape == (n_pad, Iq // 128)
         assert dev["mW1Scale"] is moe.w1_scales[d] and torch.equal(dev["mPeerXScale"], moe.buffer.x_scales.peer_table(d))
     with pytest.raises(ValueError):  # a bf16 signature check rejects the W8A8 arguments
-        check_launch_arguments(Hq, Iq, tuple(dev.values()))
+        check_launch_arguments(Hq, Iq, MegaMoEArguments(**dev))
 
 
 def test_call_preparation_poisons_and_flags_out_of_range_ids():
@@ -116,17 +117,17 @@ def test_call_preparation_poisons_and_flags_out_of_range_ids():
     buf = moe.buffer
     for r in range(P):
         buf.combine.local(r).fill_(7.0)
-    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    moe.launcher.prepare_combine_slots(*_stacked(moe)[::2])
     for r, T in enumerate(tokens):
         slots = buf.combine_slots(r)
         assert bool(slots[:, :T].isnan().all()) and bool((slots[:, T:] == 7.0).all())
         assert bool((buf.combine.local(r)[-1] == 7.0).all())  # the padding row
         assert int(buf.counters[r][0]) == 0
     buf.topk_idx.local(1)[tokens[1]:] = E + 3  # stale rows past T: ignored
-    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    moe.launcher.prepare_combine_slots(*_stacked(moe)[::2])
     assert [int(buf.counters[r][0]) for r in range(P)] == [0, 0]
     buf.topk_idx.local(1)[3, 1] = E
-    moe._prepare_combine_slots(*_stacked(moe)[::2])
+    moe.launcher.prepare_combine_slots(*_stacked(moe)[::2])
     assert [int(buf.counters[r][0]) for r in range(P)] == [ERR_ROUTING] * 2
     with pytest.raises(RuntimeError, match="expert id outside"):
         moe.check()

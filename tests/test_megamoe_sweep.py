@@ -471,15 +471,15 @@ def test_set_trace_switches_the_kernel_and_the_trace_tensor(monkeypatch):
     moe.load_weights(torch.randn(16, 256, 256, generator=g).bfloat16(), torch.randn(16, 256, 128, generator=g).bfloat16())
     routes = [make_routing("balanced", 40, 16, 4, seed=r) for r in range(2)]
     moe.stage_inputs([torch.randn(40, 256).bfloat16() for _ in range(2)], [r[0] for r in routes], [r[1] for r in routes])
-    off = moe.launch_arguments(0)[1][11]
+    off = moe.launcher.launch_arguments(0)[1].mTrace
     assert off.shape == (1, 1, len(TRACE_FIELDS)) and moe.last_trace == {}
     before = moe.config
     moe.set_trace(True)
     assert moe.config == dataclasses.replace(before, trace=True) and moe.config.kernel_key() != before.kernel_key()
-    on = moe.launch_arguments(0)[1][11]
-    assert on.shape[0] == moe.launch_arguments(0)[0] and on.shape[1] > 1 and moe.last_trace[0].shape == on.shape
+    on = moe.launcher.launch_arguments(0)[1].mTrace
+    assert on.shape[0] == moe.launcher.launch_arguments(0)[0] and on.shape[1] > 1 and moe.last_trace[0].shape == on.shape
     moe.set_trace(False)
-    assert moe.config == before and moe.launch_arguments(1)[1][11].shape == (1, 1, len(TRACE_FIELDS))
+    assert moe.config == before and moe.launcher.launch_arguments(1)[1].mTrace.shape == (1, 1, len(TRACE_FIELDS))
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -51,7 +51,8 @@ import torch
 
 from lab import bench, timing
 from lab.megamoe.trace import write_trace
-from megamoe_interleave.api import MegaMoE, decode_trace, make_world, trace_mainloop_cycles
+from megamoe_interleave.api import MegaMoE, make_world
+from megamoe_interleave.trace import decode_trace, trace_mainloop_cycles
 from megamoe_interleave.config import BLOCK_M, BLOCK_NS, DISPATCH_COPIES, MegaMoEConfig
 from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline
 from megamoe_interleave.routing import make_routing

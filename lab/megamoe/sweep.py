@@ -710,7 +710,7 @@ class GpuRunner:
         import torch
 
         from lab.megamoe import bench
-        from megamoe_interleave.api import decode_trace
+        from megamoe_interleave.trace import decode_trace
 
         out = {}
         ys = moe.rerun()

@@ -17,7 +17,7 @@ import gzip
 import re
 import statistics
 
-from megamoe_interleave.api import trace_mainloop_cycles
+from megamoe_interleave.trace import trace_mainloop_cycles
 
 # Columns of a trace CSV: one row per tile, times in ns from the earliest tile start of the call.
 TRACE_CSV_FIELDS = ("cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",

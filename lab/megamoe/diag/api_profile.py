@@ -27,14 +27,20 @@ from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
 from xstage import provenance
 
-PHASES = ("stage_inputs", "plan_rank", "launch_arguments", "_run_fused", "reduce_rank")
+PHASES = (("", "stage_inputs"), ("planner", "plan"), ("launcher", "launch_arguments"), ("launcher", "run"),
+          ("", "reduce_rank"))
+
+
+def phase_owners(moe: MegaMoE):
+    """(object, method name) of each phase: the layer, its host planner and its launcher."""
+    return [(getattr(moe, part) if part else moe, name) for part, name in PHASES]
 
 
 def timed_phases(moe: MegaMoE, totals: dict, sync: bool) -> None:
-    """Wrap the instance's phase methods (instance attributes shadow the class methods; the
-    class is untouched) so each call adds its wall time to ``totals[name]``."""
-    for name in PHASES:
-        fn = getattr(moe, name)
+    """Wrap the instances' phase methods (instance attributes shadow the class methods; the
+    classes are untouched) so each call adds its wall time to ``totals[name]``."""
+    for owner, name in phase_owners(moe):
+        fn = getattr(owner, name)
 
         def wrapper(*a, _fn=fn, _name=name, **kw):
             if sync:
@@ -46,7 +52,7 @@ def timed_phases(moe: MegaMoE, totals: dict, sync: bool) -> None:
             totals[_name] = totals.get(_name, 0.0) + (time.perf_counter() - t0) * 1e6
             return out
 
-        setattr(moe, name, wrapper)
+        setattr(owner, name, wrapper)
 
 
 def main() -> None:
@@ -82,15 +88,15 @@ def main() -> None:
             kernel_us.append(moe.last_kernel_us)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e6 / args.calls
-        for name in PHASES:  # restore the class methods
-            moe.__dict__.pop(name, None)
+        for owner, name in phase_owners(moe):  # restore the class methods
+            owner.__dict__.pop(name, None)
         key = "serialised" if sync else "overlapped"
         per_call = {n: round(v / args.calls, 1) for n, v in totals.items()}
         kernel_med = sorted(kernel_us)[len(kernel_us) // 2]
         result[key] = {"wall_us_per_call": round(wall, 1), "kernel_us_median": round(kernel_med, 1),
                        "phase_us_per_call": per_call}
         print(f"{key:10s} wall {wall:9.1f} us/call, kernels {result[key]['kernel_us_median']:9.1f} us; phases (nested: "
-              f"_run_fused contains plan_rank and launch_arguments): {per_call}", flush=True)
+              f"run contains launch_arguments): {per_call}", flush=True)
 
     from torch.profiler import ProfilerActivity, profile
 

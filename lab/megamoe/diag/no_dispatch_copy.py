@@ -20,6 +20,7 @@ from cutlass import Boolean, Int32, const_expr
 from megamoe_interleave import reference
 from megamoe_interleave.api import MegaMoE
 from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
+from megamoe_interleave.launcher import FusedLauncher
 from megamoe_interleave.sm90_dispatch import DISPATCH_POLL_NS
 from xstage import device as xdev
 
@@ -52,20 +53,28 @@ class NoDispatchCopy(MegaMoESm90):
             row = row + 1
 
 
+class NoDispatchCopyLauncher(FusedLauncher):
+    """The launcher of :class:`NoDispatchCopyMoE`: the same launch, :class:`NoDispatchCopy`'s program."""
+
+    def kernel(self, config):
+        from xstage.cute_compile import cached, compile_hopper
+
+        H, I = self.layer.hidden, self.layer.intermediate
+        key = ("NoDispatchCopy", H, I, config.kernel_key())
+        return cached(key, lambda: compile_hopper(NoDispatchCopy(H, I, key[-1]), *fake_launch_arguments(H, I)).fn)
+
+
 class NoDispatchCopyMoE(MegaMoE):
     """A MegaMoE whose fused kernel is :class:`NoDispatchCopy` (same config, same launch)."""
 
-    def _kernel(self, config=None):
-        from xstage.cute_compile import cached, compile_hopper
-
-        key = ("NoDispatchCopy", self.hidden, self.intermediate, (config or self.config).kernel_key())
-        return cached(key, lambda: compile_hopper(NoDispatchCopy(self.hidden, self.intermediate, key[-1]),
-                                                  *fake_launch_arguments(self.hidden, self.intermediate)).fn)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.launcher = NoDispatchCopyLauncher(self)
 
 
 def fill_pool(moe, d):
     """Rank ``d``'s dispatched pool, gathered with torch: pool row i = x[src rank][src token]
     (valid after a forward, which sizes the pool)."""
-    pool = moe.dispatched_rows(d)
+    pool = moe.launcher.dispatched_rows(d)
     xs = [moe.buffer.x.local(r) for r in range(moe.world.world_size)]
-    pool.copy_(reference.gather_rows(xs, moe.plan_rank(d)[0], pool.device))  # the torch dataflow's gather
+    pool.copy_(reference.gather_rows(xs, moe.planner.plan_rank(d)[0], pool.device))  # the torch dataflow's gather

@@ -17,7 +17,7 @@ import time
 import torch
 
 from lab.megamoe import bench
-from megamoe_interleave.api import decode_trace, trace_mainloop_cycles
+from megamoe_interleave.trace import decode_trace, trace_mainloop_cycles
 from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
 from xstage import provenance
