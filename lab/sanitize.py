@@ -153,10 +153,10 @@ def run_megamoe(precision, schedule):
 
 
 def plan_arguments(schedule, options):
-    from megamoe_interleave.scheduler import Schedule
+    from megamoe_interleave.scheduler import schedule_of
 
     P, E, H, I, k, tokens, T = PLAN_PROBLEM
-    spec = Schedule(schedule, **{n: v for n, v in options.items() if n != "experts_per_wave"})
+    spec = schedule_of(schedule, **{n: v for n, v in options.items() if n != "experts_per_wave"})
     return dict(experts_per_rank=E // P, block_m=128, schedule=spec, num_pairs=66, pairs_l1=2 * I // 256,
                 pairs_l2=H // 256, hidden=H, intermediate=I, experts_per_wave=options.get("experts_per_wave"))
 

@@ -13,7 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from .scheduler import DIVMOD_SMALL_MAX, SCHEDULES, Schedule, check_experts_per_wave, default_experts_per_wave, \
+from .scheduler import DIVMOD_SMALL_MAX, SCHEDULES, ExpertWaveSchedule, InterleavedSchedule, Schedule, \
+    check_experts_per_wave, default_experts_per_wave, \
     default_lead
 
 BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
@@ -202,8 +203,8 @@ class MegaMoEConfig:
         CTA pairs' L1 and L2 shares (scheduler.balanced_l2_start; measured 0.993x at P = 1 and
         0.9995x at P = 8 against unbalanced starts, redesign_switches/)."""
         if self.schedule == "interleaved":
-            return Schedule("interleaved", lead=self.lead, balance_l2=True)
-        return Schedule("expert_wave", l2_columns=bool(self.l2_columns))
+            return InterleavedSchedule(lead=self.lead, balance_l2=True)
+        return ExpertWaveSchedule(l2_columns=bool(self.l2_columns))
 
     def kernel_key(self) -> "MegaMoEConfig":
         """The fields that change the compiled kernel (``experts_per_wave`` is host-side only)."""

@@ -459,39 +459,89 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, l2_columns: bool = False):
 # ---------------------------------------------------------------------------
 # Uniform front end
 # ---------------------------------------------------------------------------
-@dataclass(frozen=True)
 class Schedule:
-    """A scheduler selected by name; ``lead`` is used by ``interleaved`` only."""
+    """A tile scheduler: ``init(g, grid)`` -> cursor, ``done(cursor, grid)``, ``step(cursor, g, G, r,
+    grid)`` -> (tile, next cursor), over the pure step functions above, so the kernel's roles (on DSL
+    values, at trace time), the device-side plan and the CPU references (:func:`enumerate_order`)
+    walk one definition. A schedule is a subclass; :func:`schedule_of` builds one by name."""
 
-    name: str
-    lead: int = 1
-    balance_l2: bool = False  # interleaved: see interleaved_init
-    l2_columns: bool = False  # expert_wave: L2 tiles column by column in each expert (expert_wave_step)
-
-    def __post_init__(self):
-        if self.name not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.name!r}; expected one of {SCHEDULES}")
-        if self.name == "interleaved" and self.lead < 1:
-            raise ValueError(f"lead D must be >= 1, got {self.lead}")
-        if self.balance_l2 and self.name != "interleaved":
-            raise ValueError("balance_l2 applies to the interleaved schedule only")
-        if self.l2_columns and self.name != "expert_wave":
-            raise ValueError("l2_columns applies to the expert_wave schedule only")
+    name = ""
+    balance_l2 = False  # options a schedule does not have read as off (its subclass sets them)
+    l2_columns = False
 
     def init(self, g, grid: RowGrid):
-        if self.name == "interleaved":
-            return interleaved_init(g, grid, self.balance_l2)
+        raise NotImplementedError
+
+    def done(self, cursor, grid: RowGrid):
+        raise NotImplementedError
+
+    def step(self, cursor, g, G, r, grid: RowGrid):
+        raise NotImplementedError
+
+    def tiles(self, grid: RowGrid, g: int, G: int, r: int):
+        """The tiles of CTA (g, r) in order (Python ints). The kernel's roles write this loop with
+        DSL values (a DSL ``while`` carries its cursor explicitly), over the same ``done`` / ``step``."""
+        cursor = self.init(g, grid)
+        # Every step either emits or advances a wave, so this bound is never reached by a correct
+        # scheduler; it turns a scheduler bug into an error, not a hang.
+        for _ in range(grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) + (grid.num_waves or 0) + 2):
+            if self.done(cursor, grid):
+                return
+            tile, cursor = self.step(cursor, g, G, r, grid)
+            if tile.valid:
+                yield tile
+        raise RuntimeError("scheduler did not terminate")
+
+
+@dataclass(frozen=True)
+class InterleavedSchedule(Schedule):
+    """Paper Algorithm 1: each pair runs L1 tiles ``lead`` rows ahead of its L2 tiles; ``balance_l2``:
+    the pairs' first L2 rows from :func:`balanced_l2_start` (``grid.l2_start``)."""
+
+    name = "interleaved"
+    lead: int = 1
+    balance_l2: bool = False
+
+    def __post_init__(self):
+        if self.lead < 1:
+            raise ValueError(f"lead D must be >= 1, got {self.lead}")
+
+    def init(self, g, grid: RowGrid):
+        return interleaved_init(g, grid, self.balance_l2)
+
+    def done(self, cursor, grid: RowGrid):
+        return interleaved_done(cursor, grid)
+
+    def step(self, cursor, g, G, r, grid: RowGrid):
+        return interleaved_step(cursor, g, G, r, grid, self.lead)
+
+
+@dataclass(frozen=True)
+class ExpertWaveSchedule(Schedule):
+    """Experts in waves: every L1 tile of a wave, then its L2 tiles; ``l2_columns``: an expert's L2
+    tiles column by column (:func:`expert_wave_step`)."""
+
+    name = "expert_wave"
+    l2_columns: bool = False
+
+    def init(self, g, grid: RowGrid):
         return expert_wave_init(g)
 
     def done(self, cursor, grid: RowGrid):
-        if self.name == "interleaved":
-            return interleaved_done(cursor, grid)
         return expert_wave_done(cursor, grid)
 
     def step(self, cursor, g, G, r, grid: RowGrid):
-        if self.name == "interleaved":
-            return interleaved_step(cursor, g, G, r, grid, self.lead)
         return expert_wave_step(cursor, g, G, r, grid, self.l2_columns)
+
+
+SCHEDULE_CLASSES = {cls.name: cls for cls in (ExpertWaveSchedule, InterleavedSchedule)}
+
+
+def schedule_of(name: str, **options) -> Schedule:
+    """The schedule called ``name`` with its ``options`` (a TypeError names an option it lacks)."""
+    if name not in SCHEDULE_CLASSES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
+    return SCHEDULE_CLASSES[name](**options)
 
 
 def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:
@@ -500,18 +550,7 @@ def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -
         raise ValueError(f"bad instance g={g} G={G} r={r}")
     if schedule.balance_l2 and (grid.l2_start is None or len(grid.l2_start) != G):
         raise ValueError(f"balance_l2 needs grid.l2_start for {G} pairs (balanced_l2_start)")
-    cursor = schedule.init(g, grid)
-    out: List[Tile] = []
-    # Every step either emits or advances a wave, so this bound is never reached
-    # by a correct scheduler; it turns a scheduler bug into an error, not a hang.
-    max_steps = grid.num_rows * (grid.pairs_l1 + grid.pairs_l2) + (grid.num_waves or 0) + 2
-    for _ in range(max_steps):
-        if schedule.done(cursor, grid):
-            return out
-        tile, cursor = schedule.step(cursor, g, G, r, grid)
-        if tile.valid:
-            out.append(tile)
-    raise RuntimeError("scheduler did not terminate")
+    return list(schedule.tiles(grid, g, G, r))
 
 
 def enumerate_all(schedule: Schedule, grid: RowGrid, num_ctas: int) -> List[List[Tile]]:

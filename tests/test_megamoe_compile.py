@@ -7,7 +7,7 @@ import pytest
 from ptx_utils import try_wait_loops, window_states
 
 from megamoe_interleave.config import BLOCK_M, MegaMoEConfig, smem_plan
-from megamoe_interleave.scheduler import Schedule
+from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule
 from megamoe_interleave.shapes import get_shape
 
 DSV4 = get_shape("deepseek-v4-flash")
@@ -43,8 +43,8 @@ def _ptx(tmp_path, hidden, inter, config):
 def test_schedule_trace_compiles(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace
 
-    s = {"expert_wave": Schedule("expert_wave"), "interleaved": Schedule("interleaved", lead=3, balance_l2=True),
-         "expert_wave_l2_columns": Schedule("expert_wave", l2_columns=True)}[schedule]
+    s = {"expert_wave": ExpertWaveSchedule(), "interleaved": InterleavedSchedule(lead=3, balance_l2=True),
+         "expert_wave_l2_columns": ExpertWaveSchedule(l2_columns=True)}[schedule]
     assert compile_schedule_trace(s, 8, 16) is not None
 
 

@@ -8,10 +8,10 @@ import torch
 
 from megamoe_interleave.device_plan import plan_on_device, plan_sizes
 from megamoe_interleave.reference import permute_ranks
-from megamoe_interleave.scheduler import Schedule, balanced_l2_start, make_row_grid, schedule_table
+from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule, balanced_l2_start, make_row_grid, schedule_table
 
 BLOCK_M, HIDDEN, INTER = 128, 512, 256
-SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=2, balance_l2=True)]
+SCHEDULES = [ExpertWaveSchedule(), InterleavedSchedule(lead=2, balance_l2=True)]
 
 
 def _routing(g, P, T, k, E, mask, hot):

@@ -5,15 +5,15 @@ import torch
 import dataclasses
 
 from megamoe_interleave.config import BLOCK_M
-from megamoe_interleave.scheduler import Schedule, balanced_l2_start, enumerate_all, make_row_grid, schedule_table
+from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule, balanced_l2_start, enumerate_all, make_row_grid, schedule_table
 
 pytestmark = pytest.mark.gpu
 
 E, H, I = 16, 256, 128
 
 
-@pytest.mark.parametrize("schedule", [Schedule("expert_wave"), Schedule("expert_wave", l2_columns=True),
-                                      Schedule("interleaved", lead=2), Schedule("interleaved", lead=2, balance_l2=True)],
+@pytest.mark.parametrize("schedule", [ExpertWaveSchedule(), ExpertWaveSchedule(l2_columns=True),
+                                      InterleavedSchedule(lead=2), InterleavedSchedule(lead=2, balance_l2=True)],
                          ids=["expert_wave", "expert_wave_l2_columns", "interleaved", "interleaved_balanced"])
 def test_device_schedule_equals_python_reference(schedule):
     from megamoe_interleave.schedule_trace import compile_schedule_trace

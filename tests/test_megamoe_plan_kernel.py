@@ -6,10 +6,10 @@ import torch
 
 from megamoe_interleave.device_plan import plan_all_ranks
 from megamoe_interleave.plan_kernel import DevicePlanSm90, compile_device_plan
-from megamoe_interleave.scheduler import Schedule
+from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule
 
-SCHEDULES = [Schedule("expert_wave"), Schedule("interleaved", lead=2, balance_l2=True),
-             Schedule("interleaved", lead=2)]
+SCHEDULES = [ExpertWaveSchedule(), InterleavedSchedule(lead=2, balance_l2=True),
+             InterleavedSchedule(lead=2)]
 HIDDEN, INTER = 512, 256
 
 

@@ -8,7 +8,9 @@ from hypothesis import given, settings, strategies as st
 from megamoe_interleave.scheduler import (
     PHASE_L1,
     PHASE_L2,
-    Schedule,
+    ExpertWaveSchedule,
+    InterleavedSchedule,
+    schedule_of,
     balanced_l2_start,
     d_knee,
     default_lead,
@@ -31,10 +33,10 @@ grids = st.builds(
     st.booleans(),  # pair_splits_m (tma_ws_mcast_b): the pair splits a 2*BM row along M
 )
 schedules = st.one_of(
-    st.just(Schedule("expert_wave")),
-    st.just(Schedule("expert_wave", l2_columns=True)),
-    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d)),
-    st.integers(1, 6).map(lambda d: Schedule("interleaved", lead=d, balance_l2=True)),
+    st.just(ExpertWaveSchedule()),
+    st.just(ExpertWaveSchedule(l2_columns=True)),
+    st.integers(1, 6).map(lambda d: InterleavedSchedule(lead=d)),
+    st.integers(1, 6).map(lambda d: InterleavedSchedule(lead=d, balance_l2=True)),
 )
 cta_counts = st.sampled_from([2, 4, 6, 10])
 
@@ -151,7 +153,7 @@ def test_no_deadlock_in_dependency_simulation(grid, schedule, num_ctas):
 def test_interleaved_lead_respected(grid, lead, num_ctas, balance):
     """An L2 tile of row p is emitted only when the CTA's L1 cursor is at row >= p + D
     or the L1 stream is exhausted."""
-    schedule = Schedule("interleaved", lead=lead, balance_l2=balance)
+    schedule = InterleavedSchedule(lead=lead, balance_l2=balance)
     G = num_ctas // 2
     grid = _balanced(grid, G)
     for c in range(num_ctas):
@@ -166,9 +168,12 @@ def test_interleaved_lead_respected(grid, lead, num_ctas, balance):
 
 def test_lead_zero_rejected():
     with pytest.raises(ValueError):
-        Schedule("interleaved", lead=0)
-    with pytest.raises(ValueError):
-        Schedule("bogus")
+        InterleavedSchedule(lead=0)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedule_of("bogus")
+    with pytest.raises(TypeError):  # an option the schedule does not have
+        schedule_of("expert_wave", lead=2)
+    assert schedule_of("interleaved", lead=3) == InterleavedSchedule(lead=3)
 
 
 @settings(max_examples=60, deadline=None)
@@ -191,8 +196,8 @@ def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
             work.append(w)
         return work
 
-    plain = pair_work(Schedule("interleaved", lead=2), grid)
-    balanced = pair_work(Schedule("interleaved", lead=2, balance_l2=True), dataclasses.replace(grid, l2_start=start))
+    plain = pair_work(InterleavedSchedule(lead=2), grid)
+    balanced = pair_work(InterleavedSchedule(lead=2, balance_l2=True), dataclasses.replace(grid, l2_start=start))
     assert sum(plain) == sum(balanced)
     assert max(balanced) <= max(plain)
 
@@ -200,9 +205,9 @@ def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
 def test_balance_l2_needs_the_table():
     grid = make_row_grid([500, 300], block_m=128, n_blocks_l1=4, n_blocks_l2=4)
     with pytest.raises(ValueError, match="l2_start"):
-        enumerate_order(Schedule("interleaved", lead=1, balance_l2=True), grid, 0, 3, 0)
-    with pytest.raises(ValueError):
-        Schedule("expert_wave", balance_l2=True)
+        enumerate_order(InterleavedSchedule(lead=1, balance_l2=True), grid, 0, 3, 0)
+    with pytest.raises(TypeError):
+        ExpertWaveSchedule(balance_l2=True)
 
 
 def test_deadlock_possible_with_lead_zero_shows_invariant_matters():
@@ -268,7 +273,7 @@ def test_windowed_dispatch_waiting_on_its_own_row_deadlocks():
     """The simulation can fail: with window 0 a Dispatch thread waits for the tiles of the row
     it is about to copy."""
     grid = make_row_grid([300, 200], block_m=64, n_blocks_l1=4, n_blocks_l2=4)
-    seqs = _enumerate_all(Schedule("interleaved", lead=2), grid, 4)
+    seqs = _enumerate_all(InterleavedSchedule(lead=2), grid, 4)
     assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, 1, "done")
     assert not _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, 0, "started")
 
@@ -279,7 +284,7 @@ def test_interleaved_long_run_ratio_fixed_by_tile_shapes(p1, p2, lead):
     """In the steady state each CTA emits L1 : L2 tiles in the ratio P1 : P2, whatever D."""
     grid = make_row_grid([128 * 2000], block_m=128, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2)
     G = 16
-    seq = enumerate_order(Schedule("interleaved", lead=lead), grid, 5, G, 0)
+    seq = enumerate_order(InterleavedSchedule(lead=lead), grid, 5, G, 0)
     n = len(seq)
     mid = seq[n // 4 : 3 * n // 4]  # away from the warm-up (L1 only) and the L2-only tail
     n1 = sum(t.phase == PHASE_L1 for t in mid)
@@ -296,7 +301,7 @@ def test_interleaved_long_run_ratio_fixed_by_tile_shapes(p1, p2, lead):
 def test_expert_wave_runs_l2_in_bursts():
     """Expert-wave emits each wave's L2 tiles consecutively (the bursts the paper fixes)."""
     grid = make_row_grid([512] * 8, block_m=64, n_blocks_l1=16, n_blocks_l2=16, experts_per_wave=2)
-    seq = enumerate_order(Schedule("expert_wave"), grid, 0, 4, 0)
+    seq = enumerate_order(ExpertWaveSchedule(), grid, 0, 4, 0)
     phases = "".join("1" if t.phase == PHASE_L1 else "2" for t in seq)
     # 4 waves -> exactly 4 L1 runs and 4 L2 runs.
     runs = [c for i, c in enumerate(phases) if i == 0 or phases[i - 1] != c]
@@ -305,7 +310,7 @@ def test_expert_wave_runs_l2_in_bursts():
 
 def test_empty_grid_and_empty_waves():
     grid = make_row_grid([0, 0, 0], block_m=64, n_blocks_l1=4, n_blocks_l2=4, experts_per_wave=1)
-    for s in (Schedule("expert_wave"), Schedule("interleaved", lead=2)):
+    for s in (ExpertWaveSchedule(), InterleavedSchedule(lead=2)):
         assert all(seq == [] for seq in enumerate_all(s, grid, 4))
 
 
@@ -338,7 +343,7 @@ def test_l2_columns_visits_each_experts_l2_tiles_column_by_column():
                 order[i * G + g] = t  # step i of pair g
         return [t for t in order if t is not None]
 
-    rows, cols = global_order(Schedule("expert_wave")), global_order(Schedule("expert_wave", l2_columns=True))
+    rows, cols = global_order(ExpertWaveSchedule()), global_order(ExpertWaveSchedule(l2_columns=True))
     assert len(rows) == len(cols)
     for a, b in zip(rows, cols):
         assert (a.valid, a.phase, a.expert) == (b.valid, b.phase, b.expert)
@@ -348,8 +353,8 @@ def test_l2_columns_visits_each_experts_l2_tiles_column_by_column():
         l2 = [(t.m_block, t.n_block // 2) for t in cols if t.valid and t.phase == PHASE_L2 and t.expert == e]
         rows_e = -(-[300, 0, 130, 70][e] // 64)
         assert l2 == [(m, n) for n in range(grid.pairs_l2) for m in range(rows_e)], e
-    with pytest.raises(ValueError, match="expert_wave"):
-        Schedule("interleaved", lead=2, l2_columns=True)
+    with pytest.raises(TypeError):
+        InterleavedSchedule(lead=2, l2_columns=True)
 
 
 def test_divmod_small_float_path_is_exact():
@@ -398,7 +403,7 @@ def test_unclamped_rows_of_an_empty_pair_member_ran_past_the_padded_pool():
     block_m = 128
     grid = make_row_grid([100, 25], block_m=block_m, n_blocks_l1=2, n_blocks_l2=2, pair_splits_m=True)
     n_pad = 125 + block_m
-    (seq0, seq1) = enumerate_all(Schedule("expert_wave"), grid, 2)
+    (seq0, seq1) = enumerate_all(ExpertWaveSchedule(), grid, 2)
     last = [t for t in seq1 if t.expert == 1]
     assert last and all(t.m_block == 1 for t in last)
     unclamped = max(t.tok0 + t.m_block * block_m + m for t in last for m in range(_rows_read(t, block_m)))
