@@ -26,7 +26,7 @@ from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 from flash_attn.cute.interface import _tile_size_fwd_sm90
 from flash_attn.cute.utils import AuxData
 
-from fa4_a2a.kernel import FlashAttentionUlyssesSm90
+from fa4_a2a.kernel import FlashAttentionUlyssesSm90, UlyssesAux
 from fa4_a2a.validate import check_attention_a2a
 
 _TORCH_TO_CUTLASS = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
@@ -111,9 +111,9 @@ def _compile(cfg: KernelConfig, options: str = ""):
     q_t = to_cute_tensor(q)
     out_t = to_cute_tensor(out, assumed_align=16)
     lse_t = to_cute_tensor(lse, assumed_align=4) if lse is not None else None
-    aux = AuxData([to_cute_tensor(table, assumed_align=8, leading_dim=0)], None) if table is not None else AuxData()
-    if trace is not None:
-        aux = AuxData([aux.tensors[0], to_cute_tensor(trace, assumed_align=8)], None)
+    aux = AuxData() if table is None else UlyssesAux(
+        to_cute_tensor(table, assumed_align=8, leading_dim=0),
+        None if trace is None else to_cute_tensor(trace, assumed_align=8)).aux_data()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         kernel,
@@ -154,7 +154,7 @@ def compile_ptx(cfg: KernelConfig) -> str:
 
 def _launch(cfg, q, k, v, out, lse, peer_table, softmax_scale, trace=None):
     fn = compile_kernel(cfg)
-    aux = AuxData([peer_table] + ([trace] if cfg.trace else []), None) if cfg.ulysses else AuxData()
+    aux = UlyssesAux(peer_table, trace if cfg.trace else None).aux_data() if cfg.ulysses else AuxData()
     fn(
         q.detach(), k.detach(), v.detach(), out.detach(), lse, float(softmax_scale),
         None, None, None, None, None, None, None, None, None, aux, None, None,

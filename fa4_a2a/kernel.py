@@ -26,7 +26,8 @@ Compile-time switches (one class, no copies):
 """
 
 # No ``from __future__ import annotations`` here: @cute.struct needs evaluated field annotations.
-from typing import Optional
+import inspect
+from typing import Any, NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -51,10 +52,21 @@ from xstage.device import peer_address
 # the SM id. The host fills the min field with INT64_MAX and the rest with 0.
 TRACE_FIELDS = ("t_cta_start", "t_epilogue", "t_first_store", "t_last_store", "smid")
 
-# Positions of the tile-scheduler arguments in FlashAttentionForwardSm90.kernel(...) as called by
-# its __call__ (flash-attn-4 4.0.0b36).  Checked at trace time; a mismatch raises, never guesses.
-_KERNEL_ARG_TILE_SCHED_PARAMS = 31
-_KERNEL_ARG_TILE_SCHEDULER = 32
+
+
+class UlyssesAux(NamedTuple):
+    """What the Ulysses epilogue needs beyond the parent's arguments. It travels in FA4's ``AuxData``
+    (the parent's one extension point) as its tensor list, in this field order."""
+
+    peer_table: Any  # int64 [P]: every rank's destination buffer, this rank's head offset folded in
+    trace: Any = None  # int64 [B, Hl, m_blocks, len(TRACE_FIELDS)] (trace builds)
+
+    def aux_data(self) -> AuxData:
+        return AuxData([t for t in self if t is not None], None)
+
+    @classmethod
+    def of(cls, aux_data: AuxData) -> "UlyssesAux":
+        return cls(*aux_data.tensors)
 
 
 class _DeferredQRelease:
@@ -101,7 +113,7 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
           every peer's buffer; the data goes to the addresses in the peer table);
           FA-only -> the local output ``[B, S, Hl, D]``.
       mLSE: optional local ``[B, Hl, S]`` float32 (log-sum-exp of this rank's heads).
-      aux_data: ``AuxData(tensors=(peer_table,))``, peer_table int64 ``[P]`` (ulysses only).
+      aux_data: :class:`UlyssesAux` ``.aux_data()`` (ulysses only).
     """
 
     def __init__(
@@ -182,27 +194,28 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
 
     # ------------------------------------------------------------------ persistent tile order
     def kernel(self, *args, **kwargs):
-        """Trace-time hook around the parent's kernel: swaps in a static persistent scheduler."""
+        """Trace-time hook around the parent's kernel: swaps in a static persistent scheduler (the
+        parent's arguments bound by name, so a reordered upstream signature cannot be misread)."""
         if not self.persistent:
             return super().kernel(*args, **kwargs)
-        args = list(args)
-        if args[_KERNEL_ARG_TILE_SCHEDULER] is not SingleTileScheduler:
+        bound = inspect.signature(FlashAttentionForwardSm90.kernel).bind(self, *args, **kwargs)
+        given = bound.arguments
+        if given["TileScheduler"] is not SingleTileScheduler:
             raise NotImplementedError(
                 "persistent variant supports the non-causal, non-varlen SingleTileScheduler path "
-                f"only (got {args[_KERNEL_ARG_TILE_SCHEDULER]})"
+                f"only (got {given['TileScheduler']})"
             )
-        single = args[_KERNEL_ARG_TILE_SCHED_PARAMS]
+        single = given["tile_sched_params"]
         total_tiles = single.num_block * single.num_head * single.num_batch
-        params = StaticPersistentTileScheduler.Params(
+        given["tile_sched_params"] = StaticPersistentTileScheduler.Params(
             FastDivmodDivisorV2(single.num_block),
             FastDivmodDivisorV2(single.num_head),
             total_tiles,
             cluster_shape_m=1,
         )
-        args[_KERNEL_ARG_TILE_SCHED_PARAMS] = params
-        args[_KERNEL_ARG_TILE_SCHEDULER] = StaticPersistentTileScheduler
+        given["TileScheduler"] = StaticPersistentTileScheduler
         grid = (cutlass.min(Int32(self.num_sms), total_tiles), Int32(1), Int32(1))
-        return _LaunchWithGrid(super().kernel(*args, **kwargs), grid)
+        return _LaunchWithGrid(super().kernel(*bound.args[1:], **bound.kwargs), grid)
 
     # ------------------------------------------------------------------ consumer (MMA) role
     @cute.jit
@@ -234,12 +247,12 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         aux_data: AuxData = AuxData(),
         fastdiv_mods=None,
     ):
-        # The peer table travels in aux_data; take it out here (the epilogue reads it) and run
+        # The Ulysses tensors travel in aux_data; this role hands them to the epilogue it calls
+        # within the same trace (the parent's epilogue signature has no aux argument), then runs
         # the parent's MMA/softmax role exactly as stock (no aux tensors, no fastdiv mods).
         if const_expr(self.ulysses):
-            self._peer_table = aux_data.tensors[0]
+            self._aux = UlyssesAux.of(aux_data)
         if const_expr(self.trace):
-            self._trace = aux_data.tensors[1]  # [B, Hl, m_blocks, len(TRACE_FIELDS)] int64
             self._t_cta_start = xdev.globaltimer_ns()
         self._pipeline_q = pipeline_q
         super().mma(
@@ -328,7 +341,7 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
     ):
         t_row = Int64(0)
         if const_expr(self.trace):
-            trace_row = self._trace[batch_idx, head_idx, m_block, None]
+            trace_row = self._aux.trace[batch_idx, head_idx, m_block, None]
             t_row = Int64(trace_row.iterator.toint())
             t_cta_start = self._t_cta_start
             if tidx == 0:
@@ -372,7 +385,7 @@ class FlashAttentionUlyssesSm90(FlashAttentionForwardSm90):
         stride_b = Int64(mO.stride[3])
         shard_len = seqlen.seqlen_q // self.num_ranks
         head_batch_offset = Int64(head_idx) * stride_h + Int64(batch_idx) * stride_b
-        peer_table = self._peer_table
+        peer_table = self._aux.peer_table
         vec = cute.size(tOrO.shape[0])
         if const_expr(self.trace):
             xdev.red_min_u64(t_row + 2 * 8, xdev.globaltimer_ns())
