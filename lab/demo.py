@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""``scripts/run``'s main job. On a Hopper GPU (a few minutes): both fused kernels on one
-representative shape each, checked against the fp32 reference, timed next to their baselines
-(lab.fa4_a2a.demo, lab.megamoe.demo). Without one (seconds): the Burst-Gap planner on every
+"""``scripts/run``'s main job. On a Hopper GPU (about two minutes): both fused kernels checked
+against their references and timed next to their baselines (lab.fa4_a2a.demo), the MoE layer in
+BF16 and W8A8 against the grouped GEMMs it replaces (DeepGEMM's where it is importable) and the
+paper's effect on one GPU -- the two schedules with the Combine over PCIe next to the model's
+prediction (lab.megamoe.demo); a table, a figure (``<out>/demo.png``) and the JSON. Without one (seconds): the Burst-Gap planner on every
 shipped platform profile, the calibration fit and report recomputed from the shipped raw data, and
 the MoE layer on the torch backend (BF16 and W8A8) on a small shape.
 Prints a table and writes ``<out>/demo.json`` (with provenance).
@@ -32,20 +34,9 @@ def gpu(out: Path) -> dict:
     print(f"   fused / FA-only {fa['fused_vs_fa_only']:.3f}; Serial (FA-only + A2A copy kernel) / fused "
           f"{fa['serial_symm_vs_fused']:.3f} (paired sign test: fused faster: {fa['fused_lt_serial_symm']})")
     moe = moe_demo.run()
-    print(f"\n== megamoe_interleave: {moe['shape']}")
-    for s, c in moe["checks"].items():
-        print(f"   fused[{s}] vs fp32 reference (token sample): max abs error "
-              f"{c['max_abs_err_vs_fp32_sample']:.2e} -> {'ok' if c['ok'] else 'FAILED'}")
-    row = moe["paired"]
-    print(f"   paired, clock-matched (reference clock {row['reference_clock_mhz']} MHz), against the two grouped GEMMs "
-          f"({row['variants'][next(iter(row['variants']))].get('baseline_median_us', float('nan')):.0f} us):")
-    for name, v in row["variants"].items():
-        if v.get("n_matched"):
-            print(f"   {name:22s} {v['median_us']:9.0f} us  ratio {v['median_ratio']:.3f}  "
-                  f"{moe['tflops'][name]:6.0f} TFLOP/s  faster in {100 * v['frac_not_slower']:.0f} % of "
-                  f"{v['n_matched']} trials")
-        else:
-            print(f"   {name:22s} no trial at the reference clock (+-{row['clock_tol_mhz']:.0f} MHz): no ratio")
+    moe_demo.print_summary(moe)
+    if moe_demo.plot(moe, out / "demo.png"):
+        print(f"\n   figure: {out / 'demo.png'}")
     print(f"\n{time.time() - t0:.0f} s")
     return {"fa4_a2a": fa, "megamoe_interleave": moe, "ok": fa["ok"] and moe["ok"]}
 

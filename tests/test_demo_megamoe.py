@@ -1,0 +1,69 @@
+"""The GPU main job's MoE part without a GPU: DeepGEMM's contiguous layout and the block / token
+quantizers of the baseline, the summary table and the figure from a result of the demo's shape,
+and the model's prediction it prints. CPU only."""
+import pytest
+import torch
+
+from lab.megamoe import deepgemm, demo
+
+
+def test_contiguous_rows_pad_every_expert_and_skip_empty_ones():
+    m, M = deepgemm.contiguous_rows([3, 0, 130], 128)
+    assert M == 128 + 256 and m.dtype == torch.int32
+    assert m[:3].tolist() == [0] * 3 and (m[3:128] == -1).all()
+    assert (m[128:258] == 2).all() and (m[258:] == -1).all()
+    assert deepgemm.contiguous_rows([], 128)[1] == 0
+
+
+def test_quantizers_round_trip_within_e4m3():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 256, 384, generator=g)
+    q, s = deepgemm.block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 3)
+    back = (q.float().view(2, 2, 128, 3, 128) * s.view(2, 2, 1, 3, 1)).view_as(w)
+    assert ((back - w).norm() / w.norm()) < 0.04  # E4M3: 3 mantissa bits
+    x = torch.randn(5, 256, generator=g)
+    q, s = deepgemm.token_quantize(x)
+    assert s.shape == (5, 2) and ((q.float().view(5, 2, 128) * s[:, :, None]).view_as(x) - x).norm() / x.norm() < 0.04
+
+
+def test_deepgemm_absent_is_one_line():
+    dg, why = deepgemm.load()
+    assert (dg is None) == bool(why) and "\n" not in why
+
+
+def test_rows_per_expert_counts_every_live_pick():
+    shape = type("S", (), dict(num_experts=8))()
+    idx = [torch.tensor([[0, 5], [5, -1]]), torch.tensor([[7, 1]])]
+    assert demo._rows_per_expert(shape, 2, idx) == [[1, 1, 0, 0], [0, 2, 0, 1]]
+
+
+def _result():
+    names = ["fused bf16", "fused w8a8", "torch bf16 GEMMs", "torch fp8 GEMMs"]
+    variants = {n: dict(n_matched=9, median_ratio=0.97) for n in names if n != "torch bf16 GEMMs"}
+    layers = dict(shape="s", checks={"bf16": dict(relative_error=3e-3, against="fp32 reference", ok=True)},
+                  deepgemm="DeepGEMM not importable (x)", paired={"torch bf16 GEMMs": dict(
+                      reference_clock_mhz=1980, variants=variants)},
+                  median_us={n: 1000.0 + i for i, n in enumerate(names)}, tflops={n: 500.0 for n in names}, ok=True)
+    world = dict(expert_wave_us=4400.0, interleaved_us=3800.0, speedup=1.15, matched_trials=9)
+    pcie = {"shape": "s", "loopback": dict(world, speedup=1.0), "loopback+host": world, "auto": dict(schedule="interleaved"),
+            "model": dict(platform="h200-pcie-host", R_bytes_per_s=52.6e9, combine_bytes=2 ** 27,
+                          expert_wave_us=4500.0, interleaved_us=3900.0, speedup=4500 / 3900), "ok": True}
+    return {"layers": layers, "xstage_pcie": pcie, "ok": True}
+
+
+def test_summary_and_figure(capsys, tmp_path):
+    demo.print_summary(_result())
+    text = capsys.readouterr().out
+    assert "0.970x its time" in text and "expert_wave / interleaved 1.150" in text and "picks interleaved" in text
+    pytest.importorskip("matplotlib")
+    assert demo.plot(_result(), tmp_path / "demo.png") and (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_the_models_prediction_is_eq_11_over_the_whole_kernel():
+    """What the demo prints as the model: kernel_rate_bounds with the control's times split 2:1."""
+    from xstage import model
+
+    il, ew = model.kernel_rate_bounds(2e-3, 1e-3, 52.6e9 * 2e-3, 52.6e9)  # V / R = 2 ms
+    assert il == pytest.approx(3e-3) and ew == pytest.approx(4e-3)
+    assert demo.L1_FLOP_SHARE == pytest.approx(2 / 3)
