@@ -3,8 +3,8 @@ Linear-1 and Linear-2 of its routed rows with ``deep_gemm.m_grouped_fp8_gemm_nt_
 1x128 activation / 128x128 weight recipe our W8A8 uses), nothing else (no Dispatch, SwiGLU, h
 quantization, Combine or reduction) -- the GEMMs a user would run instead of the fused layer.
 
-External: DeepGEMM is imported only when it is on ``PYTHONPATH`` (the bundle of
-``../shared/peers/deepgemm``, its README); :func:`load` says in one line why not otherwise. Never a
+External: DeepGEMM is imported only when it is on ``PYTHONPATH`` (how to build and carry it:
+docs/gpu.md, "DeepGEMM, the FP8 baseline"); :func:`load` says in one line why not otherwise. Never a
 dependency of the library.
 
 Layout (DeepGEMM's contiguous M-grouped layout): each local expert's rows padded to
@@ -26,7 +26,7 @@ def load() -> Tuple[Optional[object], str]:
     try:
         import deep_gemm
     except Exception as e:  # not installed, or built for another torch / CUDA
-        return None, f"DeepGEMM not importable ({type(e).__name__}: {str(e)[:120]}); see ../shared/peers/deepgemm"
+        return None, f"DeepGEMM not importable ({type(e).__name__}: {str(e)[:120]}); see docs/gpu.md (DeepGEMM, the FP8 baseline)"
     if not hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous"):
         return None, f"this DeepGEMM ({getattr(deep_gemm, '__version__', '?')}) has no m_grouped_fp8_gemm_nt_contiguous"
     return deep_gemm, ""
