@@ -88,12 +88,16 @@ def build_kernel(cfg: KernelConfig) -> FlashAttentionUlyssesSm90:
     )
 
 
-def _fake_operands(cfg: KernelConfig):
-    """Placeholder tensors with the right dtype/rank/alignment; the compiled layout is dynamic."""
+def _compile_operands(cfg: KernelConfig):
+    """Small operands with the right dtype / rank / alignment (the compiled layout is dynamic, the
+    addresses do not enter the program): real tensors where a GPU is present, as flash-attn compiles,
+    FakeTensors on a CPU host (on a GPU host torch would warn that their data pointer is read)."""
+    from contextlib import nullcontext
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     B, S, Hl, D, P = 1, 256 * cfg.num_ranks, 2, cfg.head_dim, cfg.num_ranks
-    with FakeTensorMode():
+    with nullcontext() if torch.cuda.is_available() else FakeTensorMode():
         q = torch.empty(B, S, Hl, D, dtype=cfg.dtype, device="cuda")
         out = (
             torch.empty(B, S // P, Hl * P, D, dtype=cfg.dtype, device="cuda")
@@ -108,7 +112,7 @@ def _fake_operands(cfg: KernelConfig):
 
 def _compile(cfg: KernelConfig, options: str = ""):
     kernel = build_kernel(cfg)
-    q, out, lse, table, trace = _fake_operands(cfg)
+    q, out, lse, table, trace = _compile_operands(cfg)
     q_t = to_cute_tensor(q)
     out_t = to_cute_tensor(out, assumed_align=16)
     lse_t = to_cute_tensor(lse, assumed_align=4) if lse is not None else None
