@@ -9,7 +9,9 @@ kernel, against torch copies), megamoe_expert_wave / megamoe_interleaved (P = 2,
 E = 16, H = 1024, I = 512, top-4, 100 / 37 tokens, the default configuration),
 megamoe_w8a8_expert_wave / megamoe_w8a8_interleaved (that problem in W8A8, then P = 1, 200 tokens,
 top-2, H = 512, I = 256: the case whose empty pair-member tiles read scales past the pool, issue
-39), megamoe_plan (the device-side plan's kernel, equal to the torch plan, then one enqueue). Each
+39), megamoe_plan (the device-side plan's kernel, equal to the torch plan, then one enqueue),
+megamoe_enqueue (one enqueue alone: the device plan, the fused kernel and the reduction, every
+kernel instrumented). Each
 case checks its output against a reference, so a run under the sanitizer is also a correctness run.
 
 The children run with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every
@@ -28,12 +30,12 @@ import threading
 import time
 
 CASES = ("calibration", "fa4_a2a", "fa4_a2a_copy", "megamoe_expert_wave", "megamoe_interleaved",
-         "megamoe_w8a8_expert_wave", "megamoe_w8a8_interleaved", "megamoe_plan")
+         "megamoe_w8a8_expert_wave", "megamoe_w8a8_interleaved", "megamoe_plan", "megamoe_enqueue")
 TOOLS = ("memcheck", "racecheck")
 KERNEL_FILTER = {"calibration": "BurstKernel", "fa4_a2a": "FlashAttentionUlyssesSm90", "fa4_a2a_copy": "UlyssesA2ACopy",
                  "megamoe_expert_wave": "MegaMoESm90", "megamoe_interleaved": "MegaMoESm90",
                  "megamoe_w8a8_expert_wave": "MegaMoESm90", "megamoe_w8a8_interleaved": "MegaMoESm90",
-                 "megamoe_plan": "DevicePlanSm90"}
+                 "megamoe_plan": "DevicePlanSm90", "megamoe_enqueue": None}  # None: every kernel
 
 
 def run_calibration():
@@ -168,7 +170,6 @@ def run_megamoe_plan():
 
     from megamoe_interleave.device_plan import plan_all_ranks
     from megamoe_interleave.plan_kernel import plan_all_ranks_kernel
-    from megamoe_interleave.reference import reference_moe_fp32
 
     w1, w2, xs, idx, wts = megamoe_inputs(PLAN_PROBLEM, "skewed", 0.2, seed=1)
     T = PLAN_PROBLEM[-1]
@@ -182,6 +183,14 @@ def run_megamoe_plan():
         for name in ("counts", "n_pool", "pool_src", "pool_weight", "num_rows", "row_record", "schedule_table"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name).cpu()), f"plan kernel {name} differs"
         print(f"plan kernel ({schedule}) equals the torch plan", flush=True)
+    run_megamoe_enqueue(w1, w2, xs, idx, wts)
+
+
+def run_megamoe_enqueue(*inputs):
+    """One ``enqueue`` of PLAN_PROBLEM (device plan, fused kernel, reduction) against fp32."""
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    w1, w2, xs, idx, wts = inputs or megamoe_inputs(PLAN_PROBLEM, "skewed", 0.2, seed=1)
     moe = megamoe_layer(PLAN_PROBLEM, "bf16", "interleaved", "cuda")
     moe.load_weights(w1, w2)
     ys = moe.enqueue(xs, idx, wts)
@@ -199,7 +208,7 @@ def compile_megamoe_cases(cases):
 
     os.environ[SANITIZED_ENV] = "1"
     for case in cases:
-        if case == "megamoe_plan":
+        if case in ("megamoe_plan", "megamoe_enqueue"):
             for schedule, options in PLAN_SCHEDULES:
                 P, _, _, _, k, _, T = PLAN_PROBLEM
                 compiled_device_plan(P, T, k, **plan_arguments(schedule, options))
@@ -224,6 +233,8 @@ def run_case(case):
         run_fa4_a2a_copy()
     elif case == "megamoe_plan":
         run_megamoe_plan()
+    elif case == "megamoe_enqueue":
+        run_megamoe_enqueue()
     else:
         run_megamoe(*megamoe_precision_schedule(case))
 
@@ -258,7 +269,7 @@ def sanitize(case, tool, log_dir, timeout_s, print_limit=20, blocking=False):
     over every displayed report (`print_limit` 0: all of them)."""
     log = os.path.join(log_dir, f"{case}.{tool}.log")
     cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", str(print_limit),
-           "--kernel-name", f"kns={KERNEL_FILTER[case]}"]
+           *(["--kernel-name", f"kns={KERNEL_FILTER[case]}"] if KERNEL_FILTER[case] else [])]
     # Host API error returns (cuda-python probes driver entry points with cuGetProcAddress and
     # gets INVALID_VALUE for ones this driver lacks) are not kernel errors: leave them out.
     cmd += ["--report-api-errors", "no"]
