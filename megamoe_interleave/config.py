@@ -13,9 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from .scheduler import DIVMOD_SMALL_MAX, SCHEDULES, ExpertWaveSchedule, InterleavedSchedule, Schedule, \
-    check_experts_per_wave, default_experts_per_wave, \
-    default_lead
+from .int_ops import DIVMOD_SMALL_MAX
+from .row_grid import check_experts_per_wave, default_experts_per_wave, default_lead
+from .scheduler import SCHEDULES, ExpertWaveSchedule, InterleavedSchedule, Schedule
 
 BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
 BLOCK_K = 64  # one 128-byte swizzle row of bf16
@@ -200,7 +200,7 @@ class MegaMoEConfig:
 
     def schedule_spec(self) -> Schedule:
         """The scheduler (pure step functions) of a resolved config: interleaved always pairs the
-        CTA pairs' L1 and L2 shares (scheduler.balanced_l2_start; measured 0.993x at P = 1 and
+        CTA pairs' L1 and L2 shares (row_grid.balanced_l2_start; measured 0.993x at P = 1 and
         0.9995x at P = 8 against unbalanced starts, redesign_switches/)."""
         if self.schedule == "interleaved":
             return InterleavedSchedule(lead=self.lead, balance_l2=True)
@@ -226,7 +226,7 @@ class MegaMoEConfig:
           flight, (num_sms / 2 pairs) // (L1 pair tiles per row) + 1 (= 5 at DeepSeek-V4-Flash):
           W = 0 / 4 / 5 / 6 / 7 gave 1.048 / 1.088 / 1.009 / 1.017 / 1.033x; interleaved no W in
           5..14 beat W = 0 (window/).
-        * l2_columns: on for expert_wave wherever the order's positions fit scheduler.divmod_small
+        * l2_columns: on for expert_wave wherever the order's positions fit int_ops.divmod_small
           (0.1-0.3 % faster than the row order on three hosts, l2_columns/ in results/h200/megamoe/archive/README.md).
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
 

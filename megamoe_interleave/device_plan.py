@@ -3,8 +3,8 @@ what :meth:`MegaMoE.enqueue <megamoe_interleave.api.MegaMoE.enqueue>` and a capt
 the kernel with (``forward`` still plans on the host).
 
 :func:`plan_all_ranks` computes what the host planner (:func:`reference.permute_ranks`,
-:func:`scheduler.make_row_grid`, :func:`scheduler.balanced_l2_start`,
-:func:`scheduler.schedule_table`) gives the kernel -- the Dispatch source table, the routing
+:func:`row_grid.make_row_grid`, :func:`row_grid.balanced_l2_start`,
+:func:`row_grid.schedule_table`) gives the kernel -- the Dispatch source table, the routing
 weights, the row records, the schedule table, the pool and row counts -- with torch operations of
 static shapes only: no ``.item()``, no ``nonzero`` / boolean indexing, no ``bincount`` (it reads
 its maximum back on CUDA). Outputs are sized from ``max_tokens_per_rank`` once
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler import Schedule, default_experts_per_wave, pool_rows_per_row
+from .row_grid import default_experts_per_wave, pool_rows_per_row
+from .scheduler import Schedule
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
                           at(counts)], -1)
     row_record = torch.where(in_grid[..., None], record, 0)
 
-    # The schedule table (scheduler.schedule_table).
+    # The schedule table (row_grid.schedule_table).
     if schedule.name == "expert_wave":
         epw = experts_per_wave or default_experts_per_wave(el)
         firsts = torch.arange(sizes.table - 2, device=dev) * epw
@@ -153,7 +154,7 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
 
 
 def _balanced_l2_start(row_record, in_grid, num_rows, G, block_m, pairs_l1, pairs_l2, hidden, intermediate):
-    """scheduler.balanced_l2_start on the device, per rank: a pair tile costs K times its rows (64
+    """row_grid.balanced_l2_start on the device, per rank: a pair tile costs K times its rows (64
     for a half tile, where the pair's fuller member holds <= 64 rows); the dearest L1 residue
     classes get the cheapest L2 classes."""
     P, dev = row_record.shape[0], row_record.device

@@ -14,7 +14,8 @@ import torch
 
 from . import reference
 from .config import BLOCK_M, MegaMoEConfig
-from .scheduler import RowGrid, balanced_l2_start, make_row_grid
+from .row_grid import balanced_l2_start, make_row_grid
+from .scheduler import RowGrid
 from xstage.world import single_process
 
 

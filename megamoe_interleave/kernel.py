@@ -36,8 +36,8 @@ def kernel_sources():
     """The modules whose code is the fused kernels' program."""
     from xstage import device, pipeline
 
-    from . import activation, arguments, config, kernel_sm90, named_barrier, scheduler, sm90_dispatch, sm90_epilogue, \
-        sm90_fp8, sm90_mainloop
+    from . import activation, arguments, config, int_ops, kernel_sm90, named_barrier, scheduler, sm90_dispatch, \
+        sm90_epilogue, sm90_fp8, sm90_mainloop
 
-    return (sys.modules[__name__], activation, arguments, config, kernel_sm90, named_barrier, scheduler, sm90_dispatch,
-            sm90_epilogue, sm90_fp8, sm90_mainloop, device, pipeline)
+    return (sys.modules[__name__], activation, arguments, config, int_ops, kernel_sm90, named_barrier, scheduler,
+            sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_mainloop, device, pipeline)

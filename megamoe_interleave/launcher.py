@@ -20,7 +20,7 @@ from .arguments import MegaMoEArguments, check_launch_arguments
 from .config import BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig
 from .device_plan import DevicePlan, plan_all_ranks
 from .host_plan import HostPlan, persistent_ctas
-from .scheduler import schedule_table
+from .row_grid import schedule_table
 from .workspace import COUNTER_BARRIER, COUNTER_ERROR, counter_words
 from xstage.world import single_process
 

@@ -11,7 +11,7 @@ counts, one launch of grid (pool blocks, P) writes
   zeros past the rank's pool, from the rank's contiguous range of the order;
 * in block 0 of each rank: the per-expert counts, the row records, the schedule table (expert_wave
   wave starts, or the interleaved schedule's balanced L2 start: class costs as exact integers,
-  stable ranks by counting, as ``scheduler.balanced_l2_start``), and (num_rows, n_pool).
+  stable ranks by counting, as ``row_grid.balanced_l2_start``), and (num_rows, n_pool).
 
 Every value is integer arithmetic, so the result must equal ``plan_all_ranks``'s exactly
 (``tests/test_megamoe_plan_kernel.py``: on a GPU, random routings of every kind).
@@ -23,7 +23,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .device_plan import DevicePlan, plan_sizes, sorted_slots
-from .scheduler import Schedule, default_experts_per_wave, pool_rows_per_row
+from .row_grid import default_experts_per_wave, pool_rows_per_row
+from .scheduler import Schedule
 
 THREADS = 256
 SMEM_LIMIT = 200 * 1024  # below sm_90's 227 KB per block, with room for the allocator's alignment
@@ -199,7 +200,7 @@ class DevicePlanSm90:
 
     @cute.jit
     def balanced_l2_start(self, d, tidx, num_rows, s_cost, mTable, class_smem):
-        """scheduler.balanced_l2_start: class g's L1 cost is the sum of K * rows over the pair tiles
+        """row_grid.balanced_l2_start: class g's L1 cost is the sum of K * rows over the pair tiles
         kk = g (mod G) of the L1 order (kk // P1 = the row), likewise L2; the dearest L1 class
         (stable descending) gets the cheapest L2 class (stable ascending). Exact integers."""
         G = self.G
@@ -260,7 +261,7 @@ def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_pe
 
     from xstage.cute_compile import cached
 
-    from . import device_plan, scheduler
+    from . import device_plan, int_ops, row_grid, scheduler
 
     spec = (world_size, max_tokens, topk, experts_per_rank, block_m, schedule, num_pairs, pairs_l1, pairs_l2, hidden,
             intermediate, experts_per_wave)
@@ -268,7 +269,7 @@ def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_pe
                           num_pairs=num_pairs, pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden,
                           intermediate=intermediate, experts_per_wave=experts_per_wave)
     return plan, cached(("DevicePlanSm90",) + spec, lambda: compile_device_plan(plan).fn,
-                        sources=(sys.modules[__name__], device_plan, scheduler))
+                        sources=(sys.modules[__name__], device_plan, int_ops, row_grid, scheduler))
 
 
 def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_rank: int, block_m: int,

@@ -28,7 +28,7 @@ class ScheduleTrace:
     def __call__(
         self,
         mRowRecord: cute.Tensor,  # (max(P,1), 4) int32, 16-byte aligned
-        mScheduleTable: cute.Tensor,  # int32 scheduler.schedule_table
+        mScheduleTable: cute.Tensor,  # int32 row_grid.schedule_table
         num_rows: Int32,
         mOut: cute.Tensor,  # (num_ctas, max_tiles, 7) int32
         mCount: cute.Tensor,  # (num_ctas,) int32

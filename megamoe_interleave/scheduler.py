@@ -14,7 +14,7 @@ A scheduler is a pure function ``step(cursor, g, G, r, grid) -> (tile, cursor')`
 
 The same code runs in two worlds:
 
-* Python reference (:func:`enumerate_order`): integers, lists; used by the tests
+* Python reference (:func:`.row_grid.enumerate_order`): integers, lists; used by the tests
   and to predict what the kernel does.
 * CuTe DSL kernel: called at trace time with ``cutlass.Int32`` values and
   ``cute.Tensor`` lookup tables; it emits the index arithmetic. To make that
@@ -52,80 +52,14 @@ tiles of row p; :func:`interleaved_step` therefore requires D >= 1.)
 """
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any
 
-import numpy as np
+from .int_ops import _is_py, as_int, divmod_small, logical_and, logical_not, logical_or, select
 
 PHASE_L1 = 1
 PHASE_L2 = 2
 SCHEDULES = ("expert_wave", "interleaved")
-
-
-# ---------------------------------------------------------------------------
-# Arithmetic that works on Python ints and on CuTe DSL Int32
-# ---------------------------------------------------------------------------
-def _is_py(x) -> bool:
-    return isinstance(x, (bool, int))
-
-
-def select(cond, a, b):
-    """``a if cond else b`` for Python values and for DSL dynamic values."""
-    if _is_py(cond):
-        return a if cond else b
-    import cutlass  # deferred: the reference must not need the DSL
-
-    return cutlass.Int32(cutlass.select_(cond, a, b))
-
-
-DIVMOD_SMALL_MAX = 1 << 20  # divmod_small's dividends stay below this
-
-
-def divmod_small(a, b):
-    """``(a // b, a % b)`` for 0 <= a < 2**20 (:data:`DIVMOD_SMALL_MAX`) and b >= 1: exact
-    integers on the host; in the kernel through one ``rcp.approx`` instead of an integer
-    division (whose code made ptxas serialize the fused kernel's WGMMAs). Exact: (a + 1/2) / b
-    lies at least 1 / (2 b) from an integer, and the float error (rcp.approx's 1 ulp plus the
-    product's rounding, <= 1.5 * 2^-23 relative) is at most (a + 1/2) / b * 1.5 * 2^-23, which
-    is below 1 / (2 b) while a + 1/2 < 2^22 / 3."""
-    if _is_py(a) and _is_py(b):
-        return a // b, a % b
-    import cutlass
-    import cutlass.cute as cute
-
-    q = cutlass.Int32((cutlass.Float32(a) + 0.5) * cute.arch.rcp_approx(cutlass.Float32(b)))
-    return q, a - q * b
-
-
-def logical_and(a, b):
-    if _is_py(a) and _is_py(b):
-        return bool(a) and bool(b)
-    return a & b
-
-
-def logical_or(a, b):
-    if _is_py(a) and _is_py(b):
-        return bool(a) or bool(b)
-    return a | b
-
-
-def logical_not(a):
-    if _is_py(a):
-        return not a
-    import cutlass
-
-    return cutlass.Boolean(cutlass.select_(a, False, True))
-
-
-def as_int(x):
-    """Boolean -> 0/1 integer (Python) or Int32 (DSL)."""
-    if _is_py(x):
-        return int(bool(x))
-    import cutlass
-
-    return cutlass.Int32(cutlass.select_(x, 1, 0))
 
 
 # ---------------------------------------------------------------------------
@@ -161,101 +95,6 @@ class RowGrid:
     row_record: Any = None
     l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
     row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
-
-
-def pool_rows_per_row(block_m: int, pair_splits_m: bool) -> int:
-    """Pool rows of one scheduler row: ``block_m``, or ``2 * block_m`` when the CTA pair splits
-    a row along M (:class:`RowGrid`'s ``pair_splits_m``; the kernel's tma_ws_mcast_b)."""
-    return 2 * block_m if pair_splits_m else block_m
-
-
-def make_row_grid(
-    tokens_per_expert: Sequence[int],
-    *,
-    block_m: int,
-    n_blocks_l1: int,
-    n_blocks_l2: int,
-    experts_per_wave: int | None = None,
-    pair_splits_m: bool = False,
-) -> RowGrid:
-    """Host-side row layout from the number of tokens each local expert received
-    (``pair_splits_m``: rows of 2 * block_m pool rows, see :class:`RowGrid`)."""
-    check_experts_per_wave(experts_per_wave)
-    if not pair_splits_m and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
-        raise ValueError(
-            f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
-        )
-    if block_m <= 0:
-        raise ValueError("block_m must be positive")
-    num_experts = len(tokens_per_expert)
-    row_block = pool_rows_per_row(block_m, pair_splits_m)
-    m_blocks = [(int(c) + row_block - 1) // row_block for c in tokens_per_expert]
-    if any(c < 0 for c in tokens_per_expert):
-        raise ValueError("negative token count")
-    # (itertools: this runs on the host before every fused launch)
-    offsets = [0, *itertools.accumulate(m_blocks)]
-    num_rows = offsets[-1]
-    row_expert = list(itertools.chain.from_iterable(itertools.repeat(e, mb) for e, mb in enumerate(m_blocks)))
-    token_offsets = [0, *itertools.accumulate(int(c) for c in tokens_per_expert)]
-    row_record = [(e, i, token_offsets[e], int(tokens_per_expert[e]))
-                  for e, mb in enumerate(m_blocks) for i in range(mb)]
-    epw = experts_per_wave or default_experts_per_wave(num_experts)
-    num_waves = (num_experts + epw - 1) // epw if num_experts else 0
-    wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]
-    wave_row_start += [num_rows, num_rows]
-    pairs = 1 if pair_splits_m else 2  # N-blocks per pair tile
-    return RowGrid(
-        num_rows=num_rows,
-        pairs_l1=n_blocks_l1 // pairs,
-        pairs_l2=n_blocks_l2 // pairs,
-        row_expert=row_expert,
-        expert_row_offset=offsets,
-        wave_row_start=wave_row_start,
-        num_waves=num_waves,
-        pair_splits_m=pair_splits_m,
-        row_record=row_record,
-        row_block=row_block,
-    )
-
-
-def check_experts_per_wave(experts_per_wave) -> None:
-    """``experts_per_wave`` is None (the default) or >= 1."""
-    if experts_per_wave is not None and experts_per_wave < 1:
-        raise ValueError(f"experts_per_wave must be >= 1 (or None for the default), got {experts_per_wave}")
-
-
-def default_experts_per_wave(num_local_experts: int) -> int:
-    """Experts per wave when the caller does not choose: a quarter of the local
-    experts (at least 1), so there are ~4 waves and hence wave boundaries at which
-    the expert-wave schedule shows its L2 bursts, as in upstream's multi-wave runs."""
-    return max(1, num_local_experts // 4)
-
-
-# ---------------------------------------------------------------------------
-# Lead D (paper eq. 16)
-# ---------------------------------------------------------------------------
-def d_knee(block_n: int, k_sm: int, intermediate: int) -> float:
-    """Anti-starvation knee D_knee = b_n * K_SM / (2 * h_inter) (paper eq. 16), in rows.
-
-    Uses ``xstage.model.d_knee`` when the lead has provided it; the local formula is
-    the fallback until then (same equation).
-    """
-    try:
-        from xstage import model as _model  # owned by the lead
-
-        fn = getattr(_model, "d_knee", None)
-        if fn is not None:
-            return float(fn(block_n, k_sm, intermediate))
-    except ImportError:
-        pass
-    if block_n <= 0 or k_sm <= 0 or intermediate <= 0:
-        raise ValueError("d_knee needs positive block_n, k_sm, intermediate")
-    return block_n * k_sm / (2.0 * intermediate)
-
-
-def default_lead(block_n: int, k_sm: int, intermediate: int) -> int:
-    """Integer lead D >= 1 at the knee (ceil of eq. 16)."""
-    return max(1, int(math.ceil(d_knee(block_n, k_sm, intermediate) - 1e-9)))
 
 
 # ---------------------------------------------------------------------------
@@ -317,7 +156,7 @@ def interleaved_init(g, grid: RowGrid | None = None, balance_l2: bool = False):
     so without balancing the pairs g < (P * P1) % G get one L1 tile more than the others and
     the pairs g < (P * P2) % G one L2 tile more: the same pairs carry both extras and finish
     last. ``balance_l2`` starts pair g's L2 stream at residue ``grid.l2_start[g]`` instead, a
-    permutation of the pairs computed on the host (:func:`balanced_l2_start`) that gives the
+    permutation of the pairs computed on the host (:func:`.row_grid.balanced_l2_start`) that gives the
     cheapest L2 residue classes to the pairs with the dearest L1 classes. Each pair still owns
     exactly one residue class of each stream, so every tile is emitted once, and the emission
     rule -- hence invariant I and the deadlock argument -- does not depend on where a stream
@@ -325,33 +164,6 @@ def interleaved_init(g, grid: RowGrid | None = None, balance_l2: bool = False):
     if not balance_l2:
         return (g, g)
     return (g, grid.l2_start[g])
-
-
-def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: int, intermediate: int) -> List[int]:
-    """``RowGrid.l2_start`` for ``num_pairs`` pairs (host side): pair g keeps L1 residue class g;
-    the L2 classes are assigned so that the dearest L1 classes get the cheapest L2 classes
-    (sorted pairing, which minimises the largest sum of two assigned costs). A pair tile costs
-    its WGMMA work: K (L1 H, L2 I) times its rows -- 64 for a half tile (the kernel runs a CTA's
-    m-block of <= 64 valid rows as one; here: the pair's fuller member holds <= 64 rows), else
-    ``block_m``."""
-    G = num_pairs
-    per_member = pool_rows_per_row(block_m, grid.pair_splits_m)
-    records = np.asarray(grid.row_record, dtype=np.int64).reshape(-1, 4)
-    left = records[:, 3] - records[:, 1] * per_member  # rows of each scheduler row
-    # the fuller member's rows (pair_splits_m: member 0 takes the first block_m of them)
-    most = np.clip(left, 0, block_m) if grid.pair_splits_m else left
-    rows_cost = np.where(most <= 64, 64, block_m).astype(np.float64)
-
-    def class_costs(pairs_per_row, k_dim):
-        k = np.arange(len(rows_cost) * pairs_per_row)
-        return np.bincount(k % G, weights=np.repeat(rows_cost * k_dim, pairs_per_row), minlength=G)
-
-    c1 = class_costs(grid.pairs_l1, hidden)
-    c2 = class_costs(grid.pairs_l2, intermediate)
-    l2_start = [0] * G
-    for g, residue in zip(np.argsort(-c1, kind="stable"), np.argsort(c2, kind="stable")):
-        l2_start[int(g)] = int(residue)
-    return l2_start
 
 
 def interleaved_done(cursor, grid: RowGrid):
@@ -386,14 +198,6 @@ def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
     is_l2, row, pair, nxt = interleaved_next(cursor, G, grid, lead)
     phase = select(is_l2, PHASE_L2, PHASE_L1)
     return _tile(grid, valid, phase, row, pair, r), nxt
-
-
-def schedule_table(schedule: "Schedule", grid: RowGrid) -> List[int]:
-    """The schedule's small int32 table for the kernel (one argument serves both): expert_wave
-    reads it as ``wave_row_start``, interleaved with ``balance_l2`` as ``l2_start``."""
-    if schedule.name == "expert_wave":
-        return list(grid.wave_row_start)
-    return list(grid.l2_start) if schedule.balance_l2 else [0]
 
 
 # ---------------------------------------------------------------------------
@@ -462,7 +266,7 @@ def expert_wave_step(cursor, g, G, r, grid: RowGrid, l2_columns: bool = False):
 class Schedule:
     """A tile scheduler: ``init(g, grid)`` -> cursor, ``done(cursor, grid)``, ``step(cursor, g, G, r,
     grid)`` -> (tile, next cursor), over the pure step functions above, so the kernel's roles (on DSL
-    values, at trace time), the device-side plan and the CPU references (:func:`enumerate_order`)
+    values, at trace time), the device-side plan and the CPU references (:func:`.row_grid.enumerate_order`)
     walk one definition. A schedule is a subclass; :func:`schedule_of` builds one by name."""
 
     name = ""
@@ -496,7 +300,7 @@ class Schedule:
 @dataclass(frozen=True)
 class InterleavedSchedule(Schedule):
     """Paper Algorithm 1: each pair runs L1 tiles ``lead`` rows ahead of its L2 tiles; ``balance_l2``:
-    the pairs' first L2 rows from :func:`balanced_l2_start` (``grid.l2_start``)."""
+    the pairs' first L2 rows from :func:`.row_grid.balanced_l2_start` (``grid.l2_start``)."""
 
     name = "interleaved"
     lead: int = 1
@@ -542,24 +346,3 @@ def schedule_of(name: str, **options) -> Schedule:
     if name not in SCHEDULE_CLASSES:
         raise ValueError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
     return SCHEDULE_CLASSES[name](**options)
-
-
-def enumerate_order(schedule: Schedule, grid: RowGrid, g: int, G: int, r: int) -> List[Tile]:
-    """Python reference: the full tile sequence of CTA (g, r)."""
-    if not (0 <= g < G) or r not in (0, 1):
-        raise ValueError(f"bad instance g={g} G={G} r={r}")
-    if schedule.balance_l2 and (grid.l2_start is None or len(grid.l2_start) != G):
-        raise ValueError(f"balance_l2 needs grid.l2_start for {G} pairs (balanced_l2_start)")
-    return list(schedule.tiles(grid, g, G, r))
-
-
-def enumerate_all(schedule: Schedule, grid: RowGrid, num_ctas: int) -> List[List[Tile]]:
-    """Sequences of every CTA; CTA c = pair g = c // 2, role r = c % 2."""
-    if num_ctas % 2:
-        raise ValueError("number of CTAs must be even (pairs)")
-    G = num_ctas // 2
-    return [enumerate_order(schedule, grid, c // 2, G, c % 2) for c in range(num_ctas)]
-
-
-def tile_key(t: Tile) -> Tuple[int, int, int, int]:
-    return (int(t.phase), int(t.row), int(t.m_block), int(t.n_block))

@@ -175,7 +175,7 @@ def test_variant_cases_run_each_schedule_once_per_axis_it_reads():
 
 
 def test_experts_per_wave_must_be_positive():
-    from megamoe_interleave.scheduler import make_row_grid
+    from megamoe_interleave.row_grid import make_row_grid
 
     with pytest.raises(ValueError, match="experts_per_wave"):
         make_row_grid([5, 7, 0, 3], block_m=4, n_blocks_l1=4, n_blocks_l2=2, experts_per_wave=0)

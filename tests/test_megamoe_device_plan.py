@@ -8,7 +8,8 @@ import torch
 
 from megamoe_interleave.device_plan import plan_on_device, plan_sizes
 from megamoe_interleave.reference import permute_ranks
-from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule, balanced_l2_start, make_row_grid, schedule_table
+from megamoe_interleave.row_grid import balanced_l2_start, make_row_grid, schedule_table
+from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule
 
 BLOCK_M, HIDDEN, INTER = 128, 512, 256
 SCHEDULES = [ExpertWaveSchedule(), InterleavedSchedule(lead=2, balance_l2=True)]

@@ -5,7 +5,8 @@ import torch
 import dataclasses
 
 from megamoe_interleave.config import BLOCK_M
-from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule, balanced_l2_start, enumerate_all, make_row_grid, schedule_table
+from megamoe_interleave.row_grid import balanced_l2_start, enumerate_all, make_row_grid, schedule_table
+from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule
 
 pytestmark = pytest.mark.gpu
 

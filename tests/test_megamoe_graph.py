@@ -10,7 +10,7 @@ from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
 from megamoe_interleave.arguments import MegaMoEArguments, check_launch_arguments, tensor_argument_spec
 from megamoe_interleave.config import BLOCK_M
 from megamoe_interleave.routing import make_routing
-from megamoe_interleave.scheduler import balanced_l2_start, schedule_table
+from megamoe_interleave.row_grid import balanced_l2_start, schedule_table
 
 E, H, I = 16, 256, 128
 

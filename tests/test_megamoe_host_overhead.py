@@ -12,7 +12,7 @@ from megamoe_interleave.reference import (
     weighted_combine,
 )
 from megamoe_interleave.routing import make_routing
-from megamoe_interleave.scheduler import balanced_l2_start
+from megamoe_interleave.row_grid import balanced_l2_start
 
 
 def _slow_permute(topk_idx, topk_weights, d, el):

@@ -9,7 +9,7 @@ from megamoe_interleave.routing import (
     balanced_routing, expert_load, imbalance, make_routing, mask_picks, skewed_routing,
 )
 from megamoe_interleave.shapes import SHAPES, get_shape
-from megamoe_interleave.scheduler import DIVMOD_SMALL_MAX
+from megamoe_interleave.int_ops import DIVMOD_SMALL_MAX
 
 DSV4 = get_shape("deepseek-v4-flash")
 
@@ -219,7 +219,7 @@ def test_fused_launch_arguments_match_kernel_signature(schedule, trace, tokens):
         assert n_pool == 0 or int(last[2] + last[3]) == n_pool
         assert t["mRowRecord"].data_ptr() % 16 == 0
         if trace:  # room for every tile of the busiest CTA
-            from megamoe_interleave.scheduler import enumerate_all
+            from megamoe_interleave.row_grid import enumerate_all
 
             _, grid = moe.planner.plan_rank(d)
             most = max((len(q) for q in enumerate_all(moe.config.schedule_spec(), grid, num_ctas)), default=0)

@@ -5,19 +5,20 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from megamoe_interleave.row_grid import (
+    balanced_l2_start,
+    default_lead,
+    enumerate_all,
+    enumerate_order,
+    make_row_grid,
+    tile_key,
+)
 from megamoe_interleave.scheduler import (
     PHASE_L1,
     PHASE_L2,
     ExpertWaveSchedule,
     InterleavedSchedule,
     schedule_of,
-    balanced_l2_start,
-    d_knee,
-    default_lead,
-    enumerate_all,
-    enumerate_order,
-    make_row_grid,
-    tile_key,
     tile_pool_row,
 )
 
@@ -321,9 +322,8 @@ def test_bad_grid_inputs():
         make_row_grid([-1], block_m=64, n_blocks_l1=4, n_blocks_l2=4)
 
 
-def test_d_knee_eq16():
-    # D_knee = b_n K_SM / (2 h_inter)
-    assert d_knee(128, 132, 2048) == pytest.approx(128 * 132 / 4096)
+def test_default_lead_is_the_ceiling_of_eq16():
+    # D_knee = b_n K_SM / (2 h_inter) (xstage.model.d_knee, tested in test_model): 4.125 -> 5
     assert default_lead(128, 132, 2048) == 5
     assert default_lead(128, 2, 4096) == 1
 
@@ -358,13 +358,13 @@ def test_l2_columns_visits_each_experts_l2_tiles_column_by_column():
 
 
 def test_divmod_small_float_path_is_exact():
-    """scheduler.divmod_small's kernel path, floor((a + 1/2) * rcp(b)) in float32, modelled with
+    """int_ops.divmod_small's kernel path, floor((a + 1/2) * rcp(b)) in float32, modelled with
     numpy float32 and a reciprocal off by the worst relative error of rcp.approx (2^-23, both
     signs): exact for every a < 4096 and b < 256 (the L2 stream positions of one expert and
     its rows), and the host path is Python's divmod."""
     import numpy as np
 
-    from megamoe_interleave.scheduler import divmod_small
+    from megamoe_interleave.int_ops import divmod_small
 
     a = np.arange(4096, dtype=np.float32)[:, None]
     b = np.arange(1, 256, dtype=np.float32)[None, :]
