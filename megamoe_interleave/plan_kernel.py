@@ -1,5 +1,5 @@
-"""The device-side plan's tables in one CuTe DSL kernel (work in progress: compiled and
-PTX-checked in CI, not yet run on a GPU; :meth:`FusedLauncher.device_plans <megamoe_interleave.launcher.FusedLauncher.device_plans>` uses it on CUDA).
+"""The device-side plan's tables in one CuTe DSL kernel (what
+:meth:`FusedLauncher.device_plans <megamoe_interleave.launcher.FusedLauncher.device_plans>` runs on CUDA).
 
 :func:`~megamoe_interleave.device_plan.plan_all_ranks` builds every rank's plan from about sixty
 torch ops; in a captured layer they are ~140 graph nodes and 275-858 us per replay on the H200
@@ -18,9 +18,12 @@ Every value is integer arithmetic, so the result must equal ``plan_all_ranks``'s
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from quack.cute_dsl_utils import mlir_namedtuple
 
 from .device_plan import DevicePlan, plan_sizes, sorted_slots
 from .row_grid import default_experts_per_wave, pool_rows_per_row
@@ -28,6 +31,22 @@ from .scheduler import Schedule
 
 THREADS = 256
 SMEM_LIMIT = 200 * 1024  # below sm_90's 227 KB per block, with room for the allocator's alignment
+
+
+@mlir_namedtuple
+class DevicePlanArguments(NamedTuple):
+    """The plan kernel's tensors in parameter order (N = P * max_tokens * k slots; E_l experts
+    per rank; the sizes are :class:`~megamoe_interleave.device_plan.PlanSizes`')."""
+
+    mOrder: Any  # (N,) int64: the slots sorted by global expert (stable)
+    mCounts: Any  # (P * E_l + 1,) int64: slots per global expert, the last the sentinel's
+    mWeight: Any  # (N,) f32: the routing weights, flat
+    mPoolSrc: Any  # out (P, max_pool, 3) int32: (source rank, token, pick)
+    mPoolWeight: Any  # out (P, max_pool) f32
+    mRecord: Any  # out (P, max_rows, 4) int32: the row records
+    mTable: Any  # out (P, table) int32: the schedule table
+    mSizes: Any  # out (P, 2) int32: (num_rows, n_pool)
+    mRankCounts: Any  # out (P, E_l) int32: tokens per local expert
 
 
 class DevicePlanSm90:
@@ -55,15 +74,13 @@ class DevicePlanSm90:
                              f"{SMEM_LIMIT} B; lower max_tokens_per_rank")
 
     @cute.jit
-    def __call__(self, mOrder: cute.Tensor, mCounts: cute.Tensor, mWeight: cute.Tensor, mPoolSrc: cute.Tensor,
-                 mPoolWeight: cute.Tensor, mRecord: cute.Tensor, mTable: cute.Tensor, mSizes: cute.Tensor,
-                 mRankCounts: cute.Tensor, stream):
+    def __call__(self, args: DevicePlanArguments, stream):
         blocks = (self.sizes.max_pool + THREADS - 1) // THREADS
-        self.kernel(mOrder, mCounts, mWeight, mPoolSrc, mPoolWeight, mRecord, mTable, mSizes, mRankCounts).launch(
-            grid=[blocks, self.P, 1], block=[THREADS, 1, 1], stream=stream)
+        self.kernel(args).launch(grid=[blocks, self.P, 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mOrder, mCounts, mWeight, mPoolSrc, mPoolWeight, mRecord, mTable, mSizes, mRankCounts):
+    def kernel(self, args: DevicePlanArguments):
+        mOrder, mCounts, mWeight, mPoolSrc, mPoolWeight, mRecord, mTable, mSizes, mRankCounts = args
         tidx, _, _ = cute.arch.thread_idx()
         bx, d, _ = cute.arch.block_idx()
         tidx, bx, d = Int32(tidx), Int32(bx), Int32(d)
@@ -242,14 +259,15 @@ def compile_device_plan(plan: DevicePlanSm90, *, keep_ptx: bool = False):
 
     P, el, s = plan.P, plan.el, plan.sizes
     N = P * plan.T * plan.k
-    args = (fake_tensor(Int64, (N,), stride=(1,)), fake_tensor(Int64, (P * el + 1,), stride=(1,)),
-            fake_tensor(Float32, (N,), stride=(1,)),
-            fake_tensor(Int32, (P, s.max_pool, 3), stride=(s.max_pool * 3, 3, 1)),
-            fake_tensor(Float32, (P, s.max_pool), stride=(s.max_pool, 1)),
-            fake_tensor(Int32, (P, s.max_rows, 4), stride=(s.max_rows * 4, 4, 1)),
-            fake_tensor(Int32, (P, s.table), stride=(s.table, 1)),
-            fake_tensor(Int32, (P, 2), stride=(2, 1)), fake_tensor(Int32, (P, el), stride=(el, 1)), fake_stream())
-    return compile_hopper(plan, *args, keep_ptx=keep_ptx)
+    args = DevicePlanArguments(
+        fake_tensor(Int64, (N,), stride=(1,)), fake_tensor(Int64, (P * el + 1,), stride=(1,)),
+        fake_tensor(Float32, (N,), stride=(1,)),
+        fake_tensor(Int32, (P, s.max_pool, 3), stride=(s.max_pool * 3, 3, 1)),
+        fake_tensor(Float32, (P, s.max_pool), stride=(s.max_pool, 1)),
+        fake_tensor(Int32, (P, s.max_rows, 4), stride=(s.max_rows * 4, 4, 1)),
+        fake_tensor(Int32, (P, s.table), stride=(s.table, 1)),
+        fake_tensor(Int32, (P, 2), stride=(2, 1)), fake_tensor(Int32, (P, el), stride=(el, 1)))
+    return compile_hopper(plan, args, fake_stream(), keep_ptx=keep_ptx)
 
 
 def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, block_m: int,
@@ -294,6 +312,6 @@ def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_ran
     table = torch.empty(P, s.table, **i32)
     sizes = torch.empty(P, 2, **i32)
     rank_counts = torch.empty(P, el, **i32)
-    fn(order, counts, topk_weights.reshape(-1).float().contiguous(), pool_src, pool_w, record, table, sizes,
-       rank_counts)
+    fn(DevicePlanArguments(order, counts, topk_weights.reshape(-1).float().contiguous(), pool_src, pool_w, record,
+                           table, sizes, rank_counts))
     return DevicePlan(rank_counts, sizes[:, 1], pool_src, pool_w, sizes[:, 0], record, table, sizes)
