@@ -76,13 +76,13 @@ def cpu(out: Path) -> dict:
 
 def moe_on_cpu(P: int = 2, E: int = 8, H: int = 512, I: int = 256, k: int = 2, T: int = 64) -> dict:
     """The MoE layer end to end on the CPU: ``backend="torch"`` (the fused kernel's data flow in torch
-    ops) in a loopback world of P ranks, BF16 and W8A8, against the fp32 reference (and, for W8A8, the
-    recipe's emulation on the same quantized weights)."""
+    ops) in a loopback world of P ranks, BF16, W8A8 and W4A8, against the fp32 reference (and, for
+    W8A8 / W4A8, the recipe's emulation on the same quantized weights)."""
     import torch
 
-    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world, quant
-    from megamoe_interleave.reference import (W8A8_KERNEL_REL_ERROR, reference_moe_fp32, reference_moe_w8a8,
-                                              relative_error)
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world, quant, quant_fp4
+    from megamoe_interleave.reference import (W8A8_KERNEL_REL_ERROR, reference_moe_fp32, reference_moe_w4a8,
+                                              reference_moe_w8a8, relative_error)
 
     g = torch.Generator().manual_seed(0)
     w1 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
@@ -95,25 +95,29 @@ def moe_on_cpu(P: int = 2, E: int = 8, H: int = 512, I: int = 256, k: int = 2, T
     print(f"\n== megamoe_interleave on the CPU (backend='torch'): loopback P = {P}, E = {E}, H = {H}, I = {I}, "
           f"top-{k}, {T} tokens per rank")
     out = {"shape": dict(P=P, E=E, H=H, I=I, topk=k, tokens=T)}
-    for precision in ("bf16", "w8a8"):
+    recipes = {"w8a8": lambda: reference_moe_w8a8(xs, idx, wts, *quant.quantize_weights(w1, w2)),
+               "w4a8": lambda: reference_moe_w4a8(xs, idx, wts, *quant_fp4.quantize_weights(w1, w2))}
+    for precision in ("bf16", "w8a8", "w4a8"):
         moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, H, I, k, T,
                       MegaMoEConfig(precision=precision), backend="torch")
         moe.load_weights(w1, w2)
         ys = moe(xs, idx, wts)
         rel = relative_error(ys, ref)
         row = {"relative_error_vs_fp32": rel}
-        if precision == "w8a8":  # the data flow against the recipe's reference, and the recipe's distance from fp32
-            row["relative_error_vs_recipe"] = relative_error(ys, reference_moe_w8a8(
-                xs, idx, wts, *quant.quantize_weights(w1, w2)))
-            # x, w and h in E4M3 (3 mantissa bits): ~6 % from the bf16 weights' fp32 result at this shape
-            row["ok"] = row["relative_error_vs_recipe"] <= W8A8_KERNEL_REL_ERROR and rel < 0.1
+        if precision in recipes:  # the data flow against the recipe's reference, and the recipe's distance from fp32
+            row["relative_error_vs_recipe"] = relative_error(ys, recipes[precision]())
+            # W8A8: x, w and h in E4M3 (3 mantissa bits), ~6 % from the bf16 weights' fp32 result at this
+            # shape; W4A8: the FP4 weights (1 mantissa bit, a power-of-two scale per 32) add ~20 %
+            row["ok"] = row["relative_error_vs_recipe"] <= W8A8_KERNEL_REL_ERROR and rel < (0.1 if precision == "w8a8"
+                                                                                          else 0.3)
         else:
             row["ok"] = rel < 0.01
         out[precision] = row
         print(f"   {precision}: relative error vs fp32 {rel:.2e}"
-              + (f", vs the W8A8 recipe {row['relative_error_vs_recipe']:.2e}" if precision == "w8a8" else "")
+              + (f", vs the {precision.upper()} recipe {row['relative_error_vs_recipe']:.2e}" if precision in recipes
+                 else "")
               + f" -> {'ok' if row['ok'] else 'FAILED'}")
-    out["ok"] = out["bf16"]["ok"] and out["w8a8"]["ok"]
+    out["ok"] = all(out[p]["ok"] for p in ("bf16", "w8a8", "w4a8"))
     return out
 
 

@@ -37,7 +37,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from . import inputs, quant, reference, torch_backend
+from . import inputs, quant, quant_fp4, reference, torch_backend
 from .config import AUTO, BLOCK_M, QUANT_BLOCK, MegaMoEConfig
 from .device_plan import plan_sizes
 from .host_plan import HostPlanner
@@ -56,7 +56,8 @@ class MegaMoE:
     ``config``: a :class:`~megamoe_interleave.config.MegaMoEConfig` (schedule "interleaved",
     paper Algorithm 1, "expert_wave", or "auto": chosen by the model for the world's remote path,
     :attr:`schedule_choice` says what and why; tiles, ring depth, Dispatch, trace, wait bound,
-    ``precision`` "bf16" or "w8a8": the FP8 recipe of :mod:`~megamoe_interleave.quant`); its ``None``
+    ``precision`` "bf16", "w8a8" (the FP8 recipe of :mod:`~megamoe_interleave.quant`) or "w4a8" (FP4
+    experts, :mod:`~megamoe_interleave.quant_fp4`; ``backend="torch"`` only so far)); its ``None``
     fields are resolved once for this layer's shape (:meth:`MegaMoEConfig.resolve`): :attr:`config`.
     ``backend``: "fused" (the CuTe DSL kernel; CUDA) or "torch" (the same data flow with torch ops,
     any device, single-process worlds); None = "fused" on a CUDA world. ``num_sms``: CTAs of the
@@ -126,37 +127,54 @@ class MegaMoE:
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
         self._poison_pending = False
         self.w1, self.w2 = {}, {}  # rank -> its experts' weights in the kernel layout
-        self.w1_scales, self.w2_scales = {}, {}  # w8a8: rank -> FP32 block scales of w1 / w2
+        self.w1_scales, self.w2_scales = {}, {}  # w8a8: FP32 block scales; w4a8: UE8M0 bytes per row and 32 K
 
     # -- weights -----------------------------------------------------------
     def load_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
         """Global bf16 weights ``w1`` [E, 2I, H] (gate | up), ``w2`` [E, H, I]; each local rank keeps
         its slice in the kernel layout (:func:`transform_weights`), for ``precision="w8a8"``
-        quantized to it (:func:`quant.quantize_weights`: interleave, then 128x128 blocks)."""
+        quantized to it (:func:`quant.quantize_weights`: interleave, then 128x128 blocks), for
+        ``"w4a8"`` to FP4 (:func:`quant_fp4.quantize_weights`)."""
         self._check_weight_shapes(w1, w2, self.buffer.dtype)
         el = self.experts_per_rank
         for r in self.world.local_ranks:
             sl = slice(r * el, (r + 1) * el)
             if self.config.precision == "w8a8":
                 self._keep_quantized(r, *quant.quantize_weights(w1[sl], w2[sl]))
+            elif self.config.precision == "w4a8":
+                self._keep_quantized(r, *quant_fp4.quantize_weights(w1[sl], w2[sl]))
             else:
                 w1_il, w2_c = transform_weights(w1[sl], w2[sl])
                 self.w1[r], self.w2[r] = w1_il.to(self.world.device), w2_c.to(self.world.device)
 
     def load_quantized_weights(self, w1_q: torch.Tensor, w1_s: torch.Tensor, w2_q: torch.Tensor,
                                w2_s: torch.Tensor) -> None:
-        """``precision="w8a8"``: global E4M3 weights already in the kernel layout, as
-        :func:`quant.quantize_weights` returns them (``w1_q`` [E, 2I, H] gate/up interleaved with
-        ``w1_s`` [E, 2I/128, H/128] over the interleaved rows, ``w2_q`` [E, H, I] with ``w2_s``
-        [E, H/128, I/128], FP32 scales), kept bit for bit. A DeepGEMM / DeepSeek FP8 checkpoint
-        (w1 blocks over gate | up rows) goes through :func:`quant.from_deepgemm_layout` first."""
-        if self.config.precision != "w8a8":
-            raise ValueError("load_quantized_weights needs MegaMoEConfig(precision='w8a8')")
-        self._check_weight_shapes(w1_q, w2_q, quant.E4M3)
-        E, H, inter, b = self.num_experts, self.hidden, self.intermediate, QUANT_BLOCK
-        want = ((E, 2 * inter // b, H // b), (E, H // b, inter // b))
-        if (w1_s.shape, w2_s.shape) != want or w1_s.dtype != torch.float32 or w2_s.dtype != torch.float32:
-            raise ValueError(f"expected float32 scales w1_s {want[0]} and w2_s {want[1]}, got "
+        """Global quantized weights already in the kernel layout, kept bit for bit.
+
+        ``precision="w8a8"``: as :func:`quant.quantize_weights` returns them (``w1_q`` [E, 2I, H]
+        gate/up interleaved with ``w1_s`` [E, 2I/128, H/128] over the interleaved rows, ``w2_q``
+        [E, H, I] with ``w2_s`` [E, H/128, I/128], FP32 scales). A DeepGEMM / DeepSeek FP8
+        checkpoint (w1 blocks over gate | up rows) goes through :func:`quant.from_deepgemm_layout`.
+
+        ``precision="w4a8"``: as :func:`quant_fp4.quantize_weights` returns them (packed E2M1 codes
+        ``uint8`` [E, 2I, H/2] / [E, H, I/2], rows interleaved, with UE8M0 bytes ``uint8``
+        [E, 2I, H/32] / [E, H, I/32]); DeepGEMM's FP4 layout goes through
+        :func:`quant_fp4.from_deepgemm_layout`."""
+        E, H, inter = self.num_experts, self.hidden, self.intermediate
+        if self.config.precision == "w8a8":
+            self._check_weight_shapes(w1_q, w2_q, quant.E4M3)
+            b, dtype = QUANT_BLOCK, torch.float32
+            want = ((E, 2 * inter // b, H // b), (E, H // b, inter // b))
+        elif self.config.precision == "w4a8":
+            for name, t, shape in (("w1", w1_q, (E, 2 * inter, H // 2)), ("w2", w2_q, (E, H, inter // 2))):
+                if t.shape != shape or t.dtype != torch.uint8:
+                    raise ValueError(f"expected {name} packed FP4 uint8 {shape}, got {t.dtype} {tuple(t.shape)}")
+            g, dtype = quant_fp4.SCALE_GROUP, torch.uint8
+            want = ((E, 2 * inter, H // g), (E, H, inter // g))
+        else:
+            raise ValueError("load_quantized_weights needs MegaMoEConfig(precision='w8a8' or 'w4a8')")
+        if (w1_s.shape, w2_s.shape) != want or w1_s.dtype != dtype or w2_s.dtype != dtype:
+            raise ValueError(f"expected {dtype} scales w1_s {want[0]} and w2_s {want[1]}, got "
                              f"{w1_s.dtype} {tuple(w1_s.shape)}, {w2_s.dtype} {tuple(w2_s.shape)}")
         el = self.experts_per_rank
         for r in self.world.local_ranks:
@@ -181,7 +199,7 @@ class MegaMoE:
         ``topk_weights`` [T_r, k] f32, one per local rank (a list in the loopback world,
         tensors in the torch-symm world). Returns y with x's shape per local rank, bf16.
 
-        ``precision="w8a8"``: ``x`` bf16 (quantized per token and 128-group on the way in) or
+        ``precision="w8a8"`` / ``"w4a8"``: ``x`` bf16 (quantized per token and 128-group on the way in) or
         E4M3 with ``x_scales`` [T_r, H/128] f32 per rank (:func:`quant.quantize_act`'s layout,
         used as given); ``x_scales`` must be None for bf16 ``x`` and in bf16 precision."""
         self.stage_inputs(_ranks(x), _ranks(topk_idx), _ranks(topk_weights),

@@ -22,7 +22,9 @@ BLOCK_K = 64  # one 128-byte swizzle row of bf16
 BLOCK_K_FP8 = 128  # W8A8: one 128-byte swizzle row of E4M3 = one scale block along K (QUANT_BLOCK)
 BLOCK_NS = (256, 128, 64)  # supported N tiles, widest first
 QUANT_BLOCK = 128  # W8A8: FP8 scale granularity along K (1x128 activations, 128x128 weights; quant.py)
-PRECISIONS = ("bf16", "w8a8")
+PRECISIONS = ("bf16", "w8a8", "w4a8")
+# E4M3 activations with 1x128 scales and the FP8 mainloop; W4A8 widens its FP4 weights to it (quant_fp4)
+FP8_PRECISIONS = ("w8a8", "w4a8")
 AUTO = "auto"  # MegaMoEConfig.schedule: chosen per world by the model (choose_schedule)
 SMEM_BYTES = 227 * 1024  # sm_90 opt-in shared memory per block
 INTERLEAVE = 8  # gate/up interleave granularity of w1 (api.transform_weights)
@@ -110,7 +112,9 @@ class MegaMoEConfig:
 
     ``precision``: "bf16" (BF16 x BF16, FP32 accumulate) or "w8a8" (the SM90 FP8 recipe of
     :mod:`~megamoe_interleave.quant`: E4M3 weights with 128x128 block scales, E4M3 activations
-    with 1x128 scales, per-128-K FP32 promotion; BF16 output and Combine). It lives here rather
+    with 1x128 scales, per-128-K FP32 promotion; BF16 output and Combine) or "w4a8" (E2M1 weights
+    with a power-of-two scale per row and 32 K, widened exactly to the W8A8 recipe's weight format,
+    :mod:`~megamoe_interleave.quant_fp4`; ``backend="torch"`` only so far). It lives here rather
     than as a ``MegaMoE`` argument because it selects what the kernel is compiled for (it is part
     of :meth:`kernel_key`) and constrains the tiles (:meth:`resolve`), and because the
     constructor is kept at ten parameters.
@@ -126,7 +130,7 @@ class MegaMoEConfig:
     l2_columns: Optional[bool] = None  # expert_wave: each expert's L2 tiles column by column
     trace: bool = False  # per-tile timelines into MegaMoE.last_trace (TRACE_FIELDS)
     timeout_ns: int = 2_000_000_000  # bound of every device-side wait (then an error word, not a hang)
-    precision: str = "bf16"  # "bf16" or "w8a8" (see the class docstring)
+    precision: str = "bf16"  # "bf16", "w8a8" or "w4a8" (see the class docstring)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES + (AUTO,):
@@ -206,6 +210,11 @@ class MegaMoEConfig:
             return InterleavedSchedule(lead=self.lead, balance_l2=True)
         return ExpertWaveSchedule(l2_columns=bool(self.l2_columns))
 
+    @property
+    def fp8(self) -> bool:
+        """E4M3 activations and the FP8 mainloop (W8A8, and W4A8 on its widened weights)."""
+        return self.precision in FP8_PRECISIONS
+
     def kernel_key(self) -> "MegaMoEConfig":
         """The fields that change the compiled kernel (``experts_per_wave`` is host-side only)."""
         return dataclasses.replace(self, experts_per_wave=None)
@@ -230,7 +239,7 @@ class MegaMoEConfig:
           (0.1-0.3 % faster than the row order on three hosts, l2_columns/ in results/h200/megamoe/archive/README.md).
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
 
-        precision="w8a8" also needs H and I to be multiples of QUANT_BLOCK (the 1x128 activation
+        precision="w8a8" (and "w4a8") also needs H and I to be multiples of QUANT_BLOCK (the 1x128 activation
         groups and 128x128 weight blocks tile K and N of both GEMMs: K = H, N = 2I for Linear-1,
         K = I, N = H for Linear-2) and block_n = 256: an L1 tile of block_n interleaved w1 rows
         yields block_n / 2 columns of h, and its epilogue quantizes h per token and 128 columns,
@@ -244,9 +253,9 @@ class MegaMoEConfig:
             raise ValueError(f"num_experts {experts} not divisible by world size {world_size}")
         if hidden % BLOCK_K or inter % BLOCK_K:
             raise ValueError(f"hidden {hidden} and intermediate {inter} must be multiples of {BLOCK_K}")
-        w8a8 = self.precision == "w8a8"
+        w8a8 = self.fp8
         if w8a8 and (hidden % QUANT_BLOCK or inter % QUANT_BLOCK):
-            raise ValueError(f"precision='w8a8': hidden {hidden} and intermediate {inter} must be multiples of "
+            raise ValueError(f"precision={self.precision!r}: hidden {hidden} and intermediate {inter} must be multiples of "
                              f"{QUANT_BLOCK} (the FP8 scale blocks)")
         block_n = self.block_n
         if block_n is None:
@@ -254,7 +263,7 @@ class MegaMoEConfig:
             if block_n is None:
                 raise ValueError(f"no N tile in {BLOCK_NS} tiles hidden {hidden} and intermediate {inter}")
         if w8a8 and block_n != 2 * QUANT_BLOCK:
-            raise ValueError(f"precision='w8a8' needs block_n={2 * QUANT_BLOCK} (an L1 tile must hold whole 1x128 "
+            raise ValueError(f"precision={self.precision!r} needs block_n={2 * QUANT_BLOCK} (an L1 tile must hold whole 1x128 "
                              f"groups of h), so H % 512 == 0 and I % 256 == 0; got block_n={block_n} for "
                              f"H={hidden}, I={inter}")
         if hidden % (2 * block_n) or (2 * inter) % (2 * block_n):

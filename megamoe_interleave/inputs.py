@@ -19,9 +19,9 @@ def check_inputs(layer, xs, idxs, ws, x_scales) -> None:
     if not layer.w1:
         raise RuntimeError("call load_weights() first")
     buf = layer.buffer
-    w8a8 = layer.config.precision == "w8a8"
+    w8a8 = layer.config.fp8
     if x_scales is not None and (not w8a8 or len(x_scales) != len(xs)):
-        raise ValueError("x_scales (one per local rank) go with E4M3 x and precision='w8a8' only")
+        raise ValueError("x_scales (one per local rank) go with E4M3 x and precision='w8a8' / 'w4a8' only")
     for i, (xr, ir, wr) in enumerate(zip(xs, idxs, ws)):
         want = buf.x.dtype if x_scales is not None else buf.dtype
         if xr.dtype != want:
@@ -42,7 +42,7 @@ def copy_inputs(layer, xs, idxs, ws, x_scales) -> List[torch.Tensor]:
     """Copy each rank's inputs into its symmetric buffers (skipping inputs that are those
     buffers' leading rows; W8A8 quantizes bf16 x); returns the staged topk_idx views."""
     buf, ranks = layer.buffer, layer.world.local_ranks
-    w8a8 = layer.config.precision == "w8a8"
+    w8a8 = layer.config.fp8
     staged_idx = []
     for i, (r, xr, ir, wr) in enumerate(zip(ranks, xs, idxs, ws)):
         T = xr.shape[0]

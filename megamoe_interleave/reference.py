@@ -7,6 +7,8 @@
 * :func:`reference_moe_w8a8` -- the W8A8 recipe (:mod:`megamoe_interleave.quant`) emulated with
   its rounding points; :func:`w8a8_quantization_error` / :func:`relative_error` measure it
   against :func:`reference_moe_fp32`.
+* :func:`reference_moe_w4a8` -- the W4A8 recipe: the FP4 weights widened to the W8A8 format
+  (:func:`megamoe_interleave.quant_fp4.widen`), then the W8A8 recipe.
 
 Conventions (shared with :mod:`megamoe_interleave.api` and the kernel):
 expert parallelism over P ranks, rank r owns global experts ``[r*E_l, (r+1)*E_l)``;
@@ -283,6 +285,9 @@ W8A8_FP32_REL_ERROR = (2 ** 0.5 * 2 ** -5, 2 ** 0.5 * 2 ** -4)
 # flips), so 0.01 admits up to ~4x Hopper's accumulation error; a missing rounding point (h not
 # quantized) moves y by ~0.023 and is rejected (tests/test_megamoe_w8a8.py).
 W8A8_KERNEL_REL_ERROR = 0.01
+# W4A8 against fp32 on the DEQUANTIZED FP4 weights (the weights' own FP4 error is not counted; the
+# widening is exact): x twice and h once, sqrt(2 + 1) * eps, in [2^-5, 2^-4] (eps as above).
+W4A8_FP32_REL_ERROR = (2 ** -5, 2 ** -4)
 
 
 def blockwise_scaled_mm(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
@@ -355,6 +360,17 @@ def reference_moe_w8a8(xs: Sequence[torch.Tensor], topk_idx: Sequence[torch.Tens
         combine[perm.src_pick.to(x.device), rows] = out
         ys.append(weighted_combine(combine, idx))
     return ys
+
+
+def reference_moe_w4a8(xs, topk_idx, topk_weights, w1_p: torch.Tensor, w1_sf: torch.Tensor, w2_p: torch.Tensor,
+                       w2_sf: torch.Tensor, x_scales=None) -> List[torch.Tensor]:
+    """BF16 output of every rank under the W4A8 recipe: :func:`reference_moe_w8a8` on the FP4
+    weights (kernel layout, :func:`quant_fp4.quantize_weights`) widened by
+    :func:`quant_fp4.widen_weights`. ``backend="torch"`` matches it bit for bit."""
+    from . import quant_fp4
+
+    return reference_moe_w8a8(xs, topk_idx, topk_weights, *quant_fp4.widen_weights(w1_p, w1_sf, w2_p, w2_sf),
+                              x_scales=x_scales)
 
 
 def relative_error(ys: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> float:

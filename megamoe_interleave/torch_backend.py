@@ -8,12 +8,14 @@ its peers only through the kernel's peer table in multi-process worlds.
 ``precision="w8a8"``: Dispatch moves the E4M3 rows with their 1x128 scales (``x``, ``x_scales``),
 the experts run :func:`reference.w8a8_expert_compute` (the recipe's rounding points) and
 Combine stores BF16 into the same slots: bit for bit :func:`reference.reference_moe_w8a8`.
+``precision="w4a8"``: the same on the FP4 weights widened per call (:func:`quant_fp4.widen_weights`):
+bit for bit :func:`reference.reference_moe_w4a8`.
 """
 from __future__ import annotations
 
 from xstage.world import single_process
 
-from . import reference
+from . import quant_fp4, reference
 
 
 def run_dataflow(moe) -> None:
@@ -27,16 +29,18 @@ def run_dataflow(moe) -> None:
     ws = [buf.topk_weights.local(s)[: T[s]] for s in range(P)]
     perms = reference.permute_ranks(idxs, ws, range(P), moe.experts_per_rank)
     dev = world.device
-    w8a8 = moe.config.precision == "w8a8"
+    w8a8 = moe.config.fp8
     if w8a8:
         x_scales = [buf.x_scales.local(s)[: T[s]] for s in range(P)]
     for d in range(P):
         perm = perms[d]
         rows = reference.gather_rows(xs, perm, dev)
         if w8a8:
+            w = (moe.w1[d], moe.w1_scales[d], moe.w2[d], moe.w2_scales[d])
+            if moe.config.precision == "w4a8":
+                w = quant_fp4.widen_weights(*w)
             out = reference.w8a8_expert_compute(rows, reference.gather_rows(x_scales, perm, dev), perm.weights.to(dev),
-                                                perm.counts_host, moe.w1[d], moe.w1_scales[d], moe.w2[d],
-                                                moe.w2_scales[d])
+                                                perm.counts_host, *w)
         else:
             out = reference.unfused_expert_compute(rows, perm.weights.to(dev), perm.counts, gate_up_w1_t(moe.w1[d]),
                                                    moe.w2[d].transpose(1, 2))

@@ -22,12 +22,19 @@ def transform_weights(w1: torch.Tensor, w2: torch.Tensor, granularity: int = INT
     E, two_i, H = w1.shape
     if two_i % 2 or w2.shape != (E, H, two_i // 2):
         raise ValueError(f"shape mismatch: w1 {tuple(w1.shape)}, w2 {tuple(w2.shape)}")
+    return interleave_w1(w1, granularity), w2.contiguous()
+
+
+def interleave_w1(w1: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:
+    """The w1 part of :func:`transform_weights` on any per-row data ``[E, 2I, X]`` (gate rows then
+    up rows): the weights themselves, or W4A8's packed FP4 rows and their per-row scales."""
+    E, two_i, X = w1.shape
     inter = two_i // 2
-    if inter % granularity:
+    if two_i % 2 or inter % granularity:
         raise ValueError(f"intermediate {inter} must be a multiple of {granularity}")
-    g = w1[:, :inter].reshape(E, inter // granularity, granularity, H)
-    u = w1[:, inter:].reshape(E, inter // granularity, granularity, H)
-    return torch.stack([g, u], dim=2).reshape(E, two_i, H).contiguous(), w2.contiguous()
+    g = w1[:, :inter].reshape(E, inter // granularity, granularity, X)
+    u = w1[:, inter:].reshape(E, inter // granularity, granularity, X)
+    return torch.stack([g, u], dim=2).reshape(E, two_i, X).contiguous()
 
 
 def untransform_w1(w1_il: torch.Tensor, granularity: int = INTERLEAVE_GRANULARITY) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import quant
-from .config import QUANT_BLOCK
+from .config import FP8_PRECISIONS, QUANT_BLOCK
 
 COUNTER_ERROR = 0
 COUNTER_BARRIER = 1
@@ -30,7 +30,7 @@ class MegaMoEBuffer:
 
     ``x`` [T, H] bf16, ``topk_idx`` [T, k] int64, ``topk_weights`` [T, k] f32 (inputs, read
     remotely by Dispatch), ``combine`` [k, T, H] bf16 (written remotely by Combine),
-    ``precision="w8a8"``: ``x`` [T, H] E4M3 and ``x_scales`` [T, H/128] f32 (read by Dispatch too;
+    ``precision="w8a8"`` or ``"w4a8"``: ``x`` [T, H] E4M3 and ``x_scales`` [T, H/128] f32 (read by Dispatch too;
     None otherwise), ``combine`` still bf16;
     ``counters[r]`` int32 workspace of rank r (kernel: error word, grid-barrier counter,
     per-row L1->L2 and Dispatch readiness counters; row counters are reset in-kernel so repeated calls
@@ -48,7 +48,7 @@ class MegaMoEBuffer:
         self.hidden, self.topk, self.max_tokens = hidden, topk, max_tokens_per_rank
         self.dtype = dtype
         T = max_tokens_per_rank
-        w8a8 = precision == "w8a8"
+        w8a8 = precision in FP8_PRECISIONS
         self.x = world.alloc((T, hidden), quant.E4M3 if w8a8 else dtype)
         self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if w8a8 else None
         self.topk_idx = world.alloc((T, topk), torch.int64)

@@ -1,0 +1,139 @@
+"""W4A8 (FP4 experts, FP8 activations): the storage format, the exact widening to the W8A8 weight
+format, the checkpoint conversion, the references and the torch backend. CPU only."""
+import pytest
+import torch
+
+from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world, quant_fp4
+from megamoe_interleave.reference import (W4A8_FP32_REL_ERROR, reference_moe_fp32, reference_moe_w4a8,
+                                          relative_error)
+from megamoe_interleave.routing import make_routing
+from megamoe_interleave.weights import interleave_w1
+
+
+def test_e2m1_codes_round_to_the_nearest_value_ties_to_the_smaller():
+    x = torch.tensor([0.0, 0.25, 0.26, 0.75, 0.76, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 9.0, -0.2, -0.3, -6.0])
+    want = [0.0, 0.0, 0.5, 0.5, 1.0, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.0, 0.0, -0.5, -6.0]
+    assert quant_fp4.e2m1_values(quant_fp4.e2m1_codes(x)).tolist() == want
+    assert quant_fp4.e2m1_codes(torch.tensor([-0.1]))[0] == 0  # -0 is +0, as DeepGEMM's
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(quant_fp4.e2m1_codes(quant_fp4.e2m1_values(codes))[codes != 8], codes[codes != 8])
+
+
+def test_packing_puts_the_even_index_in_the_low_nibble():
+    codes = torch.tensor([[1, 2, 3, 15]], dtype=torch.uint8)
+    packed = quant_fp4.pack(codes)
+    assert packed.tolist() == [[0x21, 0xF3]]
+    assert torch.equal(quant_fp4.unpack(packed), codes)
+    assert torch.equal(quant_fp4.unpack(packed.view(torch.int8)), codes)
+
+
+def test_quantize_weight_scale_is_amax_over_6_rounded_up_to_a_power_of_two():
+    w = torch.randn(128, 256) * torch.logspace(-3, 1, 128)[:, None]
+    packed, sf = quant_fp4.quantize_weight(w)
+    assert packed.shape == (128, 128) and sf.shape == (128, 8) and sf.dtype == torch.uint8
+    amax = w.reshape(128, 8, 32).abs().amax(-1)
+    e = quant_fp4.group_exponents(sf).double()
+    assert torch.all(2 ** e >= amax / 6) and torch.all(2 ** (e - 1) < amax / 6)
+    deq = quant_fp4.dequantize(packed, sf)
+    # every element within half an E2M1 step (the largest, 2 x 2^e, between 4 and 6) of its group
+    assert torch.all((deq - w).abs() <= 2 ** quant_fp4.group_exponents(sf).float().repeat_interleave(32, -1))
+
+
+def _fp4_weight(exponents: torch.Tensor, seed: int = 0):
+    """FP32 weights [N, K] of random E2M1 values whose groups of 32 hold a +-6 (so the quantizer's
+    scale is exactly 2^exponents[n, g]), with those exponents."""
+    g = torch.Generator().manual_seed(seed)
+    n, groups = exponents.shape
+    codes = torch.randint(0, 16, (n, groups * 32), generator=g, dtype=torch.uint8)
+    codes[:, ::32] = 7 | (codes[:, ::32] & 8)
+    sf = (exponents + quant_fp4.UE8M0_BIAS).to(torch.uint8)
+    return quant_fp4.dequantize(quant_fp4.pack(codes), sf), quant_fp4.pack(codes), sf
+
+
+def test_fp4_values_quantize_to_themselves():
+    w, packed, sf = _fp4_weight(torch.randint(-10, 10, (128, 8)))
+    got_p, got_sf = quant_fp4.quantize_weight(w)
+    assert torch.equal(got_sf, sf) and torch.equal(quant_fp4.dequantize(got_p, got_sf), w)
+
+
+def test_widening_is_exact_when_a_block_spans_at_most_14_exponents():
+    # one 128 x 128 block's groups span exponents 0 .. 14, the other block's 0 .. 15
+    spread = torch.zeros(128, 8, dtype=torch.int32)
+    spread[:, :4] = torch.linspace(0, 14, 512).round().reshape(128, 4).int()
+    spread[:, 4:] = torch.linspace(0, 15, 512).round().reshape(128, 4).int()
+    w, packed, sf = _fp4_weight(spread, seed=3)
+    q, s = quant_fp4.widen(packed, sf)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (1, 2)
+    assert s.tolist() == [[2.0 ** (14 - 6), 2.0 ** (15 - 6)]]
+    wide = q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    assert torch.equal(wide[:, :128], w[:, :128])
+    # the 15-wide block: its exponent-0 groups (shift -9) are the only inexact ones
+    assert quant_fp4.inexact_groups(sf) == int((spread[:, 4:] == 0).sum()) > 0
+    exact = (spread[:, 4:] > 0).repeat_interleave(32, -1)
+    assert torch.equal(wide[:, 128:][exact], w[:, 128:][exact])
+    assert not torch.equal(wide[:, 128:], w[:, 128:])
+
+
+def test_deepgemm_layout_converts_bit_for_bit():
+    """DeepGEMM's per_token_cast_to_fp4 layout (gate | up rows, int8 codes; scales as FP32 powers of
+    two or four UE8M0 bytes per int32) -> the kernel layout, equal to quantizing in it."""
+    g = torch.Generator().manual_seed(1)
+    E, H, inter = 2, 256, 128
+    w1, w2 = torch.randn(E, 2 * inter, H, generator=g), torch.randn(E, H, inter, generator=g)
+    want = quant_fp4.quantize_weights(w1, w2)
+    p1, b1 = quant_fp4.quantize_weight(w1)
+    p2, b2 = quant_fp4.quantize_weight(w2)
+    as_fp32 = lambda b: (b.to(torch.int32) << 23).view(torch.float32)  # noqa: E731
+    as_int32 = lambda b: b.contiguous().view(torch.int32)  # noqa: E731
+    for conv in (as_fp32, as_int32):
+        got = quant_fp4.from_deepgemm_layout(p1.view(torch.int8), conv(b1), p2.view(torch.int8), conv(b2))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(want[0], interleave_w1(p1)) and torch.equal(want[1], interleave_w1(b1))
+    with pytest.raises(ValueError, match="powers of two"):
+        quant_fp4.from_deepgemm_layout(p1, as_fp32(b1) * 1.5, p2, as_fp32(b2))
+
+
+def _problem(P=2, E=8, H=512, inter=256, k=2, tokens=(40, 0), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(E, 2 * inter, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, inter, generator=g) / inter ** 0.5
+    xs = [torch.randn(t, H, generator=g).bfloat16() for t in tokens]
+    routes = [make_routing("balanced", t, E, k, seed=r, mask_ratio=0.1) for r, t in enumerate(tokens)]
+    return w1.bfloat16(), w2.bfloat16(), xs, [r[0] for r in routes], [r[1] for r in routes]
+
+
+def test_torch_backend_is_the_recipe_bit_for_bit_and_within_its_bound_of_fp32():
+    P, E, H, inter, k = 2, 8, 512, 256, 2
+    w1, w2, xs, idx, wts = _problem(P, E, H, inter, k, tokens=(40, 25))
+    moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, H, inter, k, 64,
+                  MegaMoEConfig(precision="w4a8"), backend="torch")
+    moe.load_weights(w1, w2)
+    ys = moe(xs, idx, wts)
+    fp4 = quant_fp4.quantize_weights(w1, w2)
+    assert quant_fp4.inexact_groups(fp4[1]) == 0 and quant_fp4.inexact_groups(fp4[3]) == 0
+    ref = reference_moe_w4a8(xs, idx, wts, *fp4)
+    assert all(torch.equal(y, r) for y, r in zip(ys, ref))
+    err = relative_error(ys, reference_moe_fp32(xs, idx, wts, *quant_fp4.dequantize_weights(*fp4)))
+    assert W4A8_FP32_REL_ERROR[0] <= err <= W4A8_FP32_REL_ERROR[1], err  # measured ~0.043
+    # the same weights through load_quantized_weights, bit for bit
+    moe2 = MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, H, inter, k, 64,
+                   MegaMoEConfig(precision="w4a8"), backend="torch")
+    moe2.load_quantized_weights(*fp4)
+    assert all(torch.equal(moe2.w1[r], moe.w1[r]) and torch.equal(moe2.w1_scales[r], moe.w1_scales[r])
+               for r in range(P))
+    assert all(torch.equal(y, r) for y, r in zip(moe2(xs, idx, wts), ys))
+
+
+def test_w4a8_misuse_fails_before_any_launch():
+    world = make_world("loopback", world_size=1, device="cpu")
+    with pytest.raises(ValueError, match="no fused kernel for precision 'w4a8'"):
+        MegaMoE(world, 8, 512, 256, 2, 16, MegaMoEConfig(precision="w4a8"), backend="fused", num_sms=132)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        MegaMoE(world, 8, 192, 256, 2, 16, MegaMoEConfig(precision="w4a8"), backend="torch")
+    moe = MegaMoE(world, 8, 512, 256, 2, 16, MegaMoEConfig(precision="w4a8"), backend="torch")
+    with pytest.raises(ValueError, match="packed FP4 uint8"):
+        moe.load_quantized_weights(torch.zeros(8, 512, 256), torch.zeros(8, 512, 16, dtype=torch.uint8),
+                                   torch.zeros(8, 512, 128, dtype=torch.uint8), torch.zeros(8, 512, 8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scales"):
+        moe.load_quantized_weights(torch.zeros(8, 512, 256, dtype=torch.uint8), torch.zeros(8, 512, 16),
+                                   torch.zeros(8, 512, 128, dtype=torch.uint8), torch.zeros(8, 512, 8, dtype=torch.uint8))
