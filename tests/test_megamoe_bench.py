@@ -384,7 +384,7 @@ def test_main_on_a_cpu_stand_in(monkeypatch, tmp_path, capsys):
 @pytest.mark.parametrize("script", ["bench_megamoe.py", "bench_megamoe_graph.py", "diag/megamoe_dispatch_cost.py", "diag/megamoe_energy.py",
                                     "diag/megamoe_ncu_driver.py", "diag/megamoe_pm_phases.py",
                                     "diag/megamoe_trace_clock.py", "diag/megamoe_trace_timeline.py",
-                                    "diag/profile_megamoe_api.py"])
+                                    "diag/profile_megamoe_api.py", "diag/wgmma_rate.py"])
 def test_command_lines_import_the_library(script):
     """The bench's and the diagnostics' command lines start (``--help``) with the repository on
     PYTHONPATH only: no sys.path edits, no script importing another."""

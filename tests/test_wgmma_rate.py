@@ -1,0 +1,37 @@
+"""lab.megamoe.diag.wgmma_rate, the FP8 WGMMA-rate microbenchmark: every variant compiles for sm_90a
+with the batches it claims; the shipped mainloop's batch shape keeps its registers (CPU)."""
+import re
+from collections import Counter
+
+import pytest
+
+from lab.megamoe.diag import wgmma_rate as w
+
+
+def test_variants_reject_shapes_they_cannot_run():
+    with pytest.raises(ValueError):
+        w.Variant(256, 96, True)
+    with pytest.raises(ValueError):
+        w.Variant(256, 64, False)  # accumulating in place is one batch over the tile
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("v", w.VARIANTS, ids=lambda v: v.name)
+def test_variant_issues_its_batches(v):
+    from xstage.cute_compile import compile_hopper
+
+    ptx = compile_hopper(w.WgmmaRateSm90(v), *w._fake_args(), keep_ptx=True).ptx
+    shapes = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3", ptx))
+    batches = v.tile_n // v.slice_n
+    assert shapes == {str(v.slice_n): 4 * batches}  # 4 x k32 per 128-K stage and batch
+    assert len(re.findall(r"wgmma\.wait_group", ptx)) == (batches if v.promote else 1)
+    assert ptx.count("%clock64") == 2
+
+
+@pytest.mark.compile
+def test_the_shipped_batch_shape_does_not_spill():
+    """4 x n64 with ping-pong (the W8A8 mainloop's) stays in registers; a tool-less host skips."""
+    u = w.sass_usage(w.Variant(256, 64, True))
+    if u is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton)")
+    assert u["local_memory_instructions"] == 0 and u["wgmma"] == 16 and u["wgmma_waits"] == 4
