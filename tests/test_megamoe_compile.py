@@ -1,11 +1,11 @@
 """CPU checks (sm_90a compiles, PTX / SASS) of the fused MoE kernel and its configuration."""
-import os
 import re
 import subprocess
 
 import pytest
 from ptx_utils import try_wait_loops, window_states
 
+from xstage.cute_compile import cuobjdump
 from megamoe_interleave.config import BLOCK_M, MegaMoEConfig, smem_plan
 from megamoe_interleave.scheduler import ExpertWaveSchedule, InterleavedSchedule
 from megamoe_interleave.shapes import get_shape
@@ -376,21 +376,6 @@ def test_default_tiles_fit_shared_memory():
     assert abs(size - smem_plan(4096, config.block_n, config.stages, config.dispatch_copy).total_bytes) < 2048
 
 
-def _cuobjdump():
-    """cuobjdump from the CUDA toolkit or the one triton ships (installed with quack)."""
-    import shutil
-
-    path = shutil.which("cuobjdump")
-    if path:
-        return path
-    try:
-        import triton
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return path if os.path.exists(path) else None
-
-
 def _check_sass_pipelined(tmp_path, config):
     """The SASS ptxas made of the DSL's PTX keeps the consumers' WGMMAs pipelined: at the launch's
     168 registers per thread ptxas serialized them in some builds (C7511, a ``WARPGROUP.DEPBAR ...
@@ -399,7 +384,7 @@ def _check_sass_pipelined(tmp_path, config):
     one spilled pointer (<= 16 bytes of stack), none from the consumers' setmaxnreg up to their
     last HGMMA. Timed builds only (expert_wave's trace build keeps timestamps live across the
     mainloop and is serialized at 208 registers)."""
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton)")
     d = tmp_path / "cubin"
@@ -526,7 +511,7 @@ def test_w8a8_builds_fp8_wgmma_pipelined(tmp_path, schedule, P):
     slice's sums, nothing more), no local memory between the consumers' first and last QGMMA (the
     promotion's 160 accumulator registers fit: a 192-register variant spilled there), both
     setmaxnreg kept, h quantized with cvt.rn.satfinite.e4m3x2 and the scales read through L2."""
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton)")
     config = MegaMoEConfig(schedule, precision="w8a8").resolve(DSV4, P, 8192, 132)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["HOPPER_ARCH", "ensure_hopper_target", "Compiled", "compile_hopper", "cached", "fake_tensor",
-           "fake_stream"]
+           "fake_stream", "cuobjdump"]
 
 HOPPER_ARCH = "sm_90a"
 
@@ -159,3 +159,19 @@ def fake_stream():
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump (to read a compiled kernel's SASS) from the CUDA toolkit or the one triton ships
+    (installed with quack), or None."""
+    import shutil
+
+    path = shutil.which("cuobjdump")
+    if path:
+        return path
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None

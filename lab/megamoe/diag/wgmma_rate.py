@@ -162,21 +162,6 @@ class WgmmaRateSm90:
             mCycles[bidx] = t1 - t0
 
 
-def _cuobjdump():
-    """cuobjdump from the CUDA toolkit or the one triton ships, or None."""
-    import shutil
-
-    path = shutil.which("cuobjdump")
-    if path:
-        return path
-    try:
-        import triton
-    except ImportError:
-        return None
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return path if os.path.exists(path) else None
-
-
 def sass_usage(v: Variant) -> dict | None:
     """Registers per thread, local-memory instructions, HGMMA/QGMMA and their waits in ``v``'s SASS
     (None without cuobjdump): spills rule a batch shape out before any GPU run."""
@@ -185,9 +170,9 @@ def sass_usage(v: Variant) -> dict | None:
     import subprocess
     import tempfile
 
-    from xstage.cute_compile import compile_hopper
+    from xstage.cute_compile import compile_hopper, cuobjdump
 
-    tool = _cuobjdump()
+    tool = cuobjdump()
     if tool is None:
         return None
     d = tempfile.mkdtemp(prefix="wgmma-rate-")
