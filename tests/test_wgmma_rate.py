@@ -26,6 +26,7 @@ def test_variant_issues_its_batches(v):
     assert shapes == {str(v.slice_n): 4 * batches}  # 4 x k32 per 128-K stage and batch
     assert len(re.findall(r"wgmma\.wait_group", ptx)) == (batches if v.promote else 1)
     assert ptx.count("%clock64") == 2
+    assert ("cp.async.bulk.shared::cluster.global" in ptx) == v.refill
 
 
 @pytest.mark.compile

@@ -8,7 +8,11 @@ a warpgroup issues the tile's ``tile_n`` columns in batches of ``slice_n`` (``m6
 SS FP8 WGMMAs, 4 per batch) and, with ``promote``, folds each finished batch into the tile's FP32
 sums as the W8A8 kernel does (``acc += part * c``; two slice fragments, so batch j + 1 runs while
 batch j is promoted, the kernel's ping-pong). ``slice_n == tile_n`` without ``promote`` is the
-plain accumulate: the tensor pipe's ceiling for the tile.
+plain accumulate: the tensor pipe's ceiling for the tile. With ``refill`` thread 0 also issues,
+per k-block, a bulk copy of one stage's bytes from an L2-resident source into one of two other
+shared-memory buffers (two in flight; it waits for the copy two back): the TMA refills'
+shared-memory writes that the real ring adds, without a producer warp (one would need setmaxnreg,
+which ptxas drops here with C7508, leaving the consumers 168 registers).
 
 A variant's rate is MACs per SM cycle: ``128 x tile_n x 128 x k_blocks`` over the CTA's
 ``%clock64`` span of the loop (the median over CTAs), against 4096 (sm_90's dense FP8 rate). Its
@@ -45,6 +49,7 @@ class Variant:
     slice_n: int  # columns per WGMMA batch
     promote: bool  # fold each batch into FP32 sums (W8A8), else accumulate in place
     ping_pong: bool = True  # promote: two batch fragments (batch j + 1 runs while j is promoted), else one
+    refill: bool = False  # a warpgroup streams one stage's bytes per k-block into shared memory meanwhile
     stages: int = 4
     k_blocks: int = 512
 
@@ -57,8 +62,13 @@ class Variant:
     @property
     def name(self) -> str:
         how = f"{self.tile_n // self.slice_n} x n{self.slice_n}" + (
-            "" if not self.promote else " + promote" + ("" if self.ping_pong else ", 1 fragment"))
+            "" if not self.promote else " + promote" + ("" if self.ping_pong else ", 1 fragment")) + (
+            " + refill" if self.refill else "")
         return f"tile n{self.tile_n}: {how}"
+
+    @property
+    def stage_bytes(self) -> int:
+        return (BLOCK_M + self.tile_n) * BLOCK_K  # FP8: one byte per element
 
 
 VARIANTS = (
@@ -69,7 +79,11 @@ VARIANTS = (
     Variant(256, 128, True, ping_pong=False),  # redesign option 1 as docs/moe-core.md has it: one fragment
     Variant(128, 64, True),
     Variant(128, 128, True),  # DeepGEMM-like width per promotion (its tile is 128 x 192 / 2 WGs)
+    Variant(256, 256, False, refill=True, stages=2),  # the same with the refills' shared-memory writes
+    Variant(256, 64, True, refill=True, stages=2),
+    Variant(256, 128, True, ping_pong=False, refill=True, stages=2),
 )
+BULK_WAIT_TRIES = 1 << 20
 
 
 class WgmmaRateSm90:
@@ -77,7 +91,7 @@ class WgmmaRateSm90:
         self.v = variant
 
     @cute.jit
-    def __call__(self, mCycles: cute.Tensor, mSink: cute.Tensor, stream):
+    def __call__(self, mCycles: cute.Tensor, mSink: cute.Tensor, mSource: cute.Tensor, mError: cute.Tensor, stream):
         v = self.v
         self.sA_layout = sm90_utils.make_smem_layout(Float8E4M3FN, LayoutEnum.ROW_MAJOR, (BLOCK_M, BLOCK_K),
                                                      stage=v.stages)
@@ -90,15 +104,18 @@ class WgmmaRateSm90:
         class SharedStorage:
             sA: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(self.sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(self.sB_layout)], 1024]
+            refill: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, 2 * v.stage_bytes if v.refill else 16], 128]
+            refill_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
 
         self.shared_storage = SharedStorage
-        self.kernel(mCycles, mSink, self.mma_tile, self.mma_slice, self.sA_layout, self.sB_layout).launch(
-            grid=[mCycles.shape[0], 1, 1], block=[THREADS, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        self.kernel(mCycles, mSink, mSource, mError, self.mma_tile, self.mma_slice, self.sA_layout,
+                    self.sB_layout).launch(grid=[mCycles.shape[0], 1, 1], block=[THREADS, 1, 1],
+                                           smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
-    def kernel(self, mCycles: cute.Tensor, mSink: cute.Tensor, mma_tile: cute.TiledMma, mma_slice: cute.TiledMma,
-               sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
-        v = self.v
+    def kernel(self, mCycles: cute.Tensor, mSink: cute.Tensor, mSource: cute.Tensor, mError: cute.Tensor,
+               mma_tile: cute.TiledMma, mma_slice: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
@@ -116,9 +133,29 @@ class WgmmaRateSm90:
         while i < cute.cosize(sB_layout):
             words_b[i] = Float8E4M3FN(0.0)
             i = i + THREADS
+        if tidx == 0:
+            for b in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(storage.refill_mbar.data_ptr() + b, 1)
+            cute.arch.mbarrier_init_fence()
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
+        self.consume(tidx, bidx, mCycles, mSink, mma_tile, mma_slice, sA, sB, storage, mSource, mError)
 
+    @cute.jit
+    def refill_step(self, storage, src: Int64, kb, mError: cute.Tensor):
+        """Block ``kb``'s copy into buffer kb % 2, after the copy two back into it has landed."""
+        v = self.v
+        mbar = storage.refill_mbar.data_ptr() + kb % 2
+        if kb >= 2:
+            xdev.mbarrier_wait_tries(mbar, ((kb - 2) // 2) % 2, BULK_WAIT_TRIES, mError.iterator)
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar, v.stage_bytes)
+        xdev.bulk_copy_g2s(storage.refill.data_ptr() + (kb % 2) * v.stage_bytes, src, v.stage_bytes, mbar)
+
+    @cute.jit
+    def consume(self, tidx, bidx, mCycles: cute.Tensor, mSink: cute.Tensor, mma_tile: cute.TiledMma,
+                mma_slice: cute.TiledMma, sA, sB, storage, mSource: cute.Tensor, mError: cute.Tensor):
+        """The two consumer warpgroups' loop over the smem-resident stages, timed."""
+        v = self.v
         thr_t = mma_tile.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr_t.partition_shape_C((BLOCK_M, v.tile_n)), Float32)
         acc.fill(0.0)
@@ -131,10 +168,14 @@ class WgmmaRateSm90:
         parts = (part0, part1)
         c = Float32(1.0) + Float32(tidx) * Float32(1e-30)  # a scale the compiler cannot fold
 
-        cute.arch.sync_threads()
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the consumers start together
         t0 = xdev.clock64()
+        src = Int64(mSource.iterator.toint())
         for kb in cutlass.range(v.k_blocks, unroll=1):
             s = kb % v.stages
+            if const_expr(v.refill):
+                if tidx == 0:
+                    self.refill_step(storage, src, kb, mError)
             if const_expr(not v.promote):
                 sm90_utils.gemm_w_idx(mma_tile, acc, tCrA, tCrB[0], False, A_idx=s, B_idx=s, wg_wait=0)
             elif const_expr(not v.ping_pong):
@@ -154,6 +195,12 @@ class WgmmaRateSm90:
                     for e in cutlass.range_constexpr(cute.size(p)):
                         acc[(j - 1) * cute.size(p) + e] = acc[(j - 1) * cute.size(p) + e] + p[e] * c
         t1 = xdev.clock64()
+        if const_expr(v.refill):
+            if tidx == 0:  # the last two copies land before the CTA exits
+                for j in cutlass.range_constexpr(2):
+                    last = v.k_blocks - 2 + j
+                    xdev.mbarrier_wait_tries(storage.refill_mbar.data_ptr() + last % 2, (last // 2) % 2,
+                                             BULK_WAIT_TRIES, mError.iterator)
         total = Float32(0.0)
         for e in cutlass.range_constexpr(cute.size(acc)):
             total = total + acc[e]
@@ -185,11 +232,16 @@ def sass_usage(v: Variant) -> dict | None:
             "wgmma": len(re.findall(r"\bQGMMA\.", sass)), "wgmma_waits": len(re.findall(r"WARPGROUP\.DEPBAR", sass))}
 
 
+SOURCE_BYTES = (BLOCK_M + 256) * BLOCK_K  # the largest stage: the refills' L2-resident source
+
+
 def _fake_args():
     from xstage.cute_compile import fake_stream, fake_tensor
 
     return (fake_tensor(Int64, (cute.sym_int(),), stride=(1,), assumed_align=8),
-            fake_tensor(Float32, (cute.sym_int(), THREADS), stride=(THREADS, 1), assumed_align=4), fake_stream())
+            fake_tensor(Float32, (cute.sym_int(), THREADS), stride=(THREADS, 1), assumed_align=4),
+            fake_tensor(cutlass.Int8, (SOURCE_BYTES,), stride=(1,), assumed_align=16),
+            fake_tensor(Int32, (1,), stride=(1,), assumed_align=4), fake_stream())
 
 
 def compile_variant(v: Variant):
@@ -207,10 +259,14 @@ def measure(v: Variant, num_ctas: int, repeats: int = 5) -> dict:
     fn = compile_variant(v)
     cycles = torch.zeros(num_ctas, dtype=torch.int64, device="cuda")
     sink = torch.zeros(num_ctas, THREADS, dtype=torch.float32, device="cuda")
+    source = torch.zeros(SOURCE_BYTES, dtype=torch.int8, device="cuda")
+    error = torch.zeros(1, dtype=torch.int32, device="cuda")
     best = None
     for _ in range(repeats + 1):  # the first launch warms up
-        fn(cycles, sink)
+        fn(cycles, sink, source, error)
         torch.cuda.synchronize()
+        if int(error.item()):
+            raise RuntimeError(f"{v.name}: a refill copy did not land (error word {int(error.item()):#x})")
         med = statistics.median(cycles.tolist())
         best = med if best is None else min(best, med)
     if not torch.isfinite(sink).all():
@@ -226,11 +282,11 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU) and exit")
     args = ap.parse_args(argv)
     if args.compile_only:
-        print(f"{'variant':40s} {'registers':>9s} {'LDL/STL':>8s} {'WGMMAs':>7s} {'waits':>6s}")
+        print(f"{'variant':52s} {'registers':>9s} {'LDL/STL':>8s} {'WGMMAs':>7s} {'waits':>6s}")
         for v in VARIANTS:
             compile_variant(v)
             u = sass_usage(v)
-            print(f"{v.name:40s} " + ("(no cuobjdump)" if u is None else
+            print(f"{v.name:52s} " + ("(no cuobjdump)" if u is None else
                   f"{u['registers']:9d} {u['local_memory_instructions']:8d} {u['wgmma']:7d} {u['wgmma_waits']:6d}"))
         return
     import torch
@@ -241,9 +297,9 @@ def main(argv=None) -> None:
         raise SystemExit("wgmma_rate needs a Hopper GPU (sm_90); --compile-only does not")
     num_ctas = torch.cuda.get_device_properties(0).multi_processor_count
     rows = [measure(v, num_ctas) for v in VARIANTS]
-    print(f"{'variant':40s} {'cycles':>10s} {'MAC/clk/SM':>11s} {'of 4096':>8s}")
+    print(f"{'variant':52s} {'cycles':>10s} {'MAC/clk/SM':>11s} {'of 4096':>8s}")
     for r in rows:
-        print(f"{r['name']:40s} {r['cycles']:10.0f} {r['macs_per_clk']:11.0f} {r['of_peak']:8.1%}")
+        print(f"{r['name']:52s} {r['cycles']:10.0f} {r['macs_per_clk']:11.0f} {r['of_peak']:8.1%}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "wgmma_rate.json"), "w") as f:
         json.dump({"rows": rows, "num_ctas": num_ctas, "provenance": provenance.collect()}, f, indent=1)
