@@ -253,8 +253,8 @@ class MegaMoEConfig:
             raise ValueError(f"num_experts {experts} not divisible by world size {world_size}")
         if hidden % BLOCK_K or inter % BLOCK_K:
             raise ValueError(f"hidden {hidden} and intermediate {inter} must be multiples of {BLOCK_K}")
-        w8a8 = self.fp8
-        if w8a8 and (hidden % QUANT_BLOCK or inter % QUANT_BLOCK):
+        fp8 = self.fp8
+        if fp8 and (hidden % QUANT_BLOCK or inter % QUANT_BLOCK):
             raise ValueError(f"precision={self.precision!r}: hidden {hidden} and intermediate {inter} must be multiples of "
                              f"{QUANT_BLOCK} (the FP8 scale blocks)")
         block_n = self.block_n
@@ -262,7 +262,7 @@ class MegaMoEConfig:
             block_n = next((n for n in BLOCK_NS if hidden % (2 * n) == 0 and inter % n == 0), None)
             if block_n is None:
                 raise ValueError(f"no N tile in {BLOCK_NS} tiles hidden {hidden} and intermediate {inter}")
-        if w8a8 and block_n != 2 * QUANT_BLOCK:
+        if fp8 and block_n != 2 * QUANT_BLOCK:
             raise ValueError(f"precision={self.precision!r} needs block_n={2 * QUANT_BLOCK} (an L1 tile must hold whole 1x128 "
                              f"groups of h), so H % 512 == 0 and I % 256 == 0; got block_n={block_n} for "
                              f"H={hidden}, I={inter}")
@@ -276,11 +276,11 @@ class MegaMoEConfig:
         if copy is None:
             copy = "lsu"
             try:
-                smem_plan(hidden, block_n, stages, "bulk", w8a8=w8a8)
+                smem_plan(hidden, block_n, stages, "bulk", w8a8=fp8)
                 copy = "bulk"
             except ValueError:  # no room for the bounce buffers
                 pass
-        smem_plan(hidden, block_n, stages, copy, w8a8=w8a8)
+        smem_plan(hidden, block_n, stages, copy, w8a8=fp8)
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window
         if window is None:

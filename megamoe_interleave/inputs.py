@@ -19,14 +19,14 @@ def check_inputs(layer, xs, idxs, ws, x_scales) -> None:
     if not layer.w1:
         raise RuntimeError("call load_weights() first")
     buf = layer.buffer
-    w8a8 = layer.config.fp8
-    if x_scales is not None and (not w8a8 or len(x_scales) != len(xs)):
+    fp8 = layer.config.fp8
+    if x_scales is not None and (not fp8 or len(x_scales) != len(xs)):
         raise ValueError("x_scales (one per local rank) go with E4M3 x and precision='w8a8' / 'w4a8' only")
     for i, (xr, ir, wr) in enumerate(zip(xs, idxs, ws)):
         want = buf.x.dtype if x_scales is not None else buf.dtype
         if xr.dtype != want:
             raise ValueError(f"x must be {want}, got {xr.dtype}"
-                             + (" (E4M3 x comes with x_scales)" if w8a8 and x_scales is None else ""))
+                             + (" (E4M3 x comes with x_scales)" if fp8 and x_scales is None else ""))
         reference.check_routing_shapes(xr, ir, wr)
         if xr.shape[1] != layer.hidden or ir.shape[1] != layer.topk:
             raise ValueError(f"x must be [T, {layer.hidden}] and topk_idx [T, {layer.topk}]")
@@ -42,11 +42,11 @@ def copy_inputs(layer, xs, idxs, ws, x_scales) -> List[torch.Tensor]:
     """Copy each rank's inputs into its symmetric buffers (skipping inputs that are those
     buffers' leading rows; W8A8 quantizes bf16 x); returns the staged topk_idx views."""
     buf, ranks = layer.buffer, layer.world.local_ranks
-    w8a8 = layer.config.fp8
+    fp8 = layer.config.fp8
     staged_idx = []
     for i, (r, xr, ir, wr) in enumerate(zip(ranks, xs, idxs, ws)):
         T = xr.shape[0]
-        if not w8a8:
+        if not fp8:
             rows = [(buf.x.local(r)[:T], xr)]
         else:  # E4M3 rows and their scales, quantized here from bf16 x
             x_q, x_s = quant.quantize_act(xr) if x_scales is None else (xr, x_scales[i])

@@ -4,13 +4,13 @@ values take the Python path, DSL values emit the matching index arithmetic."""
 from __future__ import annotations
 
 
-def _is_py(x) -> bool:
+def is_py(x) -> bool:
     return isinstance(x, (bool, int))
 
 
 def select(cond, a, b):
     """``a if cond else b`` for Python values and for DSL dynamic values."""
-    if _is_py(cond):
+    if is_py(cond):
         return a if cond else b
     import cutlass  # deferred: the reference must not need the DSL
 
@@ -27,7 +27,7 @@ def divmod_small(a, b):
     lies at least 1 / (2 b) from an integer, and the float error (rcp.approx's 1 ulp plus the
     product's rounding, <= 1.5 * 2^-23 relative) is at most (a + 1/2) / b * 1.5 * 2^-23, which
     is below 1 / (2 b) while a + 1/2 < 2^22 / 3."""
-    if _is_py(a) and _is_py(b):
+    if is_py(a) and is_py(b):
         return a // b, a % b
     import cutlass
     import cutlass.cute as cute
@@ -37,19 +37,19 @@ def divmod_small(a, b):
 
 
 def logical_and(a, b):
-    if _is_py(a) and _is_py(b):
+    if is_py(a) and is_py(b):
         return bool(a) and bool(b)
     return a & b
 
 
 def logical_or(a, b):
-    if _is_py(a) and _is_py(b):
+    if is_py(a) and is_py(b):
         return bool(a) or bool(b)
     return a | b
 
 
 def logical_not(a):
-    if _is_py(a):
+    if is_py(a):
         return not a
     import cutlass
 
@@ -58,7 +58,7 @@ def logical_not(a):
 
 def as_int(x):
     """Boolean -> 0/1 integer (Python) or Int32 (DSL)."""
-    if _is_py(x):
+    if is_py(x):
         return int(bool(x))
     import cutlass
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import quant, quant_fp4
 from .config import QUANT_BLOCK
 
 
@@ -367,8 +367,6 @@ def reference_moe_w4a8(xs, topk_idx, topk_weights, w1_p: torch.Tensor, w1_sf: to
     """BF16 output of every rank under the W4A8 recipe: :func:`reference_moe_w8a8` on the FP4
     weights (kernel layout, :func:`quant_fp4.quantize_weights`) widened by
     :func:`quant_fp4.widen_weights`. ``backend="torch"`` matches it bit for bit."""
-    from . import quant_fp4
-
     return reference_moe_w8a8(xs, topk_idx, topk_weights, *quant_fp4.widen_weights(w1_p, w1_sf, w2_p, w2_sf),
                               x_scales=x_scales)
 

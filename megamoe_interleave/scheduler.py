@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .int_ops import _is_py, as_int, divmod_small, logical_and, logical_not, logical_or, select
+from .int_ops import is_py, as_int, divmod_small, logical_and, logical_not, logical_or, select
 
 PHASE_L1 = 1
 PHASE_L2 = 2
@@ -127,7 +127,7 @@ def tile_pool_row(tile: Tile, m, block_m: int):
 def _row_record(grid: RowGrid, row, valid):
     """``grid.row_record[row]`` if valid else zeros; idle steps may carry an out-of-range
     row, so the DSL path clamps it (device tables always hold at least one record)."""
-    if _is_py(valid):
+    if is_py(valid):
         return tuple(grid.row_record[row]) if valid else (0, 0, 0, 0)
     rec = grid.row_record[select(valid > 0, row, 0)]
     return tuple(select(valid > 0, f, 0) for f in rec)
@@ -192,7 +192,7 @@ def interleaved_next(cursor, G, grid: RowGrid, lead):
 
 
 def interleaved_step(cursor, g, G, r, grid: RowGrid, lead):
-    if _is_py(lead) and lead < 1:
+    if is_py(lead) and lead < 1:
         raise ValueError(f"lead D must be >= 1 for deadlock freedom, got {lead}")
     valid = as_int(logical_not(interleaved_done(cursor, grid)))
     is_l2, row, pair, nxt = interleaved_next(cursor, G, grid, lead)

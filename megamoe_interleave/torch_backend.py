@@ -29,13 +29,13 @@ def run_dataflow(moe) -> None:
     ws = [buf.topk_weights.local(s)[: T[s]] for s in range(P)]
     perms = reference.permute_ranks(idxs, ws, range(P), moe.experts_per_rank)
     dev = world.device
-    w8a8 = moe.config.fp8
-    if w8a8:
+    fp8 = moe.config.fp8
+    if fp8:
         x_scales = [buf.x_scales.local(s)[: T[s]] for s in range(P)]
     for d in range(P):
         perm = perms[d]
         rows = reference.gather_rows(xs, perm, dev)
-        if w8a8:
+        if fp8:
             w = (moe.w1[d], moe.w1_scales[d], moe.w2[d], moe.w2_scales[d])
             if moe.config.precision == "w4a8":
                 w = quant_fp4.widen_weights(*w)

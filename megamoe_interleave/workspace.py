@@ -48,9 +48,9 @@ class MegaMoEBuffer:
         self.hidden, self.topk, self.max_tokens = hidden, topk, max_tokens_per_rank
         self.dtype = dtype
         T = max_tokens_per_rank
-        w8a8 = precision in FP8_PRECISIONS
-        self.x = world.alloc((T, hidden), quant.E4M3 if w8a8 else dtype)
-        self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if w8a8 else None
+        fp8 = precision in FP8_PRECISIONS
+        self.x = world.alloc((T, hidden), quant.E4M3 if fp8 else dtype)
+        self.x_scales = world.alloc((T, hidden // QUANT_BLOCK), torch.float32) if fp8 else None
         self.topk_idx = world.alloc((T, topk), torch.int64)
         self.topk_weights = world.alloc((T, topk), torch.float32)
         # The Combine stores' destinations: [k, T, H] slots (combine_slots) plus one padding row,

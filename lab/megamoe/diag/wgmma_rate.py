@@ -116,6 +116,7 @@ class WgmmaRateSm90:
     def kernel(self, mCycles: cute.Tensor, mSink: cute.Tensor, mSource: cute.Tensor, mError: cute.Tensor,
                mma_tile: cute.TiledMma, mma_slice: cute.TiledMma, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout):
+        v = self.v
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
@@ -133,10 +134,11 @@ class WgmmaRateSm90:
         while i < cute.cosize(sB_layout):
             words_b[i] = Float8E4M3FN(0.0)
             i = i + THREADS
-        if tidx == 0:
-            for b in cutlass.range_constexpr(2):
-                cute.arch.mbarrier_init(storage.refill_mbar.data_ptr() + b, 1)
-            cute.arch.mbarrier_init_fence()
+        if const_expr(v.refill):
+            if tidx == 0:
+                for b in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(storage.refill_mbar.data_ptr() + b, 1)
+                cute.arch.mbarrier_init_fence()
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()
         self.consume(tidx, bidx, mCycles, mSink, mma_tile, mma_slice, sA, sB, storage, mSource, mError)
