@@ -261,8 +261,13 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         banks and an epilogue thread's 16-byte chunk stays contiguous."""
         words = self.stage_words
         rows_per_line = max(1, 32 // words)  # rows sharing one 32-bank line
-        groups = min(8, words // 4)  # 16-byte groups per row
-        return m * words + (c ^ (((m // rows_per_line) % groups) * 4))
+        return m * words + (c ^ (((m // rows_per_line) % self.swizzle_groups) * 4))
+
+    @property
+    def swizzle_groups(self) -> int:
+        """16-byte groups per row that the swizzle permutes: adding a multiple of it to a group
+        adds the same to its swizzled position."""
+        return min(8, self.stage_words // 4)
 
     @cute.kernel
     def kernel(self, args: MegaMoEArguments, max_tokens: Int32, topk: Int32, barrier_base: Int32,

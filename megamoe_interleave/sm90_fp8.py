@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float8E4M3FN, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Boolean, Float8E4M3FN, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from quack import sm90_utils
 
@@ -137,6 +137,27 @@ class MegaMoESm90W8A8(MegaMoESm90):
         else:
             ConsumerMixin.stage_output(self, frags, half, sm, swiglu_l1, part)
 
+    @cute.jit
+    def stage_l2(self, acc, tCcC, sm, row, vals, lo: cutlass.Constexpr, hi: cutlass.Constexpr,
+                 col0: cutlass.Constexpr):
+        """The base's L2 staging with fewer live addresses: element i0 holds column 2 i0 + 2 q (+ the
+        warpgroup's first), so its group is element 0's + i0 / 4 - col0 / 8, addressed as one of
+        ``swizzle_groups`` swizzled bases plus a compile-time offset. (ptxas hoisted the base's
+        address per group out of the tile loop and spilled them, 22 local loads per L2 tile; the
+        bf16 kernel keeps the base's form, which this one serializes there: C7511.)"""
+        lane = cute.arch.lane_idx()
+        words = cute.recast_tensor(vals, Int32)
+        _, nn = tCcC[0]
+        group0 = (nn - 2 * (lane % 4)) // 8 + lane // 16
+        bases = {}
+        for i0 in cutlass.range_constexpr(lo, hi, 8):
+            for k in cutlass.range_constexpr(8):
+                vals[k] = BFloat16(acc[i0 + k])
+            wrap, r = divmod(i0 // 4 - col0 // 8, self.swizzle_groups)
+            if const_expr(r not in bases):
+                bases[r] = sm.sC.iterator + self.stage_index(row, 4 * (group0 + r))
+            xdev.stmatrix_x4(bases[r] + 4 * self.swizzle_groups * wrap, words[0], words[1], words[2], words[3])
+
     def consumer_fragments(self, tiled_mma, tidx, sm):
         """``(full, half)``, each (tiled_mma of a slice, promoted sums, tCrA, tCrB, tCcC, slice
         fragment). ``full``: the 128 x 256 tile's sums (``tiled_mma``'s layout, 128 registers) and
@@ -168,8 +189,9 @@ class MegaMoESm90W8A8(MegaMoESm90):
                      l1: cutlass.Constexpr, half: cutlass.Constexpr):
         """The tile's promoted sums over num_k ring stages (one 128-K block each). L1: A = pool x
         with ``pool_x_scale``, B = w1 with ``w1_scale``; L2: A = h with ``h_scale``, B = w2 with
-        ``w2_scale``. The scales are loaded right after the stage's wait, so their latency hides behind
-        the WGMMAs. Returns (state, time the first stage had landed, ok)."""
+        ``w2_scale``. The weights' scales of the whole tile are loaded at its start, one K block per
+        lane (:meth:`weight_scale`), the rows' scales two K blocks ahead. Returns (state, time the
+        first stage had landed, ok)."""
         mma, acc, tCrA, tCrB, tCcC, part = frags
         timeout = Int64(self.ring_timeout_ns)
         err = gm.counters.iterator + self.COUNTER_ERROR
@@ -187,28 +209,42 @@ class MegaMoESm90W8A8(MegaMoESm90):
         if const_expr(half):  # warpgroup w holds the tile's columns [128 w, 128 w + 128)
             b_block = b_block + cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
         pb = Int64(b_scale.iterator.toint()) + Int64(b_block) * (ks * 4)
+        # Weights need no ordering: their scales load before the first wait. (A uniform load of
+        # block kt + 1's, the obvious prefetch, made ptxas move it into a uniform register right
+        # away, stalling every K block on the L2 round trip at its top.)
+        sbv0 = self.weight_scales(pb, ks)
+        sbv1 = sbv0
+        if const_expr(not half):
+            sbv1 = self.weight_scales(pb + ks * 4, ks)
         acc.fill(0.0)
-        t1 = Int64(0)
+        # The rows' scales: none before the tile's first wait (that stage orders them after Dispatch
+        # (x_ready) for an L1 tile, after the L1 epilogues (l2_full) for an L2 tile, both acquired
+        # by the producer), then two K blocks ahead, and each block's scale products formed while
+        # the block before it runs (loaded at use, their L2 round trip stalled every promotion; no
+        # predicated loads in the loop: those wait on their registers' loads in flight).
+        ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+        t1 = self.timestamp()
+        sa0, sa1 = self.row_scales(pa0, pa1, 0)
+        na0, na1 = self.row_scales(pa0, pa1, min(1, num_k - 1))
+        c0, c1, c2, c3 = self.scale_products(sa0, sa1, sbv0, sbv1, 0, half)
         for kt in cutlass.range(num_k, unroll=1):
-            ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
-            if kt == 0:
-                t1 = self.timestamp()
-            # After the wait: an L1 tile's first stage is what orders these loads after Dispatch
-            # (x_ready), an L2 tile's after the L1 epilogues (l2_full), both acquired by the producer.
-            sa0 = xdev.load_f32_cg(pa0 + kt * 4)
-            sa1 = xdev.load_f32_cg(pa1 + kt * 4)
-            sb0 = xdev.load_f32_cg(pb + kt * 4)
+            if kt > 0:
+                ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+            nxt = cutlass.min(kt + 1, num_k - 1)
             if const_expr(half):
-                sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=0)
-                self.promote(acc, part, 0, sa0 * sb0, sa1 * sb0)
+                sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index,
+                                      wg_wait=-1)
+                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, half)
+                na0, na1 = self.row_scales(pa0, pa1, cutlass.min(kt + 2, num_k - 1))
+                warpgroup.wait_group(0)
+                self.promote(acc, part, 0, c0, c1)
             else:
-                sb1 = xdev.load_f32_cg(pb + ks * 4 + kt * 4)
-                c00, c01 = sa0 * sb0, sa1 * sb0
-                c10, c11 = sa0 * sb1, sa1 * sb1
                 # ping-pong: slice j's WGMMAs run while slice j - 1 is promoted
                 n = len(tCrB)
                 sm90_utils.gemm_w_idx(mma, part[0], tCrA, tCrB[0], True, A_idx=state.index, B_idx=state.index,
                                       wg_wait=-1)
+                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, half)
+                na0, na1 = self.row_scales(pa0, pa1, cutlass.min(kt + 2, num_k - 1))
                 for j in cutlass.range_constexpr(1, n + 1):
                     if const_expr(j < n):
                         sm90_utils.gemm_w_idx(mma, part[j % 2], tCrA, tCrB[j], True, A_idx=state.index,
@@ -217,12 +253,44 @@ class MegaMoESm90W8A8(MegaMoESm90):
                         warpgroup.wait_group(0)
                     p = part[(j - 1) % 2]
                     if const_expr((j - 1) * SLICE_N < QUANT_BLOCK):
-                        self.promote(acc, p, (j - 1) * cute.size(p), c00, c01)
+                        self.promote(acc, p, (j - 1) * cute.size(p), c0, c1)
                     else:
-                        self.promote(acc, p, (j - 1) * cute.size(p), c10, c11)
+                        self.promote(acc, p, (j - 1) * cute.size(p), c2, c3)
             ab_pipe.consumer_release(state)
             state.advance()
+            c0, c1, c2, c3 = d0, d1, d2, d3
         return state, t1, ok
+
+    @cute.jit
+    def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, half: cutlass.Constexpr):
+        """K block ``kt``'s promotion factors: (row 0, row 1) x the first weight scale block, then
+        (full tiles) x the second."""
+        sb0 = self.weight_scale(sbv0, kt)
+        if const_expr(half):
+            return sa0 * sb0, sa1 * sb0, sa0 * sb0, sa1 * sb0
+        sb1 = self.weight_scale(sbv1, kt)
+        return sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1
+
+    @cute.jit
+    def row_scales(self, pa0, pa1, kt: Int32):
+        """K block ``kt``'s scales of this thread's two A rows."""
+        return xdev.load_f32_cg(pa0 + kt * 4), xdev.load_f32_cg(pa1 + kt * 4)
+
+    @cute.jit
+    def weight_scales(self, pb, ks: cutlass.Constexpr):
+        """One weight scale block's ``ks`` K-block scales, K block 32 j + lane in register j (the
+        last lanes repeat the last block)."""
+        lane = cute.arch.lane_idx()
+        return [xdev.load_f32_cg(pb + cutlass.min(32 * j + lane, ks - 1) * 4) for j in range((ks + 31) // 32)]
+
+    @cute.jit
+    def weight_scale(self, regs, kt: Int32):
+        """K block ``kt``'s weight scale from :meth:`weight_scales`' registers (a warp shuffle)."""
+        v = regs[0]
+        for j in cutlass.range_constexpr(1, len(regs)):
+            if kt >= 32 * j:
+                v = regs[j]
+        return cute.arch.shuffle_sync(v, kt % 32)
 
     @cute.jit
     def promote(self, acc, part, offset: cutlass.Constexpr, c0: Float32, c1: Float32):

@@ -328,13 +328,22 @@ class ConsumerMixin:
                 xdev.stmatrix_x4(sm.sC.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
                                  words[3])
         else:
-            for i0 in cutlass.range_constexpr(lo, hi, 8):
-                for k in cutlass.range_constexpr(8):
-                    vals[k] = BFloat16(acc[i0 + k])
-                _, nn = tCcC[i0]
-                group = (nn - 2 * (lane % 4) - col0) // 8 + lane // 16
-                xdev.stmatrix_x4(sm.sC.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
-                                 words[3])
+            self.stage_l2(acc, tCcC, sm, row, vals, lo, hi, col0)
+
+    @cute.jit
+    def stage_l2(self, acc, tCcC, sm, row, vals, lo: cutlass.Constexpr, hi: cutlass.Constexpr,
+                 col0: cutlass.Constexpr):
+        """L2 staging (:meth:`stage_fragment`): elements [lo, hi) rounded to bf16, an stmatrix.x4
+        per 8 of them at output column - col0."""
+        lane = cute.arch.lane_idx()
+        words = cute.recast_tensor(vals, Int32)
+        for i0 in cutlass.range_constexpr(lo, hi, 8):
+            for k in cutlass.range_constexpr(8):
+                vals[k] = BFloat16(acc[i0 + k])
+            _, nn = tCcC[i0]
+            group = (nn - 2 * (lane % 4) - col0) // 8 + lane // 16
+            xdev.stmatrix_x4(sm.sC.iterator + self.stage_index(row, 4 * group), words[0], words[1], words[2],
+                             words[3])
 
     @cute.jit
     def record_trace(self, mTrace, cta: Int32, n_tile: Int32, tidx: Int32, tile, values):

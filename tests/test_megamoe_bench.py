@@ -138,6 +138,43 @@ def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
         trace_mod.read_pm_kernels(str(tmp_path / "bad.csv"))
 
 
+def test_ncu_source_splits_samples_by_role_and_opcode(tmp_path, capsys):
+    """The source-counter summary: rows from the consumers' setmaxnreg on are the consumers',
+    opcodes lose predicate and modifiers, shares are of each role's samples, and an export of two
+    kernels (ncu repeats the header) gives two summaries."""
+    import gzip
+    import json
+
+    from lab.megamoe.diag import ncu_source
+
+    header = ["Address", "Source", ncu_source.SAMPLES, ncu_source.EXECUTED, "stall_long_sb", "stall_barrier",
+              "stall_long_sb (Not Issued)"]
+    body = [["0x0", "BSSY B0, 0x10", "30", "1", "0", "30", "0"],
+            ["0x1", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd8", "0", "1", "0", "0", "0"],
+            ["0x2", "@!P1  LDG.E.STRONG.GPU R198, desc[UR8][R136.64+0x4]", "50", "1,000", "45", "0", "45"],
+            ["0x3", "FFMA R1, R2, R3, R1", "20", "2,000", "0", "0", "0"]]
+    path = tmp_path / "src.csv.gz"
+    with gzip.open(path, "wt", newline="") as f:
+        w = csv.writer(f)
+        for name in ("kernel_a", "kernel_b"):
+            w.writerow(["Kernel Name", name])
+            w.writerow(header)
+            w.writerows(body)
+    kernels = ncu_source.read_source_kernels(path)
+    assert [k for k, _ in kernels] == ["kernel_a", "kernel_b"] and len(kernels[0][1]) == 4
+    s = ncu_source.summarize(kernels[0][1], top=2)
+    assert s["samples"] == 100 and s["roles"]["aux"]["share_of_samples"] == 0.3
+    consumer = s["roles"]["consumer"]
+    assert consumer["opcodes"] == {"LDG": round(50 / 70, 4), "FFMA": round(20 / 70, 4)}
+    assert consumer["stall_reasons"] == {"long_sb": round(45 / 70, 4)}
+    assert consumer["executed_warp_instructions"]["FFMA"] == 2000
+    assert consumer["top_instructions"][0]["reasons"] == {"long_sb": 45}
+    assert ncu_source.summarize([dict(zip(header, body[0]))])["roles"].keys() == {"all"}
+    ncu_source.main([str(path), "--out", str(tmp_path / "out")])
+    assert len(json.loads((tmp_path / "out" / "ncu_source.json").read_text())["kernels"]) == 2
+    assert "consumer: 70.0 % of the samples" in capsys.readouterr().out
+
+
 def test_check_against_flags_wrong_outputs():
     """The bench checks each fused variant's first output against the unfused pipeline: within
     2 % of the output range passes; a NaN (an unwritten, poisoned Combine slot) or a larger

@@ -345,6 +345,22 @@ def test_staging_swizzle_is_a_conflict_free_permutation(block_n, stages):
         assert max(idx[r0 + r][c] - (r0 + r) * W for r in range(8) for c in range(block_n // 4)) < W
 
 
+@pytest.mark.parametrize("block_n,stages", [(64, 4), (128, 4), (256, 3), (256, 4)])
+def test_staging_groups_shift_with_the_swizzle(block_n, stages):
+    """The L2 staging addresses its 16-byte groups from ``swizzle_groups`` swizzled bases plus
+    compile-time offsets (ConsumerMixin.stage_fragment): group g + k * swizzle_groups of a row lies
+    k * swizzle_groups groups after group g, for every row and every group of the tile."""
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
+
+    op = MegaMoESm90(1024, 512, resolved(block_n=block_n, stages=stages))
+    sg, groups = op.swizzle_groups, op.stage_words // 4
+    assert groups % sg == 0
+    for m in range(BLOCK_M):
+        for g in range(sg):
+            for k in range(groups // sg):
+                assert op.stage_index(m, 4 * (g + k * sg)) == op.stage_index(m, 4 * g) + 4 * sg * k, (m, g, k)
+
+
 def test_smem_plan():
     """One L2 handoff when the BN-wide staging tile fits next to the ring, else two; the bulk
     Dispatch's bounce buffers fit next to the 3-stage 128 x 256 ring, not the 4-stage one; rows
@@ -533,6 +549,10 @@ def test_w8a8_builds_fp8_wgmma_pipelined(tmp_path, schedule, P):
     assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
     local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
     assert not [i for i in local if qgmma[0] < i < qgmma[-1]], "local memory access in the mainloops"
+    # the weights' scales per lane, read by shuffle (stage_l2's few bases: 88 B of stack before, 32-48 now)
+    assert re.search(r"\bSHFL\.IDX\b", sass), "the weight scales are not read by warp shuffle"
+    usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 48, "the L2 staging addresses spill again"
 
 
 @pytest.mark.compile
@@ -544,6 +564,15 @@ def test_w8a8_kernel_compiles(schedule, trace):
     config = MegaMoEConfig(schedule, precision="w8a8", trace=trace).resolve(get_shape("deepseek-v4-flash"), 1, 256,
                                                                             132)
     assert _compile(512, 256, config) is not None
+
+
+@pytest.mark.compile
+def test_w8a8_kernel_compiles_past_32_k_blocks():
+    """H = 8192: 64 K blocks per L1 tile, so each weight scale block spans two registers per lane
+    (MegaMoESm90W8A8.weight_scales; DeepSeek-V4-Flash has 32 and 16). Compiles only: no GPU test
+    runs a hidden size past 4096."""
+    config = MegaMoEConfig("interleaved", precision="w8a8").resolve(get_shape("deepseek-v4-flash"), 1, 256, 132)
+    assert _compile(8192, 2048, config) is not None
 
 
 def _check_staging_handoff_w8a8(ptx, empty, full):
