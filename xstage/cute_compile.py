@@ -100,9 +100,10 @@ def disk_cache_path(key, sources: tuple) -> str | None:
     """Where :func:`cached` keeps ``key``'s object file, or None without ``XSTAGE_KERNEL_CACHE``.
     The name hashes everything the PTX depends on besides the key: the sources' text (any edit
     makes a new file), the CuTe DSL / quack / flash-attn versions and the compile environment
-    variables. Not the DSL's CUDA-toolkit wheel (``nvidia-cutlass-dsl-libs-cu12`` / ``-cu13``): a
-    file compiled on a CPU host with the other one loads, with the same PTX, but its SASS comes from
-    that wheel's ptxas -- fine for correctness runs; time kernels with a cache made on the GPU host."""
+    variables. Not the DSL's CUDA-toolkit flavor (:func:`dsl_toolkit`): a file compiled with the other
+    one loads, but its PTX and SASS are that flavor's compiler's -- fine for correctness runs; time
+    kernels with files of the GPU host's flavor (cu13, which a CPU host also uses when both are
+    installed, as pyproject.toml asks)."""
     root = os.environ.get(KERNEL_CACHE_ENV)
     if not root:
         return None
@@ -159,6 +160,19 @@ def fake_stream():
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def dsl_toolkit() -> str:
+    """The CUDA toolkit flavor of the CuTe DSL compiler in use ("cu12" or "cu13"). With both
+    installed the DSL takes the newest one the driver supports, or the newest without a driver;
+    the flavors carry different ptxas builds, so a kernel's SASS (registers, spills) and the
+    DSL's PTX depend on it."""
+    import re
+
+    import cutlass._mlir._mlir_libs as libs
+
+    m = re.search(r"\.(cu\d+)\.", os.path.basename(libs._cutlass_ir.__file__))
+    return m.group(1) if m else "unknown"
 
 
 def cuobjdump() -> str | None:
