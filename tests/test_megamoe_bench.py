@@ -175,6 +175,23 @@ def test_ncu_source_splits_samples_by_role_and_opcode(tmp_path, capsys):
     assert "consumer: 70.0 % of the samples" in capsys.readouterr().out
 
 
+def test_sass_report_finds_spills_by_role_and_moves_before_back_edges():
+    """The SASS report on a hand-written listing: local accesses before the consumers' setmaxnreg
+    are the aux warps', between the first and last WGMMA the mainloop's; a backward branch in the
+    WGMMA span is a K-loop back edge, and the moves just before it are listed."""
+    from lab.megamoe.diag.sass_report import analyze
+
+    lines = ["STL [R1+0x8], R5", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xd8", "LDL R2, [R1+0x8]",
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R56, gdesc[UR16], RZ, !UPT", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+             "LDG.E.STRONG.GPU R199, desc[UR52][R24.64]", "IMAD.MOV.U32 R32, RZ, RZ, R199", "@P1 BRA 0x30",
+             "QGMMA.64x64x32.F32.E4M3.E4M3 R24, gdesc[UR16], RZ, !UPT", "LDL.LU R88, [R1+0x24]", "EXIT"]
+    sass = "\n".join(f"        /*{16 * i:04x}*/                   {t} ;  /* 0x0 */" for i, t in enumerate(lines))
+    r = analyze(sass, "REG:168 STACK:48 SHARED:1024")
+    assert (r["reg"], r["stack"], r["wgmma"], r["wgmma_waits"]) == (168, 48, 2, 1)
+    assert r["local_accesses"] == {"aux": 1, "consumers_mainloop": 0, "consumers_other": 2}
+    assert r["k_loop_back_edges"] == [{"address": "0x70", "moves_before": ["IMAD.MOV.U32 R32, RZ, RZ, R199"]}]
+
+
 def test_check_against_flags_wrong_outputs():
     """The bench checks each fused variant's first output against the unfused pipeline: within
     2 % of the output range passes; a NaN (an unwritten, poisoned Combine slot) or a larger
