@@ -124,7 +124,7 @@ def megamoe_layer(problem, precision, schedule, device):
 def megamoe_inputs(problem, kind="balanced", mask=0.0, seed=0):
     import torch
 
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     P, E, H, I, k, tokens, _ = problem
     g = torch.Generator().manual_seed(seed)

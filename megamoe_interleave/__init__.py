@@ -23,19 +23,18 @@ scheduler       tile schedulers (pure functions: the Python reference and the ke
                 arithmetic share one definition), deadlock-freedom proof; ``int_ops`` their arithmetic
 row_grid        the schedulers' host side: the row grid, balanced L2 starts, schedule table, eq. 16
                 lead, the CPU enumeration of every CTA's tiles
-schedule_trace  tiny device kernel that evaluates the schedulers (device order == reference)
 torch_backend   the kernel's data flow with torch ops (``backend="torch"``)
 reference       float32 reference, the unfused torch pipeline baseline, the W8A8 / W4A8 recipes' emulation
 quant           E4M3 quantization of the W8A8 recipe (1x128 activations, 128x128 weights), kernel layout
 quant_fp4       W4A8's FP4 weights (E2M1, a power-of-two scale per 32 K) and their exact widening to
                 the W8A8 weight format (``backend="torch"`` runs W4A8; no fused kernel yet)
-routing         balanced / skewed (Zipf) routing generators, masking
 shapes          MoE shapes of the paper's models (with sources; unknown ones marked)
 
-Benchmarks, the X-Stage sweep and its evaluation, the multi-GPU steps and the diagnostics:
-``lab.megamoe``.
+Benchmarks, the X-Stage sweep and its evaluation, the multi-GPU steps, the diagnostics, the
+routing generators of tests and benchmarks and the schedule-trace kernel (device order ==
+reference): ``lab.megamoe``.
 
-Importing the package does not import the CuTe DSL; ``kernel_sm90`` and ``schedule_trace`` do.
+Importing the package does not import the CuTe DSL; ``kernel_sm90`` does.
 """
 from .api import MegaMoE, MegaMoEBuffer, make_world, transform_weights
 from .config import MegaMoEConfig

@@ -492,7 +492,7 @@ def _cpu_build(monkeypatch):
 def _tiny_problem(P=2, T=40, seed=0):
     import torch
 
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
     from megamoe_interleave.shapes import MoEShape
 
     shape = MoEShape("tiny", 256, 128, 16, 4, "test")

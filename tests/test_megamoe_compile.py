@@ -41,7 +41,7 @@ def _ptx(tmp_path, hidden, inter, config):
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES + ["expert_wave_l2_columns"])
 def test_schedule_trace_compiles(schedule):
-    from megamoe_interleave.schedule_trace import compile_schedule_trace
+    from lab.megamoe.schedule_trace import compile_schedule_trace
 
     s = {"expert_wave": ExpertWaveSchedule(), "interleaved": InterleavedSchedule(lead=3, balance_l2=True),
          "expert_wave_l2_columns": ExpertWaveSchedule(l2_columns=True)}[schedule]

@@ -17,7 +17,7 @@ E, H, I = 16, 256, 128
                                       InterleavedSchedule(lead=2), InterleavedSchedule(lead=2, balance_l2=True)],
                          ids=["expert_wave", "expert_wave_l2_columns", "interleaved", "interleaved_balanced"])
 def test_device_schedule_equals_python_reference(schedule):
-    from megamoe_interleave.schedule_trace import compile_schedule_trace
+    from lab.megamoe.schedule_trace import compile_schedule_trace
 
     counts = [0, 65, 1, 300, 128, 0, 7, 64]
     grid = make_row_grid(counts, block_m=64, n_blocks_l1=8, n_blocks_l2=4, experts_per_wave=3)
@@ -41,7 +41,7 @@ def test_device_schedule_equals_python_reference(schedule):
 
 
 def _problem(P, tokens, k, kind, mask, seed, hidden=H, inter=I):
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     g = torch.Generator().manual_seed(seed)
     w1 = (torch.randn(E, 2 * inter, hidden, generator=g) / hidden ** 0.5).bfloat16()
@@ -99,7 +99,7 @@ CASES = [
 
 @pytest.mark.parametrize("P,tokens,k,kind,mask", CASES)
 def test_fused_matches_fp32_and_schedules_bitwise(P, tokens, k, kind, mask):
-    from megamoe_interleave.routing import expert_load
+    from lab.megamoe.routing import expert_load
 
     problem = _problem(P, tokens, k, kind, mask, seed=P * 7 + k)
     load = expert_load(torch.cat(problem[3]).cpu(), E)
@@ -110,7 +110,7 @@ def test_fused_matches_fp32_and_schedules_bitwise(P, tokens, k, kind, mask):
 def test_zero_token_experts_and_partial_blocks_present():
     """The cases exercise both tail kinds of the kernel: last m-blocks of <= 64 rows (run as
     64-row half tiles) and of 65..127 rows (full tiles with masked rows), and empty experts."""
-    from megamoe_interleave.routing import expert_load
+    from lab.megamoe.routing import expert_load
 
     loads = []
     for P, tokens, k, kind, mask in CASES:
@@ -357,7 +357,7 @@ def test_schedule_auto_per_call_on_the_pcie_path(monkeypatch):
 
     from megamoe_interleave import MegaMoE, MegaMoEConfig, api, make_world
     from megamoe_interleave.reference import reference_moe_fp32
-    from megamoe_interleave.routing import expert_load
+    from lab.megamoe.routing import expert_load
     from xstage import planner, profiles
 
     P, k = 2, 6

@@ -9,7 +9,7 @@ import torch
 from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
 from megamoe_interleave.arguments import MegaMoEArguments, check_launch_arguments, tensor_argument_spec
 from megamoe_interleave.config import BLOCK_M
-from megamoe_interleave.routing import make_routing
+from lab.megamoe.routing import make_routing
 from megamoe_interleave.row_grid import balanced_l2_start, schedule_table
 
 E, H, I = 16, 256, 128

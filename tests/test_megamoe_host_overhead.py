@@ -11,7 +11,7 @@ from megamoe_interleave.reference import (
     Permutation, permute_for_rank, permute_ranks, reference_moe_fp32, routing_bounds, slot_rows, topk_reduce,
     weighted_combine,
 )
-from megamoe_interleave.routing import make_routing
+from lab.megamoe.routing import make_routing
 from megamoe_interleave.row_grid import balanced_l2_start
 
 
@@ -238,7 +238,7 @@ def test_bad_expert_id_rejected_with_one_readback():
 
 @pytest.mark.gpu
 def test_fused_poison_off_matches_poison_on_bitwise():
-    from megamoe_interleave.routing import make_routing as mr
+    from lab.megamoe.routing import make_routing as mr
 
     P, E, H, I, k = 2, 16, 256, 128, 4
     g = torch.Generator().manual_seed(11)

@@ -5,7 +5,7 @@ import torch
 from megamoe_interleave.api import MegaMoE, make_world, transform_weights, untransform_w1
 from megamoe_interleave.config import BLOCK_M, MegaMoEConfig
 from megamoe_interleave.reference import reference_moe_fp32, unfused_pipeline, permute_for_rank
-from megamoe_interleave.routing import (
+from lab.megamoe.routing import (
     balanced_routing, expert_load, imbalance, make_routing, mask_picks, skewed_routing,
 )
 from megamoe_interleave.shapes import SHAPES, get_shape

@@ -459,7 +459,7 @@ def test_make_weights_cpu_numbers_and_the_weight_views():
 
 def test_set_trace_switches_the_kernel_and_the_trace_tensor(monkeypatch):
     from megamoe_interleave import api
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
     from xstage import cute_compile
 
     import torch

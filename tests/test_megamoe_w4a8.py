@@ -6,7 +6,7 @@ import torch
 from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world, quant_fp4
 from megamoe_interleave.reference import (W4A8_FP32_REL_ERROR, reference_moe_fp32, reference_moe_w4a8,
                                           relative_error)
-from megamoe_interleave.routing import make_routing
+from lab.megamoe.routing import make_routing
 from megamoe_interleave.weights import interleave_w1
 
 

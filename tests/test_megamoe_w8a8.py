@@ -13,7 +13,7 @@ from megamoe_interleave.reference import (
     W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, reference_moe_fp32, reference_moe_w8a8, relative_error,
     w8a8_quantization_error,
 )
-from megamoe_interleave.routing import expert_load
+from lab.megamoe.routing import expert_load
 from test_megamoe_reference import _problem as bf16_problem  # pytest puts tests/ on sys.path
 
 E, H, I = 16, 512, 256  # the smallest shape the W8A8 tiles take (H % 512, I % 256)

@@ -15,7 +15,7 @@ E = 16
 
 
 def _problem(P, tokens, k, kind, mask, seed, hidden, inter):
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     g = torch.Generator().manual_seed(seed)
     w1 = (torch.randn(E, 2 * inter, hidden, generator=g) / hidden ** 0.5).bfloat16()
@@ -60,7 +60,7 @@ CASES = [
 @pytest.mark.parametrize("P,tokens,k,kind,mask,dims", CASES)
 def test_fused_w8a8_matches_the_recipe_and_schedules_bitwise(P, tokens, k, kind, mask, dims):
     from megamoe_interleave import quant
-    from megamoe_interleave.routing import expert_load
+    from lab.megamoe.routing import expert_load
 
     hidden, inter = dims
     w1, w2, xs, idx, w = _problem(P, tokens, k, kind, mask, P * 7 + k, hidden, inter)

@@ -406,7 +406,7 @@ def test_nvshmem_world_one_pe_runs_both_kernels(one_rank_nccl_group):
     from fa4_a2a import ulysses_attention
     from fa4_a2a.reference import attention_fp32
     from megamoe_interleave import MegaMoE, MegaMoEConfig
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     w = W.make_world("nvshmem", 1)
     assert w.backend == "nvshmem" and w.rank == 0 and w._owns_nvshmem

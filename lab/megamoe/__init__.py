@@ -12,4 +12,6 @@ multigpu_ep      the multi-GPU suite's step 3 (``-m lab.megamoe.multigpu_ep``)
 multigpu_checks  the megamoe half of its step 4
 demo             ``scripts/run``'s MegaMoE part
 diag             diagnostic kernel variants and the scripts/diag/megamoe_* command lines
+routing          balanced / skewed (Zipf) routing generators of the tests and benchmarks, masking
+schedule_trace   a tiny device kernel that runs the schedulers' step functions (device order == reference)
 """

@@ -55,7 +55,7 @@ from megamoe_interleave.api import MegaMoE, make_world
 from megamoe_interleave.trace import decode_trace, trace_mainloop_cycles
 from megamoe_interleave.config import BLOCK_M, BLOCK_NS, DISPATCH_COPIES, MegaMoEConfig
 from megamoe_interleave.reference import grouped_mm, permute_for_rank, unfused_pipeline
-from megamoe_interleave.routing import make_routing
+from lab.megamoe.routing import make_routing
 from megamoe_interleave.scheduler import SCHEDULES
 from megamoe_interleave.shapes import get_shape
 

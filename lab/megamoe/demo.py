@@ -30,7 +30,7 @@ def problem(shape, P: int, tokens: int, seed: int = 0):
     """Weights [E, 2I, H] / [E, H, I] and per-rank inputs and balanced routing, on the GPU."""
     import torch
 
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.topk
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -327,7 +327,7 @@ def call_expert_rows(shape, kind: str, P: int, tokens: int, strength: float = 1.
     """Rows per local expert of every destination rank for the sweep's routing of a cell (the
     routing :func:`bench.make_inputs` draws, regenerated on the CPU): what a fused ``forward``
     of that cell hands ``schedule="auto"`` per call."""
-    from megamoe_interleave.routing import expert_load, make_routing
+    from lab.megamoe.routing import expert_load, make_routing
 
     load = sum(expert_load(make_routing(kind, tokens, shape.num_experts, shape.topk, seed=src, strength=strength)[0],
                            shape.num_experts) for src in range(P))

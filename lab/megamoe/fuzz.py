@@ -166,7 +166,7 @@ class LayerPool:
 def case_inputs(case: Case):
     import torch
 
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     g = torch.Generator(device="cuda").manual_seed(case.seed)
     L = case.layer

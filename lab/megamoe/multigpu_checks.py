@@ -84,7 +84,7 @@ def run_checks(ctx, quick: bool = False, copies=None) -> list:
 
     from megamoe_interleave.api import MegaMoE
     from megamoe_interleave.reference import reference_moe_fp32
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     P, dev = ctx.P, ctx.device
     copies = dispatch_copies(copies, quick)

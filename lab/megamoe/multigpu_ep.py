@@ -121,7 +121,7 @@ def run(ctx, args):
     import torch
 
     from megamoe_interleave.api import MegaMoE
-    from megamoe_interleave.routing import imbalance, make_routing
+    from lab.megamoe.routing import imbalance, make_routing
 
     P = ctx.P
     shapes = resolve_shapes(args.shape, P)
@@ -200,7 +200,7 @@ def time_grouped_gemms(ctx, args, shape, kind: str, T: int, w1, w2):
     ``w1``, ``w2``), timed with CUDA events per aligned trial; the reduced row on the root, None
     elsewhere."""
     from lab.megamoe.bench import grouped_gemms
-    from megamoe_interleave.routing import make_routing
+    from lab.megamoe.routing import make_routing
 
     routes = [make_routing(kind, T, shape.num_experts, shape.topk, seed=r, strength=args.strength)
               for r in range(ctx.P)]

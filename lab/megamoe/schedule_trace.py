@@ -11,8 +11,8 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Int32
 
-from .kernel_sm90 import DeviceRowRecords
-from .scheduler import RowGrid, Schedule
+from megamoe_interleave.kernel_sm90 import DeviceRowRecords
+from megamoe_interleave.scheduler import RowGrid, Schedule
 
 
 class ScheduleTrace:
