@@ -9,4 +9,7 @@ pm_phases         DRAM bytes per phase from ncu PM sampling (scripts/diag/megamo
 trace_clock       the SM clock inside the kernel from its trace (scripts/diag/megamoe_trace_clock.py)
 trace_timeline    mainloop cycles over time from a trace (scripts/diag/megamoe_trace_timeline.py)
 api_profile       host time of MegaMoE.forward outside the kernels (scripts/diag/profile_megamoe_api.py)
+ncu_source        warp stalls by role and instruction from an ncu source export (scripts/diag/megamoe_ncu_source.py)
+sass_report       a build's registers, stack, local accesses, WGMMA waits, K-loop moves (scripts/diag/megamoe_sass.py)
+wgmma_rate        the W8A8 mainloop's WGMMA batch shapes alone (scripts/diag/wgmma_rate.py)
 """
