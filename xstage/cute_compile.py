@@ -189,3 +189,21 @@ def cuobjdump() -> str | None:
         return None
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     return path if os.path.exists(path) else None
+
+
+def compiled_sass(compile_fn):
+    """``(sass, res_usage)`` text of the kernel ``compile_fn(options)`` builds (``options``: DSL
+    compiler options that keep its cubin), or None without cuobjdump. The SASS is the active DSL
+    flavor's (:func:`dsl_toolkit`)."""
+    import glob
+    import subprocess
+    import tempfile
+
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="sass-") as d:
+        compile_fn(f"--keep-cubin --dump-dir={d}")
+        (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
+        return tuple(subprocess.run([tool, flag, cubin], capture_output=True, text=True, check=True).stdout
+                     for flag in ("-sass", "-res-usage"))

@@ -16,12 +16,9 @@ K block: docs/moe-core.md section 5).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
-import subprocess
-import tempfile
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _WGMMA = re.compile(r"\b[HQ]GMMA\.")
@@ -70,18 +67,14 @@ def build_report(P: int, schedule: str, precision: str, tokens: int = 8192, shap
     from megamoe_interleave.config import MegaMoEConfig
     from megamoe_interleave.kernel import compile_megamoe_sm90
     from megamoe_interleave.shapes import get_shape
-    from xstage.cute_compile import cuobjdump, dsl_toolkit
+    from xstage.cute_compile import compiled_sass, dsl_toolkit
 
-    tool = cuobjdump()
-    if tool is None:
-        return None
     s = get_shape(shape)
     config = MegaMoEConfig(schedule, precision=precision).resolve(s, P, tokens, 132)
-    with tempfile.TemporaryDirectory(prefix="megamoe-sass-") as d:
-        compile_megamoe_sm90(s.hidden, s.intermediate, config, options=f"--keep-cubin --dump-dir={d}")
-        (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
-        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    out = compiled_sass(lambda options: compile_megamoe_sm90(s.hidden, s.intermediate, config, options=options))
+    if out is None:
+        return None
+    sass, usage = out
     return {"build": {"shape": shape, "P": P, "tokens": tokens, "schedule": schedule, "precision": precision,
                       "dsl_toolkit": dsl_toolkit(), "config": repr(config)}, **analyze(sass, usage)}
 

@@ -214,21 +214,14 @@ class WgmmaRateSm90:
 def sass_usage(v: Variant) -> dict | None:
     """Registers per thread, local-memory instructions, HGMMA/QGMMA and their waits in ``v``'s SASS
     (None without cuobjdump): spills rule a batch shape out before any GPU run."""
-    import glob
     import re
-    import subprocess
-    import tempfile
 
-    from xstage.cute_compile import compile_hopper, cuobjdump
+    from xstage.cute_compile import compile_hopper, compiled_sass
 
-    tool = cuobjdump()
-    if tool is None:
+    out = compiled_sass(lambda options: compile_hopper(WgmmaRateSm90(v), *_fake_args(), options=options))
+    if out is None:
         return None
-    d = tempfile.mkdtemp(prefix="wgmma-rate-")
-    compile_hopper(WgmmaRateSm90(v), *_fake_args(), options=f"--keep-cubin --dump-dir={d}")
-    (cubin,) = glob.glob(os.path.join(d, "*.cubin"))
-    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    sass, usage = out
     return {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "local_memory_instructions": len(re.findall(r"\b(LDL|STL)\b", sass)),
             "wgmma": len(re.findall(r"\bQGMMA\.", sass)), "wgmma_waits": len(re.findall(r"WARPGROUP\.DEPBAR", sass))}
