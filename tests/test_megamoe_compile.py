@@ -549,11 +549,14 @@ def test_w8a8_builds_fp8_wgmma_pipelined(tmp_path, schedule, P):
     assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
     local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
     assert not [i for i in local if qgmma[0] < i < qgmma[-1]], "local memory access in the mainloops"
-    # the weights' scales per lane, read by shuffle; stage_l2's few bases: with the cu13 ptxas (the GPU
-    # host's) 88-112 B of stack before, 32-56 now (cu12: 88 before, 32-48 now)
+    # the weights' scales per lane, read by shuffle; at the 224 / 56 register split the consumers touch
+    # no local memory (at 216 / 72 the tile loop's state was reloaded at every tile: 32-56 B of stack,
+    # 5.8-7.6 % of the CTAs' time between tiles); the aux warps keep at most one spilled word pair
     assert re.search(r"\bSHFL\.IDX\b", sass), "the weight scales are not read by warp shuffle"
+    alloc = next(i for i, line in enumerate(lines) if "SETMAXREG.TRY_ALLOC" in line)
+    assert not [i for i in local if i > alloc], "local memory in the consumer warpgroups"
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 56, "the L2 staging addresses spill again"
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 8, "the W8A8 build spills again"
 
 
 @pytest.mark.compile
