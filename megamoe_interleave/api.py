@@ -152,9 +152,10 @@ class MegaMoE:
         """Global quantized weights already in the kernel layout, kept bit for bit.
 
         ``precision="w8a8"``: as :func:`quant.quantize_weights` returns them (``w1_q`` [E, 2I, H]
-        gate/up interleaved with ``w1_s`` [E, 2I/128, H/128] over the interleaved rows, ``w2_q``
-        [E, H, I] with ``w2_s`` [E, H/128, I/128], FP32 scales). A DeepGEMM / DeepSeek FP8
-        checkpoint (w1 blocks over gate | up rows) goes through :func:`quant.from_deepgemm_layout`.
+        gate/up interleaved with ``w1_s`` [E, 2I/128, H/128], a gate and an up scale per L1 N tile,
+        ``w2_q`` [E, H, I] with ``w2_s`` [E, H/128, I/128], FP32 scales). A DeepGEMM / DeepSeek FP8
+        checkpoint (w1 blocks over gate | up rows) goes through :func:`quant.from_deepgemm_layout`,
+        which keeps its values bit for bit.
 
         ``precision="w4a8"``: as :func:`quant_fp4.quantize_weights` returns them (packed E2M1 codes
         ``uint8`` [E, 2I, H/2] / [E, H, I/2], rows interleaved, with UE8M0 bytes ``uint8``

@@ -21,14 +21,13 @@ checkpoints store an FP32 ``<weight>_scale_inv`` per 128x128 block of each weigh
 ``q * s`` (github.com/deepseek-ai/DeepSeek-V3, ``inference/fp8_cast_bf16.py``, ``weight_dequant``).
 
 Layouts here: activation ``q [T, K]`` with ``s [T, K/128]`` (token-major); weight ``q [..., N, K]``
-with ``s [..., N/128, K/128]``. The kernel layout of Linear-1 interleaves w1's gate and up rows by
-8 (:func:`~megamoe_interleave.weights.transform_weights`) BEFORE the block quantization
-(:func:`quantize_weights`), so a scale block is 128 rows of the interleaved matrix (64 gate + 64 up
-rows): the kernel's L1 N tiles run over interleaved rows, and this way every 128 accumulator
-columns of a tile share one weight scale per K block, so the promotion applies one ``sa * sb`` per
-row as in any other GEMM. Quantized before the interleave (DeepGEMM's layout,
-:func:`from_deepgemm_layout`), a tile's gate and up columns would alternate every 8 columns with
-different scales.
+with ``s [..., N/128, K/128]``. w1 is quantized as DeepSeek's checkpoints and DeepGEMM do, in
+128x128 blocks of its gate rows and of its up rows, and only then interleaved by 8 for the kernel
+(:func:`~megamoe_interleave.weights.transform_weights`): an L1 N tile of 256 interleaved rows holds
+gate block n and up block n, whose columns alternate every 8, so the kernel keeps the tile's two
+scales in its ``w1_s`` rows 2n (gate) and 2n + 1 (up) (:func:`kernel_w1_scales`) and its promotion
+picks one by the column's 8-group. A DeepSeek FP8 checkpoint thus loads bit for bit
+(:func:`from_deepgemm_layout`); :func:`w1_scale_rows` gives each interleaved row its scale.
 """
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ from typing import Optional
 import torch
 
 from .config import QUANT_BLOCK
+from .weights import INTERLEAVE_GRANULARITY, interleave_w1
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -80,39 +80,40 @@ def quantize_weight(w: torch.Tensor):
 
 def quantize_weights(w1: torch.Tensor, w2: torch.Tensor):
     """BF16 global weights (``w1 [E, 2I, H]`` gate then up rows, ``w2 [E, H, I]``) -> the kernel
-    layout ``(w1_q, w1_s, w2_q, w2_s)``: w1 gate/up interleaved by 8, then quantized in 128x128
-    blocks of the interleaved rows (``w1_s [E, 2I/128, H/128]``); w2 quantized as is
-    (``w2_s [E, H/128, I/128]``)."""
-    from .weights import transform_weights
+    layout ``(w1_q, w1_s, w2_q, w2_s)``: w1 quantized in 128x128 blocks of its gate and up rows,
+    then interleaved (:func:`from_deepgemm_layout`); w2 quantized as is (``w2_s [E, H/128, I/128]``)."""
+    return from_deepgemm_layout(*quantize_weight(w1), *quantize_weight(w2))
 
-    w1_il, w2 = transform_weights(w1, w2)
-    return (*quantize_weight(w1_il), *quantize_weight(w2))
+
+def kernel_w1_scales(w1_s: torch.Tensor) -> torch.Tensor:
+    """w1's block scales over its gate then up rows ``[..., 2I/128, K/128]`` -> the kernel's order:
+    row 2n = gate block n, row 2n + 1 = up block n (L1 N tile n's two scales, read together)."""
+    gate, up = w1_s.chunk(2, dim=-2)
+    return torch.stack([gate, up], dim=-2).flatten(-3, -2).contiguous()
+
+
+def w1_scale_rows(w1_s: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``w1_s [..., 2I/128, K/128]`` -> each interleaved w1 row's scales ``[..., 2I, K/128]``:
+    row p of N tile p // 256 takes the tile's gate scale (row 2 (p // 256)) where p // 8 is even
+    (:func:`~megamoe_interleave.weights.interleave_w1`), its up scale (row 2 (p // 256) + 1) where odd."""
+    p = torch.arange(w1_s.shape[-2] * QUANT_BLOCK, device=w1_s.device)
+    return w1_s.index_select(-2, 2 * (p // (2 * QUANT_BLOCK)) + (p // INTERLEAVE_GRANULARITY) % 2)
+
+
+def dequantize_w1(w1_q: torch.Tensor, w1_s: torch.Tensor) -> torch.Tensor:
+    """FP32 ``q * s`` of the kernel-layout w1 (interleaved rows, :func:`kernel_w1_scales`)."""
+    return w1_q.float() * w1_scale_rows(w1_s).repeat_interleave(QUANT_BLOCK, dim=-1)
 
 
 def from_deepgemm_layout(w1_q: torch.Tensor, w1_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor):
-    """Pre-quantized weights in the DeepGEMM / DeepSeek FP8 checkpoint layout -> the kernel layout.
-
-    That layout quantizes w1 BEFORE the interleave: ``w1_q [E, 2I, H]`` gate then up rows with
-    ``w1_s [E, 2I/128, H/128]`` over those rows (a checkpoint's gate_proj and up_proj with their
-    128x128 ``scale_inv`` blocks, stacked; DeepGEMM's SM90 Mega MoE interleaves only the
-    FP8 rows and keeps these scales, ``transform_weights_for_mega_moe_sm90`` in
-    ``deep_gemm/mega/__init__.py`` of the SM90 Mega MoE branches, so its kernel needs a gate and an
-    up scale per N tile). w2 has the same layout in both and passes through.
-
-    An interleaved block ``c`` holds 64 rows of gate block ``c // 2`` and 64 of up block ``c // 2``,
-    which have their own scales, so it gets the larger of the two, ``s' = max(s_gate, s_up)``: the
-    half whose scale it is keeps its E4M3 codes bit for bit, the other half is rescaled by
-    ``s_small / s'`` <= 1 and rounded to E4M3 once more (<= 2^-4 relative, subnormals aside).
-    Lossless where gate and up blocks share their scales; otherwise NOT the checkpoint's values
-    exactly, unlike DeepGEMM, whose layout needs no conversion."""
-    from .weights import transform_weights
-
+    """Pre-quantized weights in the DeepGEMM / DeepSeek FP8 checkpoint layout -> the kernel layout,
+    bit for bit: ``w1_q [E, 2I, H]`` gate then up rows with ``w1_s [E, 2I/128, H/128]`` over those
+    rows (a checkpoint's gate_proj and up_proj with their 128x128 ``scale_inv`` blocks, stacked)
+    -> w1's rows interleaved by 8 and its scales in :func:`kernel_w1_scales`' order, as DeepGEMM's
+    SM90 Mega MoE does (``transform_weights_for_mega_moe_sm90`` in ``deep_gemm/mega/__init__.py``
+    of its SM90 branches: a gate and an up scale per N tile). w2 has the same layout in both."""
     E, two_i, H = w1_q.shape
     if w1_s.shape != (E, two_i // QUANT_BLOCK, H // QUANT_BLOCK) or two_i % (2 * QUANT_BLOCK):
         raise ValueError(f"w1_q {tuple(w1_q.shape)} with w1_s {tuple(w1_s.shape)}: not 128x128 blocks of "
                          f"gate then up rows (I a multiple of {QUANT_BLOCK})")
-    gate_s, up_s = w1_s.chunk(2, dim=1)
-    s = torch.maximum(gate_s, up_s)  # [E, I/128, H/128]: natural block j -> interleaved blocks 2j, 2j+1
-    q_nat, _ = quantize(dequantize(w1_q, w1_s), QUANT_BLOCK, torch.cat([s, s], dim=1))
-    w1_il, w2_q = transform_weights(q_nat, w2_q)
-    return w1_il, s.repeat_interleave(2, dim=1).contiguous(), w2_q, w2_s.contiguous()
+    return interleave_w1(w1_q), kernel_w1_scales(w1_s), w2_q.contiguous(), w2_s.contiguous()

@@ -29,7 +29,9 @@ from typing import Tuple
 
 import torch
 
+from . import quant
 from .config import QUANT_BLOCK
+from .weights import interleave_w1, untransform_w1
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -128,7 +130,6 @@ def inexact_groups(sf: torch.Tensor) -> int:
 def quantize_weights(w1: torch.Tensor, w2: torch.Tensor):
     """BF16 global weights (``w1 [E, 2I, H]`` gate then up rows, ``w2 [E, H, I]``) -> the kernel
     layout ``(w1_codes, w1_sf, w2_codes, w2_sf)``: w1's rows interleaved (codes and scales alike)."""
-    from .weights import interleave_w1
 
     w1_p, w1_sf = quantize_weight(w1)
     w2_p, w2_sf = quantize_weight(w2)
@@ -137,14 +138,15 @@ def quantize_weights(w1: torch.Tensor, w2: torch.Tensor):
 
 def widen_weights(w1_p, w1_sf, w2_p, w2_sf):
     """:func:`widen` of both kernel-layout weights: ``(w1_q, w1_s, w2_q, w2_s)`` in the W8A8
-    recipe's format (:func:`megamoe_interleave.reference.reference_moe_w8a8` takes them)."""
-    return (*widen(w1_p, w1_sf), *widen(w2_p, w2_sf))
+    kernel layout (:func:`megamoe_interleave.reference.reference_moe_w8a8` takes them): w1 widened
+    per 128x128 block of its gate and of its up rows, as :func:`quant.quantize_weights` blocks them."""
+    w1_q, w1_s = widen(untransform_w1(w1_p), untransform_w1(w1_sf))
+    return (interleave_w1(w1_q), quant.kernel_w1_scales(w1_s), *widen(w2_p, w2_sf))
 
 
 def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf):
     """FP32 global weights in the natural layout (``w1`` gate then up rows) of the kernel-layout
     FP4 weights: what :func:`~megamoe_interleave.reference.reference_moe_fp32` takes."""
-    from .weights import untransform_w1
 
     return untransform_w1(dequantize(w1_p, w1_sf)), dequantize(w2_p, w2_sf)
 
@@ -154,7 +156,6 @@ def from_deepgemm_layout(w1_p, w1_sf, w2_p, w2_sf):
     rows, codes ``int8`` or ``uint8 [..., N, K/2]``, scales FP32 powers of two ``[..., N, K/32]`` or
     packed UE8M0 ``int32 [..., N, K/128]``) -> the kernel layout, bit for bit (the rows interleaved,
     the scales as their UE8M0 bytes)."""
-    from .weights import interleave_w1
 
     def codes(p):
         if p.dtype not in (torch.int8, torch.uint8):

@@ -318,7 +318,7 @@ def w8a8_expert_compute(x_q, x_s, weights, counts, w1_q, w1_s, w2_q, w2_s) -> to
 
     ``x_q [rows, H]`` E4M3 with ``x_s [rows, H/128]``; ``weights [rows]`` FP32; weights in the
     kernel layout of :func:`quant.quantize_weights` (``w1_q [E_l, 2I, H]`` interleaved rows with
-    ``w1_s [E_l, 2I/128, H/128]``, ``w2_q [E_l, H, I]`` with ``w2_s [E_l, H/128, I/128]``). Linear-1
+    ``w1_s [E_l, 2I/128, H/128]``, a gate and an up scale per N tile, ``w2_q [E_l, H, I]`` with ``w2_s [E_l, H/128, I/128]``). Linear-1
     runs over the interleaved rows as the kernel's N tiles do; its columns are de-interleaved for
     SwiGLU. Every row is computed on its own (no dependence on the other rows)."""
     from .weights import untransform_w1
@@ -331,7 +331,7 @@ def w8a8_expert_compute(x_q, x_s, weights, counts, w1_q, w1_s, w2_q, w2_s) -> to
         start += n
         if n == 0:
             continue
-        acc = blockwise_scaled_mm(x_q[r], x_s[r], w1_q[e], w1_s[e].repeat_interleave(QUANT_BLOCK, 0))
+        acc = blockwise_scaled_mm(x_q[r], x_s[r], w1_q[e], quant.w1_scale_rows(w1_s[e]))
         gate_up = untransform_w1(acc.t()[None])[0].t()  # columns back to gate | up
         h_q, h_s = quant.quantize_act(swiglu(gate_up[:, :inter], gate_up[:, inter:]) * weights[r, None])
         out[r] = blockwise_scaled_mm(h_q, h_s, w2_q[e], w2_s[e].repeat_interleave(QUANT_BLOCK, 0)).to(torch.bfloat16)

@@ -10,7 +10,8 @@ Promotion (DeepSeek-V3 report Section 3.3.2; DeepGEMM ``sm90_fp8_gemm_1d2d``): a
 tile's FP32 sums scaled by ``sa[row, kb] * sb[n block, kb]``, so the tensor core's limited
 accumulation precision never spans more than 128 products. A 128 x 256 tile's sums take 128
 registers per thread, so the block's WGMMAs run in four 64-column slices through two 32-register
-fragments in ping-pong (slices 0-1 and 2-3 share a weight scale block: 128 rows of w1 / w2):
+fragments in ping-pong (w2: slices 0-1 and 2-3 share a 128-row weight scale block; w1: the tile's gate
+and up scale blocks alternate every 8 columns, as its interleaved rows do):
 slice j's WGMMAs are in flight (``wait_group(1)``) while slice j - 1 is promoted, 192 accumulator
 registers instead of 256 (one fragment and a wait per slice was about 6 % slower at P = 8; two
 128-column slices spilled in the mainloop at every register split). A 64-row half tile (a warpgroup per 128 columns) runs one 128-column slice per
@@ -209,16 +210,20 @@ class MegaMoESm90W8A8(MegaMoESm90):
         pa = Int64(a_scale.iterator.toint())
         oa0 = tile_pool_row(tile, r0, BLOCK_M) * ks
         oa1 = tile_pool_row(tile, r1, BLOCK_M) * ks
+        # w1: N tile n's gate and up scales (w1_s rows 2n, 2n + 1: quant.kernel_w1_scales), applied by
+        # the columns' 8-group (gate / up alternate every 8 interleaved rows), full and half tiles
+        # alike; w2: the tile's two 128-column blocks, warpgroup w of a half tile holding block w
         b_block = tile.expert * (n_dim // QUANT_BLOCK) + 2 * tile.n_block
-        if const_expr(half):  # warpgroup w holds the tile's columns [128 w, 128 w + 128)
+        if const_expr(half and not l1):
             b_block = b_block + cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
         pb = Int64(b_scale.iterator.toint()) + Int64(b_block) * (ks * 4)
         # Weights need no ordering: their scales load before the first wait. (A uniform load of
         # block kt + 1's, the obvious prefetch, made ptxas move it into a uniform register right
         # away, stalling every K block on the L2 round trip at its top.)
+        one_block = half and not l1  # one weight scale block per K block
         sbv0 = self.weight_scales(pb, ks)
         sbv1 = sbv0
-        if const_expr(not half):
+        if const_expr(not one_block):
             sbv1 = self.weight_scales(pb + ks * 4, ks)
         acc.fill(0.0)
         # The rows' scales: none before the tile's first wait (that stage orders them after Dispatch
@@ -230,7 +235,7 @@ class MegaMoESm90W8A8(MegaMoESm90):
         t1 = self.timestamp()
         sa0, sa1 = self.row_scales(pa, oa0, oa1, 0)
         na0, na1 = self.row_scales(pa, oa0, oa1, min(1, num_k - 1))
-        c0, c1, c2, c3 = self.scale_products(sa0, sa1, sbv0, sbv1, 0, half)
+        c0, c1, c2, c3 = self.scale_products(sa0, sa1, sbv0, sbv1, 0, one_block)
         for kt in cutlass.range(num_k, unroll=1):
             if kt > 0:
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
@@ -238,16 +243,16 @@ class MegaMoESm90W8A8(MegaMoESm90):
             if const_expr(half):
                 sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index,
                                       wg_wait=-1)
-                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, half)
+                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
                 na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
                 warpgroup.wait_group(0)
-                self.promote(acc, part, 0, c0, c1)
+                self.promote(acc, part, 0, c0, c1, c2, c3, l1)
             else:
                 # ping-pong: slice j's WGMMAs run while slice j - 1 is promoted
                 n = len(tCrB)
                 sm90_utils.gemm_w_idx(mma, part[0], tCrA, tCrB[0], True, A_idx=state.index, B_idx=state.index,
                                       wg_wait=-1)
-                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, half)
+                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
                 na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
                 for j in cutlass.range_constexpr(1, n + 1):
                     if const_expr(j < n):
@@ -256,21 +261,21 @@ class MegaMoESm90W8A8(MegaMoESm90):
                     else:
                         warpgroup.wait_group(0)
                     p = part[(j - 1) % 2]
-                    if const_expr((j - 1) * SLICE_N < QUANT_BLOCK):
-                        self.promote(acc, p, (j - 1) * cute.size(p), c0, c1)
+                    if const_expr(l1 or (j - 1) * SLICE_N < QUANT_BLOCK):
+                        self.promote(acc, p, (j - 1) * cute.size(p), c0, c1, c2, c3, l1)
                     else:
-                        self.promote(acc, p, (j - 1) * cute.size(p), c2, c3)
+                        self.promote(acc, p, (j - 1) * cute.size(p), c2, c3, c2, c3, False)
             ab_pipe.consumer_release(state)
             state.advance()
             c0, c1, c2, c3 = d0, d1, d2, d3
         return state, t1, ok
 
     @cute.jit
-    def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, half: cutlass.Constexpr):
+    def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, one_block: cutlass.Constexpr):
         """K block ``kt``'s promotion factors: (row 0, row 1) x the first weight scale block, then
-        (full tiles) x the second."""
+        (unless ``one_block``) x the second."""
         sb0 = self.weight_scale(sbv0, kt)
-        if const_expr(half):
+        if const_expr(one_block):
             return sa0 * sb0, sa1 * sb0, sa0 * sb0, sa1 * sb0
         sb1 = self.weight_scale(sbv1, kt)
         return sa0 * sb0, sa1 * sb0, sa0 * sb1, sa1 * sb1
@@ -297,14 +302,15 @@ class MegaMoESm90W8A8(MegaMoESm90):
         return cute.arch.shuffle_sync(v, kt % 32)
 
     @cute.jit
-    def promote(self, acc, part, offset: cutlass.Constexpr, c0: Float32, c1: Float32):
-        """``acc[offset + i] += part[i] * c`` with ``c`` the scale product of element i's row
-        (v1 = (i // 2) % 2 of the (2, 2, N/8) fragment: row r or r + 8)."""
+    def promote(self, acc, part, offset: cutlass.Constexpr, c0: Float32, c1: Float32, c2: Float32, c3: Float32,
+                by_group: cutlass.Constexpr):
+        """``acc[offset + i] += part[i] * c`` with ``c`` the scale product of element i's row (v1 =
+        (i // 2) % 2 of the (2, 2, N/8) fragment: row r or r + 8), c0 / c1; with ``by_group`` (w1)
+        c2 / c3 where element i's 8-column group (i // 4, every slice starts at an even group) is odd,
+        an up column."""
         for i in cutlass.range_constexpr(cute.size(part)):
-            if const_expr((i // 2) % 2 == 0):
-                acc[offset + i] = acc[offset + i] + part[i] * c0
-            else:
-                acc[offset + i] = acc[offset + i] + part[i] * c1
+            up = by_group and (i // 4) % 2 == 1
+            acc[offset + i] = acc[offset + i] + part[i] * (c0, c1, c2, c3)[(i // 2) % 2 + 2 * up]
 
     @cute.jit
     def stage_h_fp8(self, acc, tCcC, sm, half: cutlass.Constexpr):

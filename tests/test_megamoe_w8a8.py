@@ -95,69 +95,55 @@ def test_all_zero_groups_get_the_floor_scale_and_stay_zero():
 
 
 # -- the kernel weight layout ---------------------------------------------------------------
-def test_interleave_happens_before_block_quantization():
-    """w1's scale blocks are 128 rows of the interleaved matrix (64 gate + 64 up rows), the rows the
-    kernel's L1 N tiles run over. What holds: quantizing with a given scale is element-wise, so it
-    commutes with the interleave -- untransform(w1_q) is w1 (natural rows) quantized with each
-    row's interleaved-block scale. What does not: the natural layout's own 128x128 blocks (how
-    DeepGEMM / DeepSeek checkpoints quantize w1) give other scales and codes, unless every 64-row
-    half block shares its block's amax."""
+def test_w1_is_quantized_in_gate_and_up_blocks_then_interleaved():
+    """w1's scale blocks are 128 x 128 blocks of its gate rows and of its up rows (DeepSeek's and
+    DeepGEMM's blocks), quantized before the interleave: the interleaved codes are the natural
+    codes' rows reordered, bit for bit, and the kernel's w1_s row 2n / 2n + 1 is gate / up block n,
+    L1 N tile n's two scales. Each interleaved row's scale (quant.w1_scale_rows) is its natural
+    row's block scale, so dequantize_w1 is the natural dequantization interleaved."""
     g = torch.Generator().manual_seed(3)
-    w1 = torch.randn(2, 2 * I, H, generator=g).bfloat16()
+    w1 = (torch.randn(2, 2 * I, H, generator=g) * torch.rand(2, 2 * I, 1, generator=g)).bfloat16()
     w2 = torch.randn(2, H, I, generator=g).bfloat16()
     w1_q, w1_s, w2_q, w2_s = quant.quantize_weights(w1, w2)
     assert w1_s.shape == (2, 2 * I // 128, H // 128) and w2_s.shape == (2, H // 128, I // 128)
-    w1f = w1.float()
-    for c in (0, 3):  # interleaved block c = gate rows and up rows 64c .. 64c + 63
-        rows = torch.cat([w1f[:, 64 * c:64 * c + 64], w1f[:, I + 64 * c:I + 64 * c + 64]], dim=1)
-        assert torch.equal(w1_s[:, c], rows.view(2, 128, H // 128, 128).abs().amax(dim=(1, 3)) / 448)
-    s_rows = untransform_w1(w1_s.repeat_interleave(128, dim=1))  # [2, 2I, H/128] per natural row
-    assert torch.equal(_bits(untransform_w1(w1_q)), _bits(quant.quantize(w1, 1, s_rows)[0]))
-    assert torch.equal(_bits(w2_q), _bits(quant.quantize_weight(w2)[0]))
     q_nat, s_nat = quant.quantize_weight(w1)
-    assert not torch.equal(_bits(transform_weights(q_nat, w2_q)[0]), _bits(w1_q))
-    # every 64 x 128 half block holding a 1 (and nothing larger): the two layouts agree
-    w1 = (torch.rand(2, 2 * I, H, generator=g) - 0.5).bfloat16()
-    w1[:, ::64, ::128] = 1.0
-    w1_q, w1_s = quant.quantize_weights(w1, w2)[:2]
-    q_nat, s_nat = quant.quantize_weight(w1)
-    assert (w1_s == 1 / 448).all() and (s_nat == 1 / 448).all()
-    assert torch.equal(_bits(transform_weights(q_nat, w2_q)[0]), _bits(w1_q))
+    nb = I // 128
+    assert torch.equal(_bits(w1_q), _bits(transform_weights(q_nat, w2_q)[0]))
+    assert torch.equal(w1_s[:, 0::2], s_nat[:, :nb]) and torch.equal(w1_s[:, 1::2], s_nat[:, nb:])
+    for n in (0, nb - 1):  # gate block n from the gate rows' amax, up block n from the up rows'
+        gate = w1.float()[:, 128 * n:128 * n + 128].view(2, 128, H // 128, 128)
+        up = w1.float()[:, I + 128 * n:I + 128 * n + 128].view(2, 128, H // 128, 128)
+        assert torch.equal(w1_s[:, 2 * n], gate.abs().amax(dim=(1, 3)) / 448)
+        assert torch.equal(w1_s[:, 2 * n + 1], up.abs().amax(dim=(1, 3)) / 448)
+    assert not torch.equal(w1_s[:, 0::2], w1_s[:, 1::2])  # the test's gate and up scales differ
+    rows = quant.w1_scale_rows(w1_s)  # [2, 2I, H/128]
+    assert torch.equal(untransform_w1(rows), s_nat.repeat_interleave(128, dim=1))
+    assert torch.equal(untransform_w1(quant.dequantize_w1(w1_q, w1_s)), quant.dequantize(q_nat, s_nat))
+    assert torch.equal(_bits(w2_q), _bits(quant.quantize_weight(w2)[0])) and torch.equal(w2_s, quant.quantize_weight(w2)[1])
 
 
-def test_from_deepgemm_layout():
-    """DeepGEMM / DeepSeek layout (w1 blocks over gate | up rows) -> kernel layout: interleaved
-    block c takes max(gate scale, up scale) of natural block c // 2; the half with that scale keeps
-    its codes bit for bit, the other is within one more E4M3 rounding of the checkpoint's values;
-    w2 passes through; gate and up blocks with equal scales convert losslessly."""
+def test_from_deepgemm_layout_is_bit_for_bit():
+    """DeepGEMM / DeepSeek layout (w1 blocks over gate | up rows) -> kernel layout: the codes'
+    rows interleaved and the scales reordered, nothing requantized (the layer's weights dequantize
+    to the checkpoint's values exactly); w2 passes through; the layer takes them as they are."""
     g = torch.Generator().manual_seed(4)
     w1 = (torch.randn(2, 2 * I, H, generator=g) * torch.rand(2, 2 * I, 1, generator=g)).bfloat16()
     w2 = torch.randn(2, H, I, generator=g).bfloat16()
     q_nat, s_nat = quant.quantize_weight(w1)  # DeepGEMM's per_block_cast_to_fp8 of w13
     w2_q, w2_s = quant.quantize_weight(w2)
     c1_q, c1_s, c2_q, c2_s = quant.from_deepgemm_layout(q_nat, s_nat, w2_q, w2_s)
-    nb = I // 128
-    s_max = torch.maximum(s_nat[:, :nb], s_nat[:, nb:])
-    assert torch.equal(c1_s, s_max.repeat_interleave(2, dim=1))
+    assert torch.equal(_bits(untransform_w1(c1_q)), _bits(q_nat))
+    assert torch.equal(untransform_w1(quant.dequantize_w1(c1_q, c1_s)), quant.dequantize(q_nat, s_nat))
+    assert sorted(c1_s.flatten().tolist()) == sorted(s_nat.flatten().tolist())
     assert torch.equal(_bits(c2_q), _bits(w2_q)) and torch.equal(c2_s, w2_s)
-    back = untransform_w1(c1_q)  # converted codes, natural rows
-    keep = torch.cat([s_nat[:, :nb] == s_max, s_nat[:, nb:] == s_max], dim=1)  # [2, 2I/128, H/128]
-    keep_el = _scale_per_element(q_nat, keep.float()) == 1
-    assert keep.any() and (~keep).any()
-    assert torch.equal(_bits(back)[keep_el], _bits(q_nat)[keep_el])
-    want = quant.dequantize(q_nat, s_nat)
-    got = untransform_w1(quant.dequantize(c1_q, c1_s))
-    s_el = untransform_w1(_scale_per_element(c1_q, c1_s))
-    assert ((got - want).abs() <= torch.maximum(2 ** -4 * want.abs(), 2 ** -10 * s_el) * (1 + 2 ** -16)).all()
-    # up = gate: equal scales, lossless
-    same = torch.cat([w1[:, :I], w1[:, :I]], dim=1)
-    q_same, s_same = quant.quantize_weight(same)
-    c_q, c_s = quant.from_deepgemm_layout(q_same, s_same, w2_q, w2_s)[:2]
-    assert torch.equal(_bits(c_q), _bits(transform_weights(q_same, w2_q)[0]))
-    assert torch.equal(untransform_w1(quant.dequantize(c_q, c_s)), quant.dequantize(q_same, s_same))
-    # the layer takes the converted weights as they are
+    with pytest.raises(ValueError, match="128x128 blocks"):
+        quant.from_deepgemm_layout(q_nat, s_nat[:, 1:], w2_q, w2_s)
+    # the layer takes the converted weights as they are, and they are load_weights' own
     w1, w2, xs, idx, w = _problem(2, [20, 9], seed=4)
     conv = quant.from_deepgemm_layout(*quant.quantize_weight(w1), *quant.quantize_weight(w2))
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype == quant.E4M3 else a,
+                           b.view(torch.uint8) if b.dtype == quant.E4M3 else b)
+               for a, b in zip(conv, quant.quantize_weights(w1, w2)))
     moe = _layer(2)
     moe.load_quantized_weights(*conv)
     for y, ref in zip(moe.forward(xs, idx, w), reference_moe_w8a8(xs, idx, w, *conv)):

@@ -116,6 +116,35 @@ def test_fused_w8a8_e4m3_inputs_and_prequantized_weights():
         assert torch.equal(a, b)
 
 
+def test_fused_w8a8_takes_a_deepseek_checkpoint_bit_for_bit():
+    """A DeepSeek / DeepGEMM-layout FP8 checkpoint (w1 in 128x128 blocks of its gate rows and of its
+    up rows) through quant.from_deepgemm_layout, with up rows 16x the gate rows so the two scales of
+    an L1 N tile differ: the kernel is within W8A8_KERNEL_REL_ERROR of that checkpoint's emulation,
+    full and half (<= 64-row) tiles. The same weights with the tile's gate and up scales swapped
+    emulate 10x further off than that, so a kernel that took the wrong scale per column would fail."""
+    from megamoe_interleave import quant
+
+    P, k, hidden, inter = 2, 2, 512, 256
+    counts = [0, 128, 1, 64, 65, 127, 0, 200, 3, 0, 70, 0, 129, 5, 0, 40]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(4))]
+    tokens = ids.numel() // (P * k)
+    idx = list(ids[: P * tokens * k].view(P, tokens, k).cuda())
+    w1, w2, xs, _, w = _problem(P, [tokens] * P, k, "balanced", 0.0, 6, hidden, inter)
+    w1 = torch.cat([w1[:, :inter], 16 * w1[:, inter:]], dim=1)
+    ckpt = (*quant.quantize_weight(w1), *quant.quantize_weight(w2))  # the checkpoint's own tensors
+    conv = quant.from_deepgemm_layout(*ckpt)
+    emulated = reference_moe_w8a8(xs, idx, w, *conv)
+    swapped = conv[1].view(E, -1, 2, hidden // 128).flip(2).reshape(conv[1].shape)
+    wrong = reference_moe_w8a8(xs, idx, w, conv[0], swapped, *conv[2:])
+    assert min(relative_error(a, b) for a, b in zip(wrong, emulated)) > 10 * W8A8_KERNEL_REL_ERROR
+    fp32 = reference_moe_fp32(xs, idx, w, quant.dequantize(*ckpt[:2]), quant.dequantize(*ckpt[2:]))
+    for schedule in ("expert_wave", "interleaved"):
+        moe = _make(P, k, schedule, hidden, inter)
+        moe.load_quantized_weights(*conv)
+        _check(moe.forward(xs, idx, w), emulated, fp32)
+
+
 @pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
 def test_fused_w8a8_100_repeated_calls(schedule):
     """100 calls with fresh inputs and routing each: every 10th against the emulation, and the
