@@ -130,7 +130,6 @@ def inexact_groups(sf: torch.Tensor) -> int:
 def quantize_weights(w1: torch.Tensor, w2: torch.Tensor):
     """BF16 global weights (``w1 [E, 2I, H]`` gate then up rows, ``w2 [E, H, I]``) -> the kernel
     layout ``(w1_codes, w1_sf, w2_codes, w2_sf)``: w1's rows interleaved (codes and scales alike)."""
-
     w1_p, w1_sf = quantize_weight(w1)
     w2_p, w2_sf = quantize_weight(w2)
     return interleave_w1(w1_p), interleave_w1(w1_sf), w2_p.contiguous(), w2_sf.contiguous()
@@ -147,7 +146,6 @@ def widen_weights(w1_p, w1_sf, w2_p, w2_sf):
 def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf):
     """FP32 global weights in the natural layout (``w1`` gate then up rows) of the kernel-layout
     FP4 weights: what :func:`~megamoe_interleave.reference.reference_moe_fp32` takes."""
-
     return untransform_w1(dequantize(w1_p, w1_sf)), dequantize(w2_p, w2_sf)
 
 
@@ -156,7 +154,6 @@ def from_deepgemm_layout(w1_p, w1_sf, w2_p, w2_sf):
     rows, codes ``int8`` or ``uint8 [..., N, K/2]``, scales FP32 powers of two ``[..., N, K/32]`` or
     packed UE8M0 ``int32 [..., N, K/128]``) -> the kernel layout, bit for bit (the rows interleaved,
     the scales as their UE8M0 bytes)."""
-
     def codes(p):
         if p.dtype not in (torch.int8, torch.uint8):
             raise ValueError(f"packed FP4 codes must be int8 or uint8, got {p.dtype}")

@@ -318,9 +318,9 @@ def w8a8_expert_compute(x_q, x_s, weights, counts, w1_q, w1_s, w2_q, w2_s) -> to
 
     ``x_q [rows, H]`` E4M3 with ``x_s [rows, H/128]``; ``weights [rows]`` FP32; weights in the
     kernel layout of :func:`quant.quantize_weights` (``w1_q [E_l, 2I, H]`` interleaved rows with
-    ``w1_s [E_l, 2I/128, H/128]``, a gate and an up scale per N tile, ``w2_q [E_l, H, I]`` with ``w2_s [E_l, H/128, I/128]``). Linear-1
-    runs over the interleaved rows as the kernel's N tiles do; its columns are de-interleaved for
-    SwiGLU. Every row is computed on its own (no dependence on the other rows)."""
+    ``w1_s [E_l, 2I/128, H/128]``, a gate and an up scale per N tile, ``w2_q [E_l, H, I]`` with
+    ``w2_s [E_l, H/128, I/128]``). Linear-1 runs over the interleaved rows as the kernel's N tiles
+    do; its columns are de-interleaved for SwiGLU. Every row is computed on its own (no dependence on the other rows)."""
     from .weights import untransform_w1
 
     inter = w2_q.shape[-1]
