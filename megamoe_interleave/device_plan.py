@@ -64,14 +64,11 @@ class DevicePlan:
     sizes: torch.Tensor  # [2] int32: (num_rows, n_pool), the kernel's mPlan
 
 
-def plan_on_device(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor, dst_rank: int, *,
-                   experts_per_rank: int, block_m: int, schedule: Schedule, num_pairs: int, pairs_l1: int,
-                   pairs_l2: int, hidden: int, intermediate: int,
-                   experts_per_wave: int | None = None) -> DevicePlan:
-    """The plan of ``dst_rank`` (one rank of :func:`plan_all_ranks`, same arguments)."""
-    plans = plan_all_ranks(topk_idx, topk_weights, num_tokens, experts_per_rank=experts_per_rank, block_m=block_m,
-                           schedule=schedule, num_pairs=num_pairs, pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden,
-                           intermediate=intermediate, experts_per_wave=experts_per_wave)
+def plan_on_device(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor, dst_rank: int,
+                   **plan_args) -> DevicePlan:
+    """The plan of ``dst_rank``: one rank of :func:`plan_all_ranks`, whose keyword arguments
+    ``plan_args`` are."""
+    plans = plan_all_ranks(topk_idx, topk_weights, num_tokens, **plan_args)
     return DevicePlan(*(getattr(plans, f.name)[dst_rank] for f in dataclasses.fields(DevicePlan)))
 
 

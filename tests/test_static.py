@@ -1,6 +1,7 @@
 """Static checks: names used but never defined (e.g. in a launch or error path that CPU tests cannot
 reach, which only a GPU run would otherwise find), no path outside the repository in code, and the
-layers' import graph (the libraries never import lab, and no import cycles among their modules)."""
+layers' import graph (the libraries never import lab, and no import cycles among their modules) and
+the libraries' parameter lists (at most twelve, named exceptions)."""
 import ast
 import subprocess
 import sys
@@ -161,3 +162,30 @@ def test_import_graph_sees_relative_function_local_and_lab_imports(tmp_path, mon
     graph = library_import_graph()
     assert graph["xstage.a"] == {"xstage.b"} and graph["xstage.b"] == {"xstage.a", "lab.bench"}
     assert import_cycles(graph) == [(frozenset({"xstage.a", "xstage.b"}), "xstage.a -> xstage.b -> xstage.a")]
+
+
+# Functions of the libraries allowed more than MAX_PARAMS parameters, each with its reason.
+MANY_PARAMS = {
+    "fa4_a2a/kernel.py:mma": "overrides FlashAttentionForwardSm90.mma (upstream's parameter list)",
+    "fa4_a2a/kernel.py:epilogue": "overrides FlashAttentionForwardSm90.epilogue (upstream's parameter list)",
+    "xstage/planner.py:plan_megamoe": "keyword-only, each validated; a problem object would only move the list",
+    "calibration/kernels.py:launch": "the JIT launch of BurstKernel.kernel's 11 operands plus the grid and stream",
+    "calibration/kernels.py:__call__": "keyword-only launch shape, validated before the launch (callers run on GPUs)",
+}
+MAX_PARAMS = 12
+
+
+def test_library_functions_take_at_most_twelve_parameters():
+    """No library function takes more than MAX_PARAMS parameters (self aside) except MANY_PARAMS; a
+    launch contract that grows goes into a typed arguments object (megamoe_interleave.arguments)."""
+    found = {}
+    for lib in LIBRARIES:
+        for path in sorted((ROOT / lib).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    a = node.args
+                    names = [p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                    n = len(names) - (names[:1] in (["self"], ["cls"]))
+                    if n > MAX_PARAMS:
+                        found[f"{path.relative_to(ROOT).as_posix()}:{node.name}"] = n
+    assert set(found) == set(MANY_PARAMS), {k: found.get(k) for k in set(found) ^ set(MANY_PARAMS)}
