@@ -192,6 +192,37 @@ def test_sass_report_finds_spills_by_role_and_moves_before_back_edges():
     assert r["k_loop_back_edges"] == [{"address": "0x70", "moves_before": ["IMAD.MOV.U32 R32, RZ, RZ, R199"]}]
 
 
+def test_tile_budget_summarizes_a_trace():
+    """The tile budget on two hand-written CTAs: per phase the tiles, the mainloop in cycles at each
+    tile's own clock (cycles / ns from tile start to mainloop end) and the medians of the waits; the
+    shares of CTAs x span add up to 100 here (no overlapping tiles); the ideal is the tile at the
+    dense rate (DeepSeek-V4-Flash W8A8: 32768 / 16384 cycles, bf16 twice that)."""
+    from lab.megamoe.diag.tile_budget import ideal_mainloop_cycles, phase_summary, summarize, time_shares
+    from megamoe_interleave.shapes import get_shape
+
+    def tile(phase, start, ready, mainloop, epilogue, ghz=2.0):
+        return dict(phase=phase, t_start=start, t_ready=ready, t_mainloop=mainloop, t_epilogue=epilogue,
+                    t_slot=mainloop + 10, cycles=int(ghz * (mainloop - start)))
+
+    recs = [[tile(1, 0, 100, 1100, 1200), tile(2, 1300, 1350, 1850, 1900)],  # a 100 ns gap between its tiles
+            [tile(1, 100, 200, 1200, 1400, ghz=1.5)], []]  # head 100 ns, tail 500 ns; a CTA without tiles
+    l1 = phase_summary(recs, 1)
+    assert (l1["tiles"], l1["mainloop_cycles_p10"], l1["mainloop_cycles_p50"], l1["mainloop_cycles_p90"]) == \
+        (2, 1550, 1750, 1950)  # 1000 ns at 1.5 and 2.0 GHz
+    assert (l1["wait_ns_median"], l1["staging_ns_median"], l1["slot_ns_median"]) == (100, 150, 10)
+    assert phase_summary(recs, 3) == {}
+    s = time_shares(recs)
+    assert (s["ctas"], s["span_ns"]) == (2, 1900)
+    ns = {k: s[f"{k}_pct"] * 2 * 1900 / 100 for k in ("wait", "mainloop", "staging", "gap", "head", "tail")}
+    assert ns == pytest.approx({"wait": 250, "mainloop": 2500, "staging": 350, "gap": 100, "head": 100, "tail": 500},
+                              rel=1e-3)  # the shares are rounded to 0.01 %
+    assert sum(ns.values()) == pytest.approx(2 * 1900, rel=1e-3)
+    shape = get_shape("deepseek-v4-flash")
+    assert ideal_mainloop_cycles(shape, "w8a8") == {1: 32768, 2: 16384}
+    assert ideal_mainloop_cycles(shape, "bf16") == {1: 65536, 2: 32768}
+    assert summarize(recs, {1: 7, 2: 8})["L2"]["ideal_cycles"] == 8
+
+
 def test_check_against_flags_wrong_outputs():
     """The bench checks each fused variant's first output against the unfused pipeline: within
     2 % of the output range passes; a NaN (an unwritten, poisoned Combine slot) or a larger

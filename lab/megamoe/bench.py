@@ -50,7 +50,7 @@ import sys
 import torch
 
 from lab import bench, timing
-from lab.megamoe.trace import write_trace
+from lab.megamoe.trace import TILE_PARTS, write_trace
 from megamoe_interleave.api import MegaMoE, make_world
 from megamoe_interleave.trace import decode_trace, trace_mainloop_cycles
 from megamoe_interleave.config import BLOCK_M, BLOCK_NS, DISPATCH_COPIES, MegaMoEConfig
@@ -406,10 +406,8 @@ def cta_budget(recs):
         return {}
     t0 = min(cta[0]["t_start"] for cta in ctas)
     end = max(cta[-1]["t_epilogue"] for cta in ctas)
-    parts = {"mainloop": ("t_ready", "t_mainloop"), "wait": ("t_start", "t_ready"),
-             "staging": ("t_mainloop", "t_epilogue")}
     out = {f"cta_{name}_ns_median": _median([sum(r[b] - r[a] for r in cta) for cta in ctas])
-           for name, (a, b) in parts.items()}
+           for name, (a, b) in TILE_PARTS.items()}
     out["cta_busy_ns_median"] = _median([cta[-1]["t_epilogue"] - cta[0]["t_start"] for cta in ctas])
     out["cta_gap_ns_median"] = _median([sum(max(0, b["t_start"] - a["t_epilogue"]) for a, b in zip(cta, cta[1:]))
                                         for cta in ctas])

@@ -22,6 +22,9 @@ from megamoe_interleave.trace import trace_mainloop_cycles
 # Columns of a trace CSV: one row per tile, times in ns from the earliest tile start of the call.
 TRACE_CSV_FIELDS = ("cta", "seq", "phase", "row", "n_block", "t_start_ns", "t_ready_ns", "t_mainloop_ns",
                     "t_epilogue_ns", "smid", "cycles", "t_slot_ns", "t_rs_end_ns", "rs_ns")
+# A tile's parts as (from, to) fields of a decoded record: ring / dependency wait, WGMMA, staging and handoff.
+TILE_PARTS = {"wait": ("t_start", "t_ready"), "mainloop": ("t_ready", "t_mainloop"),
+              "staging": ("t_mainloop", "t_epilogue")}
 
 
 def write_trace(path, recs) -> None:

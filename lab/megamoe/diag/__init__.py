@@ -12,4 +12,5 @@ api_profile       host time of MegaMoE.forward outside the kernels (scripts/diag
 ncu_source        warp stalls by role and instruction from an ncu source export (scripts/diag/megamoe_ncu_source.py)
 sass_report       a build's registers, stack, local accesses, WGMMA waits, K-loop moves (scripts/diag/megamoe_sass.py)
 wgmma_rate        the W8A8 mainloop's WGMMA batch shapes alone (scripts/diag/wgmma_rate.py)
+tile_budget       where each tile's time goes, from the trace (scripts/diag/megamoe_tile_budget.py)
 """
