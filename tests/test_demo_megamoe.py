@@ -32,6 +32,28 @@ def test_deepgemm_absent_is_one_line():
     assert (dg is None) == bool(why) and "\n" not in why
 
 
+def test_megamoe_fork_absent_or_upstream_is_one_line(monkeypatch, capsys):
+    """The fused SM90 Mega MoE fork baseline: absent -> one line; upstream DeepGEMM in its place (no
+    fp8_mega_moe) -> one line naming what is missing; its command line refuses a non-Hopper host before
+    building anything."""
+    import sys
+    import types
+
+    from lab.megamoe import megamoe_fork
+
+    dg, why = megamoe_fork.load()
+    assert (dg is None) == bool(why) and "\n" not in why
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(__version__="2.6.1"))
+    dg, why = megamoe_fork.load()
+    assert dg is None and "not the SM90 Mega MoE fork: no fp8_mega_moe" in why
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            megamoe_fork.main(["--tokens", "64"])
+        assert "needs a Hopper GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        megamoe_fork.main(["--trials", "2"])
+
+
 def test_rows_per_expert_counts_every_live_pick():
     shape = type("S", (), dict(num_experts=8))()
     idx = [torch.tensor([[0, 5], [5, -1]]), torch.tensor([[7, 1]])]

@@ -74,7 +74,7 @@ def layers_against_gemms(*, P: int = 1, tokens: int = 8192, trials: int = 11, co
                                     else "the W8A8 recipe's emulation", "ok": ok}
         out["configs"][precision] = str(moe.config)
         moe.poison_combine = False
-        fns[f"fused {precision}"] = _rerun_time(moe)
+        fns[f"fused {precision}"] = rerun_time(moe)
     _, gemms = grouped_gemms(shape, P, w1, w2, idx, wts)
     fns["torch bf16 GEMMs"] = bench.event_timed(gemms)
     fns["torch fp8 GEMMs"] = bench.event_timed(fp8_grouped_gemms(shape, P, fp8_rank_weights(shape, P, w1, w2), idx, wts))
@@ -118,7 +118,7 @@ def xstage_on_pcie(*, P: int = 1, tokens: int = 2048, trials: int = 11, cooldown
             err = relative_error([y[sample] for y in moe(xs, idx, wts)], ref)
             checks[name] = {"relative_error_vs_fp32": err, "ok": err <= 0.01}
             moe.poison_combine = False
-            fns[name] = _rerun_time(moe)
+            fns[name] = rerun_time(moe)
     samples, clocks = bench.paired_trials(fns, trials, cooldown_s)
     out = {"shape": f"DeepSeek-V4-Flash MoE, P = {P}, {tokens} tokens per rank, balanced routing", "checks": checks}
     profile = profiles.load("h200-pcie-host")
@@ -225,7 +225,7 @@ def _rows_per_expert(shape, P: int, idx):
     return [counts[d * el:(d + 1) * el] for d in range(P)]
 
 
-def _rerun_time(moe):
+def rerun_time(moe):
     """() -> the fused kernels' device time of one call (the staged inputs again: MegaMoE.rerun)."""
     def timed():
         moe.rerun()
