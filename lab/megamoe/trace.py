@@ -48,6 +48,17 @@ def read_trace(path):
         return list(csv.DictReader(f))
 
 
+def read_trace_records(path):
+    """The inverse of :func:`write_trace`: decoded records (a list per CTA, in order) of a trace CSV,
+    integers, the ``t_*_ns`` columns under their record names (``t_start``, ...), times relative to
+    the earliest tile start."""
+    ctas = {}
+    for row in read_trace(path):
+        rec = {(k[:-3] if k.startswith("t_") and k.endswith("_ns") else k): int(v) for k, v in row.items()}
+        ctas.setdefault(rec["cta"], []).append(rec)
+    return [sorted(ctas[c], key=lambda r: r["seq"]) for c in sorted(ctas)]
+
+
 def timeline(rows, bucket_us: float = 250.0):
     """{phase: [(bucket start us, tiles, median mainloop cycles, median clock MHz)]} over the
     trace rows (dicts with t_start_ns, t_ready_ns, t_mainloop_ns, cycles, phase); rows without

@@ -23,6 +23,8 @@ import json
 import os
 import re
 
+from lab.megamoe.diag.sass_report import CONSUMER_START
+
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 
@@ -59,7 +61,7 @@ def summarize(rows, top: int = 20):
     ``all`` without it), per role the share of each stall reason and opcode, and the ``top``
     instructions by samples with their three main reasons."""
     stalls = [k for k in (rows[0] if rows else {}) if k.startswith("stall_") and "Not Issued" not in k]
-    split = next((i for i, r in enumerate(rows) if "SETMAXREG.TRY_ALLOC" in r.get("Source", "")), None)
+    split = next((i for i, r in enumerate(rows) if CONSUMER_START in r.get("Source", "")), None)
     roles = {"all": rows} if split is None else {"aux": rows[:split], "consumer": rows[split:]}
     total = sum(_int(r[SAMPLES]) for r in rows) or 1
     out = {"samples": total, "roles": {}}

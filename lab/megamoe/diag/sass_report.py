@@ -20,6 +20,8 @@ import json
 import os
 import re
 
+# The consumer warpgroups' setmaxnreg: their code follows it, the aux warps' precedes it.
+CONSUMER_START = "SETMAXREG.TRY_ALLOC"
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _WGMMA = re.compile(r"\b[HQ]GMMA\.")
 _LOCAL = re.compile(r"\b(LDL|STL)(\.\w+)*\b")
@@ -35,7 +37,7 @@ def analyze(sass: str, usage: str = "", tail: int = 8) -> dict:
     """The report of one listing (and its ``cuobjdump -res-usage``): see the module docstring.
     ``tail``: instructions before each back edge searched for moves."""
     ins = instructions(sass)
-    alloc = next((k for k, (_, t) in enumerate(ins) if "SETMAXREG.TRY_ALLOC" in t), 0)
+    alloc = next((k for k, (_, t) in enumerate(ins) if CONSUMER_START in t), 0)
     wgmma = [k for k, (_, t) in enumerate(ins) if _WGMMA.search(t)]
     first, last = (wgmma[0], wgmma[-1]) if wgmma else (len(ins), -1)
     local = [k for k, (_, t) in enumerate(ins) if _LOCAL.search(t)]

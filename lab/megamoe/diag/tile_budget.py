@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 
-from lab.megamoe.trace import TILE_PARTS
+from lab.megamoe.trace import TILE_PARTS, read_trace_records, write_trace
 
 # dense MMA FLOP per cycle and SM (H100 / H200: 1024 bf16 FMA per cycle and SM, twice that in FP8)
 FLOP_PER_CYCLE = {"bf16": 4096, "w8a8": 8192}
@@ -86,25 +86,12 @@ def summarize(recs, ideal: dict) -> dict:
             "L2": {**phase_summary(recs, 2), "ideal_cycles": ideal[2]}, "shares": time_shares(recs)}
 
 
-def records_from_csv(path: str):
-    """The decoded records (a list per CTA, in order) of a trace CSV written by ``write_trace`` (its
-    timestamps relative to the earliest tile start; the summaries only use differences)."""
-    from lab.megamoe.trace import read_trace
-
-    ctas = {}
-    for row in read_trace(path):
-        rec = {(k[:-3] if k.startswith("t_") and k.endswith("_ns") else k): int(v) for k, v in row.items()}
-        ctas.setdefault(rec["cta"], []).append(rec)
-    return [sorted(ctas[c], key=lambda r: r["seq"]) for c in sorted(ctas)]
-
-
 def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int, calls: int, out_dir: str) -> dict:
     """Untraced, then traced: ``calls`` forwards each of a fused layer at loopback P (balanced routing),
     the fused kernel's times of each, and :func:`summarize` of rank 0's trace of the last traced call."""
     import torch
 
     from lab.megamoe.bench import build_moe, make_problem
-    from lab.megamoe.trace import write_trace
     from megamoe_interleave.config import MegaMoEConfig
     from megamoe_interleave.shapes import get_shape
     from megamoe_interleave.trace import decode_trace
@@ -161,7 +148,7 @@ def main(argv=None):
 
         ideal = ideal_mainloop_cycles(get_shape(args.shape), args.precision)
         for path in args.trace:
-            runs[path] = summarize(records_from_csv(path), ideal)
+            runs[path] = summarize(read_trace_records(path), ideal)
             s = runs[path]
             print(f"{path}: L1 mainloop p50 {s['L1'].get('mainloop_cycles_p50')} / {ideal[1]} cycles, L2 "
                   f"{s['L2'].get('mainloop_cycles_p50')} / {ideal[2]}; " +
