@@ -10,7 +10,12 @@ baseline "fused kernels"):
 * ``graph replay``: ``layer.replay()`` between two CUDA events (the whole layer, every rank);
 * ``fused kernels``: the fused kernels of every rank alone (``MegaMoE.rerun``'s
   ``last_kernel_us``: events around the back-to-back launches, host-planned);
-* ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`lab.megamoe.bench`.
+* ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`lab.megamoe.bench` (with
+  ``--precision w8a8`` the GEMMs are torch's rowwise FP8 ``_scaled_grouped_mm``,
+  :func:`lab.megamoe.w8a8_bench.fp8_grouped_gemms`);
+* ``streaming read``: ``torch.sum`` over a 4 GiB tensor, the plain read bandwidth this GPU reaches
+  in the same trials. The expert weights' bytes over it is the layer's floor where the weights
+  dominate the traffic (small batches): ``replay_over_stream_bound``.
 
 Outside the paired run: the eager ``enqueue`` and ``forward`` (CUDA events around one call:
 ``forward`` includes its host planning and syncs), ``enqueue``'s host time alone, and a profiler
@@ -27,10 +32,14 @@ import os
 import torch
 
 from lab import bench, timing
-from lab.megamoe.bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, grouped_gemms, kernel_time_call, make_problem
+from lab.megamoe.bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, check_w8a8_against, grouped_gemms, kernel_time_call, make_problem
+from lab.megamoe.w8a8_bench import fp8_grouped_gemms, fp8_rank_weights
+from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.reference import unfused_pipeline
 
 BASELINE = "fused kernels"
+STREAM_BYTES = 4 << 30  # the streaming-read reference's tensor
+GEMMS = {"bf16": "grouped_mm x2 only", "w8a8": "scaled_grouped_mm x2 only"}  # the GEMMs-alone variant per precision
 SYNC_CALLS = ("Synchronize", "cudaMemcpy ", "cudaMemcpy(")  # runtime calls that would block the host
 
 
@@ -71,19 +80,35 @@ def host_enqueue_us(fn, trials: int) -> float:
     return sorted(out)[len(out) // 2]
 
 
+def expert_weight_bytes(moe) -> int:
+    """Bytes of every rank's kernel-layout expert weights (and block scales): what the layer reads
+    at least once per call."""
+    tensors = [*moe.w1.values(), *moe.w2.values(), *getattr(moe, "w1_scales", {}).values(),
+               *getattr(moe, "w2_scales", {}).values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def streaming_read():
+    """() -> None: ``torch.sum`` over a :data:`STREAM_BYTES` bf16 tensor (the read-bandwidth reference)."""
+    buf = torch.ones(STREAM_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    return lambda: buf.sum()
+
+
 def run_case(shape, kind, P, tokens, args) -> dict:
     """One case: {"paired": the paired row, "eager_us": {...}, "replay_runtime_calls": [...],
-    "checks": {...}}."""
+    "checks": {...}, "weight_bytes": ...}."""
     w1, w2, xs, idx, wts = make_problem(shape, kind, P, tokens, args.strength)
     (w1_t, w2_t), gemms_only = grouped_gemms(shape, P, w1, w2, idx, wts)
+    if args.precision == "w8a8":
+        gemms_only = fp8_grouped_gemms(shape, P, fp8_rank_weights(shape, P, w1, w2), idx, wts)
     refs = unfused_pipeline(xs, idx, wts, w1_t, w2_t)
-    moe = build_moe(shape, P, tokens, None, w1, w2, world=args.world, poison_combine=False)
+    moe = build_moe(shape, P, tokens, MegaMoEConfig(precision=args.precision), w1, w2, world=args.world)
     layer = moe.capture(tokens)
     for r in range(P):
         layer.x[r].copy_(xs[r]), layer.topk_idx[r].copy_(idx[r]), layer.topk_weights[r].copy_(wts[r])
     ys = [y.clone() for y in layer.replay()]
     layer.check()
-    check_against(ys, refs, "graph replay")
+    (check_w8a8_against if args.precision == "w8a8" else check_against)(ys, refs, "graph replay")
     eager = moe.forward(xs, idx, wts)  # the host-planned call (and the plan rerun() repeats)
     bitwise = all(torch.equal(a, b) for a, b in zip(ys, eager))
     if not bitwise:
@@ -93,11 +118,13 @@ def run_case(shape, kind, P, tokens, args) -> dict:
     calls = [c for c in prof["runtime_calls"] if c[0] != "cudaDeviceSynchronize"]  # the profile's own sync
     blocking = [n for n, _ in calls if any(s in n for s in SYNC_CALLS)]
     fns = {BASELINE: kernel_time_call(moe, rerun=True), "graph replay": bench.event_timed(layer.replay),
-           "grouped_mm x2 only": bench.event_timed(gemms_only),
-           "unfused torch pipeline": bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t))}
+           GEMMS[args.precision]: bench.event_timed(gemms_only),
+           "unfused torch pipeline": bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t)),
+           "streaming read": bench.event_timed(streaming_read())}
     fns[BASELINE]()  # warm-up of the rerun path
     samples, clocks = bench.paired_trials(fns, args.trials, args.cooldown_s)
-    case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens)
+    case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens,
+                precision=args.precision)
     paired_row = dict(case, **bench.paired_verdicts(samples, clocks, BASELINE, args.clock_tol_mhz))
     bench.print_paired(paired_row, label=f"{shape.name}, P={P}, T={tokens}")
     eager_us = {}
@@ -111,31 +138,39 @@ def run_case(shape, kind, P, tokens, args) -> dict:
           f"{eager_us['eager forward']:.1f} us; replay runtime calls: {calls}; kernels: {prof['kernels'][:8]}",
           flush=True)
     return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls, replay_kernels=prof["kernels"],
-                replay_span_us=prof["span_us"],
+                replay_span_us=prof["span_us"], weight_bytes=expert_weight_bytes(moe),
                 checks=dict(replay_equals_forward_bitwise=bitwise, replay_blocking_calls=blocking,
                             device_ctas=moe.device_ctas))
 
 
 def summary_rows(results) -> list:
     """One row per case: medians of every variant at the reference clock, the layer's overhead
-    over the kernels (graph replay / fused kernels) and against the baselines."""
+    over the kernels (graph replay / fused kernels), against the baselines and against the
+    streaming-read floor (expert weight bytes / the streaming read's bandwidth)."""
     rows = []
     for res in results:
         p = res["paired"]
         v = p["variants"]
         med = {k: x.get("median_us") for k, x in v.items()}
-        row = {k: p[k] for k in ("shape", "routing", "world", "P", "tokens_per_rank")}
+        gemms = next((k for k in GEMMS.values() if k in med), None)
+        row = {k: p.get(k, "bf16") for k in ("shape", "routing", "world", "P", "tokens_per_rank", "precision")}
         row.update(fused_kernels_us=v["graph replay"].get("baseline_median_us"), graph_replay_us=med["graph replay"],
                    replay_over_kernels=v["graph replay"].get("median_ratio"),
-                   grouped_mm_us=med["grouped_mm x2 only"], unfused_us=med["unfused torch pipeline"],
+                   grouped_mm_us=med.get(gemms), unfused_us=med["unfused torch pipeline"],
                    eager_enqueue_us=round(res["eager_us"]["eager enqueue"], 1),
                    eager_forward_us=round(res["eager_us"]["eager forward"], 1),
                    enqueue_host_us=round(res["eager_us"]["enqueue host"], 1),
                    n_matched=v["graph replay"]["n_matched"],
                    replay_blocking_calls=";".join(res["checks"]["replay_blocking_calls"]) or "none")
-        if med["graph replay"] and med["grouped_mm x2 only"]:
-            row["replay_over_grouped_mm"] = round(med["graph replay"] / med["grouped_mm x2 only"], 4)
+        if med["graph replay"] and med.get(gemms):
+            row["replay_over_grouped_mm"] = round(med["graph replay"] / med[gemms], 4)
             row["replay_over_unfused"] = round(med["graph replay"] / med["unfused torch pipeline"], 4)
+        if med["graph replay"] and med.get("streaming read") and res.get("weight_bytes"):
+            gbps = STREAM_BYTES / med["streaming read"] / 1e3
+            bound_us = res["weight_bytes"] / gbps / 1e3
+            row.update(stream_read_GBps=round(gbps, 1), weight_GB=round(res["weight_bytes"] / 1e9, 3),
+                       stream_bound_us=round(bound_us, 1), replay_weight_GBps=round(res["weight_bytes"] / med["graph replay"] / 1e3, 1),
+                       replay_over_stream_bound=round(med["graph replay"] / bound_us, 4))
         rows.append(row)
     return rows
 
@@ -184,6 +219,7 @@ def report(json_paths, out_dir) -> list:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_problem_arguments(ap, tokens=[256, 1024, 2048, 8192])
+    ap.add_argument("--precision", default="bf16", choices=sorted(GEMMS))
     ap.add_argument("--world", default="loopback")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--cooldown-s", type=float, default=0.0)
