@@ -9,13 +9,12 @@ Promotion (DeepSeek-V3 report Section 3.3.2; DeepGEMM ``sm90_fp8_gemm_1d2d``): a
 128-deep K block; its WGMMAs accumulate into a zeroed FP32 fragment, which is then added to the
 tile's FP32 sums scaled by ``sa[row, kb] * sb[n block, kb]``, so the tensor core's limited
 accumulation precision never spans more than 128 products. A 128 x 256 tile's sums take 128
-registers per thread, so the block's WGMMAs run in four 64-column slices through two 32-register
-fragments in ping-pong (w2: slices 0-1 and 2-3 share a 128-row weight scale block; w1: the tile's gate
-and up scale blocks alternate every 8 columns, as its interleaved rows do):
-slice j's WGMMAs are in flight (``wait_group(1)``) while slice j - 1 is promoted, 192 accumulator
-registers instead of 256 (one fragment and a wait per slice was about 6 % slower at P = 8; two
-128-column slices spilled in the mainloop at every register split). A 64-row half tile (a warpgroup per 128 columns) runs one 128-column slice per
-warpgroup through its own 64 registers (the full tile's upper sums are dead there).
+registers per thread; the block's WGMMAs run in two 128-column batches (one per weight scale block
+of w2; w1's gate and up scale blocks alternate every 8 columns, as its interleaved rows do) through
+one 64-register fragment, each promoted after ``wait_group(0)`` while the other warpgroup's
+WGMMAs run (DeepGEMM's scheme; 4 x 64-column slices in ping-pong before). A 64-row half tile (a warpgroup per 128 columns) runs one
+128-column batch per warpgroup through its own 64 registers (the full tile's upper sums are dead
+there).
 
 h quantization: an L1 tile of 256 interleaved w1 rows holds 128 h columns of its rows, one 1x128
 group; a row's amax comes from the four lanes that hold it (two shuffles), and in a 64-row half
@@ -37,7 +36,7 @@ from .kernel_sm90 import MegaMoESm90
 from .scheduler import tile_pool_row
 from .sm90_mainloop import ConsumerMixin
 
-SLICE_N = 64  # columns per WGMMA slice of a full tile (see the module docstring)
+SLICE_N = 128  # columns per WGMMA slice of a full tile (see the module docstring)
 E4M3_MAX = 448.0  # quant.E4M3_MAX
 AMAX_FLOOR = 1e-4  # quant.AMAX_FLOOR
 
@@ -176,8 +175,7 @@ class MegaMoESm90W8A8(MegaMoESm90):
         sB = [cute.local_tile(sm.sB, (SLICE_N, BK, S), (j, 0, 0)) for j in range(BN // SLICE_N)]
         part, tCrA, tCrB0 = sm90_utils.partition_fragment_ABC(thr_s, (BLOCK_M, SLICE_N, BK), sm.sA, sB[0])
         tCrB = (tCrB0,) + tuple(thr_s.make_fragment_B(thr_s.partition_B(b)) for b in sB[1:])
-        part2 = cute.make_rmem_tensor(part.layout, Float32)
-        full = (mma_s, acc, tCrA, tCrB, tCcC, (part, part2))
+        full = (mma_s, acc, tCrA, tCrB, tCcC, (part,))
         mma_h = sm90_utils.make_tiled_mma(Float8E4M3FN, "K", "K", QUANT_BLOCK, atom_layout_mnk=(1, 2, 1))
         thr_h = mma_h.get_slice(tidx)
         sA_h = cute.local_tile(sm.sA, (64, BK, S), (0, 0, 0))
@@ -248,23 +246,19 @@ class MegaMoESm90W8A8(MegaMoESm90):
                 warpgroup.wait_group(0)
                 self.promote(acc, part, 0, c0, c1, c2, c3, l1)
             else:
-                # ping-pong: slice j's WGMMAs run while slice j - 1 is promoted
-                n = len(tCrB)
-                sm90_utils.gemm_w_idx(mma, part[0], tCrA, tCrB[0], True, A_idx=state.index, B_idx=state.index,
-                                      wg_wait=-1)
-                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
-                na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
-                for j in cutlass.range_constexpr(1, n + 1):
-                    if const_expr(j < n):
-                        sm90_utils.gemm_w_idx(mma, part[j % 2], tCrA, tCrB[j], True, A_idx=state.index,
-                                              B_idx=state.index, wg_wait=1)
+                # one 128-column batch per weight scale block, each promoted after wait 0
+                p = part[0]
+                for j in cutlass.range_constexpr(len(tCrB)):
+                    sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=state.index,
+                                          wg_wait=-1)
+                    if const_expr(j == 0):
+                        d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
+                        na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
+                    warpgroup.wait_group(0)
+                    if const_expr(l1 or j == 0):
+                        self.promote(acc, p, j * cute.size(p), c0, c1, c2, c3, l1)
                     else:
-                        warpgroup.wait_group(0)
-                    p = part[(j - 1) % 2]
-                    if const_expr(l1 or (j - 1) * SLICE_N < QUANT_BLOCK):
-                        self.promote(acc, p, (j - 1) * cute.size(p), c0, c1, c2, c3, l1)
-                    else:
-                        self.promote(acc, p, (j - 1) * cute.size(p), c2, c3, c2, c3, False)
+                        self.promote(acc, p, j * cute.size(p), c2, c3, c2, c3, False)
             ab_pipe.consumer_release(state)
             state.advance()
             c0, c1, c2, c3 = d0, d1, d2, d3
