@@ -38,17 +38,18 @@ grid barrier counter, word 1 the error word (see ``xstage.device``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import cutlass
 import cutlass.memory
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warp
+from quack.cute_dsl_utils import mlir_namedtuple
 
 from xstage import device as xd
 
-__all__ = ["BurstKernel", "BurstConfig", "MAGIC", "TS_FIELDS", "GAP_MODES", "MAX_BURSTS", "validate_launch"]
+__all__ = ["BurstKernel", "BurstConfig", "BurstTensors", "MAGIC", "TS_FIELDS", "GAP_MODES", "MAX_BURSTS", "validate_launch"]
 
 MAGIC = 0x5A17C0DE  # < 2**31: fits an int32 word; marks chunks written by this kernel
 TS_FIELDS = ("gt_start", "gt_end", "clk_start", "clk_end")
@@ -123,6 +124,17 @@ def validate_launch(
         raise ValueError("gap_ns given to an MMA-gap kernel (give mma_iters)")
 
 
+@mlir_namedtuple
+class BurstTensors(NamedTuple):
+    """The kernel's tensors, one typed argument (quack's ``mlir_namedtuple``; its scalars stay plain
+    parameters, as the fused MoE kernel's do)."""
+
+    dst_table: Any  # [P] int64: every rank's destination base
+    timestamps: Any  # [K * N * 4] int64: flattened [K, N, 4] of TS_FIELDS
+    sync: Any  # [2] int32: grid barrier counter, error word
+    sink: Any  # [K * threads] f32: keeps the MMA gap's results live
+
+
 class BurstKernel:
     """Periodic/isolated remote-store bursts from K producer CTAs.
 
@@ -155,11 +167,8 @@ class BurstKernel:
     @cute.kernel
     def kernel(
         self,
-        dst_table: cute.Tensor,
+        tensors: BurstTensors,
         dst: Int32,
-        timestamps: cute.Tensor,
-        sync: cute.Tensor,
-        sink: cute.Tensor,
         bytes_per_producer: Int32,
         num_bursts: Int32,
         region_bytes: Int64,
@@ -167,6 +176,7 @@ class BurstKernel:
         mma_iters: Int32,
         timeout_ns: Int64,
     ):
+        dst_table, timestamps, sync, sink = tensors
         threads = self.cfg.threads
         tidx, _, _ = cute.arch.thread_idx()
         k, _, _ = cute.arch.block_idx()
@@ -258,11 +268,8 @@ class BurstKernel:
     @cute.jit
     def launch(
         self,
-        dst_table: cute.Tensor,
+        tensors: BurstTensors,
         dst: Int32,
-        timestamps: cute.Tensor,
-        sync: cute.Tensor,
-        sink: cute.Tensor,
         num_producers: Int32,
         bytes_per_producer: Int32,
         num_bursts: Int32,
@@ -273,8 +280,7 @@ class BurstKernel:
         stream,
     ):
         self.kernel(
-            dst_table, dst, timestamps, sync, sink, bytes_per_producer, num_bursts,
-            region_bytes, gap_ns, mma_iters, timeout_ns,
+            tensors, dst, bytes_per_producer, num_bursts, region_bytes, gap_ns, mma_iters, timeout_ns,
         ).launch(grid=[num_producers, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream)
 
     # -------------------------------------------------------------------- host
@@ -289,11 +295,9 @@ class BurstKernel:
         sym = cute.sym_int
         fake = cute.runtime.make_fake_compact_tensor
         args = (
-            fake(Int64, (sym(),), assumed_align=8),  # dst_table [P]
+            BurstTensors(fake(Int64, (sym(),), assumed_align=8), fake(Int64, (sym(),), assumed_align=16),
+                         fake(Int32, (2,), assumed_align=8), fake(Float32, (sym(),), assumed_align=16)),
             Int32(0),
-            fake(Int64, (sym(),), assumed_align=16),  # timestamps [K*N*4]
-            fake(Int32, (2,), assumed_align=8),  # sync
-            fake(Float32, (sym(),), assumed_align=16),  # sink [K*threads]
             Int32(1), Int32(1), Int32(1), Int64(1), Int64(0), Int32(0), Int64(1),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
         )
@@ -342,6 +346,6 @@ class BurstKernel:
         compiled = self.compile()
         sync.zero_()
         compiled(
-            dst_table, dst, timestamps.view(-1), sync, sink.view(-1), num_producers, bytes_per_producer,
+            BurstTensors(dst_table, timestamps.view(-1), sync, sink.view(-1)), dst, num_producers, bytes_per_producer,
             num_bursts, region_bytes, gap_ns, mma_iters, timeout_ns,
         )

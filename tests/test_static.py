@@ -169,7 +169,6 @@ MANY_PARAMS = {
     "fa4_a2a/kernel.py:mma": "overrides FlashAttentionForwardSm90.mma (upstream's parameter list)",
     "fa4_a2a/kernel.py:epilogue": "overrides FlashAttentionForwardSm90.epilogue (upstream's parameter list)",
     "xstage/planner.py:plan_megamoe": "keyword-only, each validated; a problem object would only move the list",
-    "calibration/kernels.py:launch": "the JIT launch of BurstKernel.kernel's 11 operands plus the grid and stream",
     "calibration/kernels.py:__call__": "keyword-only launch shape, validated before the launch (callers run on GPUs)",
 }
 MAX_PARAMS = 12
