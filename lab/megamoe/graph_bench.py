@@ -89,7 +89,7 @@ def expert_weight_bytes(moe) -> int:
 
 
 def streaming_read():
-    """() -> None: ``torch.sum`` over a :data:`STREAM_BYTES` bf16 tensor (the read-bandwidth reference)."""
+    """A callable summing a :data:`STREAM_BYTES` bf16 tensor (``torch.sum``: the read-bandwidth reference)."""
     buf = torch.ones(STREAM_BYTES // 2, device="cuda", dtype=torch.bfloat16)
     return lambda: buf.sum()
 
@@ -153,7 +153,8 @@ def summary_rows(results) -> list:
         v = p["variants"]
         med = {k: x.get("median_us") for k, x in v.items()}
         gemms = next((k for k in GEMMS.values() if k in med), None)
-        row = {k: p.get(k, "bf16") for k in ("shape", "routing", "world", "P", "tokens_per_rank", "precision")}
+        row = {k: p[k] for k in ("shape", "routing", "world", "P", "tokens_per_rank")}
+        row["precision"] = p.get("precision", "bf16")  # runs before --precision were bf16
         row.update(fused_kernels_us=v["graph replay"].get("baseline_median_us"), graph_replay_us=med["graph replay"],
                    replay_over_kernels=v["graph replay"].get("median_ratio"),
                    grouped_mm_us=med.get(gemms), unfused_us=med["unfused torch pipeline"],
