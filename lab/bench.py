@@ -211,10 +211,11 @@ def log(text: str) -> None:
 
 
 def ratio_bars(path, labels: Sequence[str], series: Sequence, *, ylabel: str, title: str, ticks: Sequence[float],
-               ref: Optional[tuple] = None, figsize=(8, 4)) -> Optional[Path]:
+               ref: Optional[tuple] = None, figsize=(8, 4), ylim: Optional[tuple] = None) -> Optional[Path]:
     """A grouped bar chart of time ratios on a log axis with plain tick labels at ``ticks``:
     ``series`` = [(name, one value per label)], ``ref`` = (y, label, linestyle) of a reference
-    line. Returns ``path``, or None without matplotlib."""
+    line, ``ylim`` the axis range (bars start at its bottom). Returns ``path``, or None without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -232,6 +233,8 @@ def ratio_bars(path, labels: Sequence[str], series: Sequence, *, ylabel: str, ti
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel(ylabel)
     ax.set_yscale("log")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.yaxis.set_major_locator(FixedLocator(list(ticks)))
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(NullFormatter())

@@ -612,6 +612,35 @@ def test_graph_report_splits_the_replay_into_kernels_and_writes_the_summary(tmp_
         assert len(list(csv.DictReader(f))) == 1
 
 
+def test_graph_report_sets_w8a8_cases_against_the_streaming_floor(tmp_path):
+    """graph_bench --report (no GPU): a case with the streaming read gets its floor (weight bytes over
+    the read rate of the 4 GiB sum), the replay over it, and stream_floor.png; the FP8 GEMMs are the
+    GEMMs-alone baseline of a W8A8 case."""
+    from lab.megamoe import graph_bench
+
+    v = lambda med: {"median_us": med, "baseline_median_us": 2000.0, "median_ratio": med / 2000.0,  # noqa: E731
+                     "n_matched": 5}
+    read_us = graph_bench.STREAM_BYTES / 4.0e6  # 4 TB/s: 4e6 bytes per us
+    case = {"paired": {"shape": "deepseek-v4-flash", "routing": "balanced", "world": "loopback", "P": 1,
+                       "tokens_per_rank": 256, "precision": "w8a8",
+                       "variants": {"graph replay": v(2200.0), "scaled_grouped_mm x2 only": v(2500.0),
+                                    "unfused torch pipeline": v(6000.0), "streaming read": v(read_us)}},
+            "eager_us": {"eager enqueue": 3000.0, "eager forward": 4000.0, "enqueue host": 2500.0},
+            "replay_kernels": [["kernel_cutlass_MegaMoESm90W8A8_x", 1, 1990.0]], "weight_bytes": 6.4e9,
+            "checks": {"replay_blocking_calls": []}}
+    (row,) = graph_bench.report([_write(tmp_path / "w.json", {"cases": [case]})], tmp_path)
+    assert row["precision"] == "w8a8" and row["grouped_mm_us"] == 2500.0
+    assert row["stream_read_GBps"] == pytest.approx(4000.0) and row["stream_bound_us"] == pytest.approx(1600.0)
+    assert row["replay_over_stream_bound"] == pytest.approx(2200.0 / 1600.0, abs=1e-4)
+    assert (tmp_path / "stream_floor.png").exists() or not _has_matplotlib()
+
+
+def _has_matplotlib():
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _write(path, obj):
     import json
 

@@ -194,8 +194,9 @@ def kernel_shares(res) -> dict:
 
 def report(json_paths, out_dir) -> list:
     """Summary rows (:func:`summary_rows` + :func:`kernel_shares`) of the cases in ``json_paths``
-    (this bench's result files), as ``out_dir/summary.csv`` and ``out_dir/graph_layer.png``
-    (layer time per case against the fused kernels and the baselines); returns the rows."""
+    (this bench's result files), as ``out_dir/summary.csv``, ``out_dir/graph_layer.png`` (layer time
+    per case against the fused kernels and the baselines) and, for cases with the streaming read,
+    ``out_dir/stream_floor.png`` (layer and kernels over the weights' streaming floor); returns the rows."""
     import json
 
     cases = []
@@ -214,6 +215,15 @@ def report(json_paths, out_dir) -> list:
                          ylabel="time / fused kernels (paired medians)", ticks=[1, 1.1, 1.25, 1.5, 2, 3, 5, 8],
                          title="MegaMoE layer as one CUDA-graph replay, DeepSeek-V4-Flash, loopback, H200",
                          ref=(1.03, "fused kernels + 3 %", "--"))
+    floor = [r for r in rows if r.get("replay_over_stream_bound")]
+    if floor:
+        bench.ratio_bars(os.path.join(out_dir, "stream_floor.png"),
+                         [f"{r['precision']}\nP={r['P']}\nT={r['tokens_per_rank']}" for r in floor],
+                         [("graph replay (layer)", [r["replay_over_stream_bound"] for r in floor]),
+                          ("fused kernels", [r["fused_kernels_us"] / r["stream_bound_us"] for r in floor])],
+                         ylabel="time / (weight bytes / torch.sum's read rate)", ticks=[1, 1.1, 1.25, 1.5],
+                         title="MegaMoE against its weights' streaming floor, DeepSeek-V4-Flash, loopback, H200",
+                         ref=(1.25, "floor + 25 %", "--"), ylim=(0.9, 1.6))
     return rows
 
 
