@@ -74,6 +74,22 @@ def test_widening_is_exact_when_a_block_spans_at_most_14_exponents():
     assert not torch.equal(wide[:, 128:], w[:, 128:])
 
 
+def test_the_widening_in_fp16_that_the_kernel_plans_equals_the_recipe():
+    """docs/w4a8.md's device widening, emulated: a nibble's magnitude bits shifted into an FP16's
+    exponent and mantissa (``(code & 7) << 9``, sign ``(code & 8) << 12``) are the E2M1 value times
+    2^-14 (subnormals included), so two exact FP16 multiplies by 2^7 and 2^(7 + d) and one
+    round-to-nearest-even conversion to E4M3 give the recipe's ``e4m3(value * 2^d)`` bit for bit,
+    for every nibble and every shift the recipe meets (the inexact ones below -8 included)."""
+    codes = torch.arange(16, dtype=torch.int32)
+    for d in range(-20, quant_fp4.WIDEN_MAX_SHIFT + 1):
+        bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+        h = bits.to(torch.int16).view(torch.float16)
+        assert torch.equal(h.float() * 2.0 ** 14, quant_fp4.e2m1_values(codes.to(torch.uint8)))
+        v = h * torch.tensor(2.0 ** 7, dtype=torch.float16) * torch.tensor(2.0 ** (7 + d), dtype=torch.float16)
+        want = (quant_fp4.e2m1_values(codes.to(torch.uint8)) * 2.0 ** d).to(torch.float8_e4m3fn)
+        assert torch.equal(v.to(torch.float8_e4m3fn).view(torch.uint8), want.view(torch.uint8)), d
+
+
 def test_deepgemm_layout_converts_bit_for_bit():
     """DeepGEMM's per_token_cast_to_fp4 layout (gate | up rows, int8 codes; scales as FP32 powers of
     two or four UE8M0 bytes per int32) -> the kernel layout, equal to quantizing in it."""
