@@ -60,33 +60,14 @@ NUM_AUX_THREADS = 96  # warps 1-3 of the producer warpgroup: two epilogue warps,
 
 @dataclass(frozen=True)
 class CtaContext:
-    """Where this CTA is: the row layout, its index, the grid size and the wait bound."""
+    """Where this CTA is: the row layout, its index, the grid size, the wait bound, and the tokens
+    per rank of the symmetric buffers (the Combine rows' stride)."""
 
     grid: RowGrid
     cta: Any
     nctas: Any
     timeout: Any
-
-
-@dataclass(frozen=True)
-class GlobalTensors:
-    """The kernel's global-memory arguments, by role-neutral names."""
-
-    peer_x: Any  # (P,) int64: every rank's symmetric x [T_max, H]
-    peer_combine: Any  # (P,) int64: every rank's symmetric combine [k, T_max, H]
-    pool_src: Any  # (N_pool, 3) int32: (source rank, token, pick), expert-major
-    pool_weight: Any  # (N_pool,) f32 routing weights
-    pool_x: Any  # (N_pool + BM, H) bf16 / E4M3: dispatched rows
-    h: Any  # (N_pool + BM, I) bf16 / E4M3: L1 output
-    counters: Any  # int32 words, see the module docstring
-    trace: Any  # (ctas, max_tiles, len(TRACE_FIELDS)) int64 when tracing
     max_tokens: Any
-    # W8A8 (FP32 scales, quant.py's layouts; stand-ins in bf16 builds)
-    peer_x_scale: Any  # (P,) int64: every rank's symmetric x_scales [T_max, H/128]
-    pool_x_scale: Any  # (N_pool + BM, H/128): the dispatched rows' scales
-    h_scale: Any  # (N_pool + BM, I/128): h's scales (L1 epilogue -> L2 consumers)
-    w1_scale: Any  # (E_l, 2I/128, H/128)
-    w2_scale: Any  # (E_l, H/128, I/128)
 
 
 @dataclass(frozen=True)
@@ -303,10 +284,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(args.mRowRecord), wave_row_start=args.mScheduleTable,
                        l2_start=args.mScheduleTable, pair_splits_m=True, row_block=self.pool_rows_per_row)
-        ctx = CtaContext(grid, cta, nctas, timeout)
-        gm = GlobalTensors(args.mPeerX, args.mPeerCombine, args.mPoolSrc, args.mPoolWeight, args.mPoolX, args.mH,
-                           args.mCounters, args.mTrace, max_tokens, args.mPeerXScale, args.mPoolXScale, args.mHScale,
-                           args.mW1Scale, args.mW2Scale)
+        ctx = CtaContext(grid, cta, nctas, timeout, max_tokens)
+        gm = args  # the roles read the global tensors by their argument names
         # Prologue: every thread copies this CTA's share of the rows the first tiles may read; the
         # dispatch warp copies the rest while the tiles run.
         self.dispatch_rows(gm, ctx, Int32(0), self.prologue_rows(grid, nctas), tidx // 32, self.num_threads // 32,

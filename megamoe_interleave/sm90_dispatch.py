@@ -46,7 +46,7 @@ class DispatchMixin:
     def chunk_source(self, gm, i, x_chunks: int, chunks: int):
         """Address of pool chunk ``i`` in its source rank's x: chunk ``i % chunks`` of pool row ``i // chunks``."""
         row = i // chunks
-        return Int64(gm.peer_x[gm.pool_src[row, 0]]) + (Int64(gm.pool_src[row, 1]) * self.hidden
+        return Int64(gm.mPeerX[gm.mPoolSrc[row, 0]]) + (Int64(gm.mPoolSrc[row, 1]) * self.hidden
                                                          + Int64((i % chunks) * 8)) * 2
 
     def chunk_destination(self, gm, pool_base, i, x_chunks: int, chunks: int):
@@ -67,7 +67,7 @@ class DispatchMixin:
         x_chunks, chunks = self.dispatch_chunks_per_row()
         seg = 32 * unroll
         buf = cute.make_rmem_tensor((8, unroll), BFloat16)  # 16 bytes per chunk, whatever they hold
-        pool_base = Int64(gm.pool_x.iterator.toint())
+        pool_base = Int64(gm.mPoolX.iterator.toint())
         i0 = lo + warp * seg + lane
         while i0 < hi:
             for j in cutlass.range_constexpr(unroll):
@@ -94,7 +94,7 @@ class DispatchMixin:
         barrier of the copying warps, one release increment of ``x_ready[row]``). A row is
         dispatched once its word reaches nctas."""
         _, chunks = self.dispatch_chunks_per_row()
-        ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
+        ready = gm.mCounters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
         row = row_begin
         while row < row_end:
             p0, n = self.pool_rows_of(ctx.grid, row)
@@ -140,15 +140,15 @@ class DispatchMixin:
         ahead of its L1 tiles depend on lower rows only (tests/test_megamoe_scheduler.py)."""
         piece = self.bulk_piece_bytes
         row_bytes = self.ab_bytes * self.hidden
-        ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
-        err = gm.counters.iterator + self.COUNTER_ERROR
-        pool_base = Int64(gm.pool_x.iterator.toint())
+        ready = gm.mCounters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
+        err = gm.mCounters.iterator + self.COUNTER_ERROR
+        pool_base = Int64(gm.mPoolX.iterator.toint())
         for b in cutlass.range_constexpr(2):
             cute.arch.mbarrier_init(sm.bulk_mbar + b, 1)
         cute.arch.mbarrier_init_fence()
         ok = Boolean(True)
         j = Int32(0)  # pieces issued so far: buffer j % 2, its mbarrier phase (j // 2) % 2
-        l1_done = gm.counters.iterator + self.COUNTER_L2_FULL  # l2_full[row]: finished L1 tiles of the row
+        l1_done = gm.mCounters.iterator + self.COUNTER_L2_FULL  # l2_full[row]: finished L1 tiles of the row
         row = row_begin
         while row < ctx.grid.num_rows and ok:
             if const_expr(self.dispatch_window > 0):
@@ -158,7 +158,7 @@ class DispatchMixin:
             p0, n = self.pool_rows_of(ctx.grid, row)
             i = p0 + (ctx.cta * n) // ctx.nctas
             while i < p0 + ((ctx.cta + 1) * n) // ctx.nctas and ok:
-                src = Int64(gm.peer_x[gm.pool_src[i, 0]]) + Int64(gm.pool_src[i, 1]) * row_bytes
+                src = Int64(gm.mPeerX[gm.mPoolSrc[i, 0]]) + Int64(gm.mPoolSrc[i, 1]) * row_bytes
                 dst = pool_base + Int64(i) * row_bytes
                 for q in cutlass.range_constexpr(row_bytes // piece):
                     j, ok = self.bulk_piece(sm, src + q * piece, dst + q * piece, piece, j, ok, err)

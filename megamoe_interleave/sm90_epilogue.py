@@ -38,10 +38,10 @@ class EpilogueMixin:
         """Byte offset of ``combine[pick, tok, 0]`` in a rank's symmetric combine buffer."""
         return (Int64(pick) * Int64(max_tokens) + Int64(tok)) * (self.hidden * 2)
 
-    def combine_destination(self, gm, prow):
+    def combine_destination(self, gm, prow, max_tokens):
         """Combine seam, metadata: the address of pool row ``prow``'s output row on its source rank."""
-        return xdev.peer_address(gm.peer_combine, gm.pool_src[prow, 0],
-                                 self.combine_row_offset(gm.pool_src[prow, 1], gm.pool_src[prow, 2], gm.max_tokens))
+        return xdev.peer_address(gm.mPeerCombine, gm.mPoolSrc[prow, 0],
+                                 self.combine_row_offset(gm.mPoolSrc[prow, 1], gm.mPoolSrc[prow, 2], max_tokens))
 
     @cute.jit
     def combine_stores(self, tile, rows: Int32, part: cutlass.Constexpr, sm, et: Int32):
@@ -74,9 +74,9 @@ class EpilogueMixin:
                 m = et
                 while m < rows:
                     if tile.phase == PHASE_L1:
-                        sm.row_w[m] = gm.pool_weight[row0 + m]
+                        sm.row_w[m] = gm.mPoolWeight[row0 + m]
                     else:
-                        sm.row_addr[m] = self.combine_destination(gm, row0 + m)
+                        sm.row_addr[m] = self.combine_destination(gm, row0 + m, ctx.max_tokens)
                     m = m + self.num_epi_threads
                 self.epilogue_handoff()
                 t_part = self.barrier_timestamp(sm)
@@ -84,7 +84,7 @@ class EpilogueMixin:
                 t_end = Int64(0)
                 if tile.phase == PHASE_L1:
                     eb = self.ab_bytes
-                    h_base = Int64(gm.h.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * eb
+                    h_base = Int64(gm.mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * eb
                     u = et
                     while u < rows * chunks_l1:
                         m, c = u // chunks_l1, u % chunks_l1
@@ -99,7 +99,7 @@ class EpilogueMixin:
                     t_end = self.barrier_timestamp(sm)
                     if et == 0:
                         cute.arch.fence_acq_rel_gpu()
-                        xdev.red_add_release(gm.counters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+                        xdev.red_add_release(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
                 else:
                     for part in cutlass.range_constexpr(self.l2_handoffs):
                         if const_expr(part > 0):
@@ -110,9 +110,9 @@ class EpilogueMixin:
                     self.epi_sync()  # every thread done with row_addr before the next tile's metadata
                     t_end = self.barrier_timestamp(sm)
                 if const_expr(self.trace):
-                    if et == 0 and n_tile < cute.size(gm.trace, mode=[1]):
-                        gm.trace[ctx.cta, n_tile, 8] = t_end
-                        gm.trace[ctx.cta, n_tile, 9] = span + t_end - t_part
+                    if et == 0 and n_tile < cute.size(gm.mTrace, mode=[1]):
+                        gm.mTrace[ctx.cta, n_tile, 8] = t_end
+                        gm.mTrace[ctx.cta, n_tile, 9] = span + t_end - t_part
                     n_tile = n_tile + 1
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])

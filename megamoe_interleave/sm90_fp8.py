@@ -81,13 +81,13 @@ class MegaMoESm90W8A8(MegaMoESm90):
         """(source, destination) of pool chunk ``i``, chunk ``c = i % chunks`` of pool row
         ``i // chunks``: from its source rank's x (c < x_chunks) or x_scales."""
         row, c = i // chunks, i % chunks
-        src, tok = gm.pool_src[row, 0], Int64(gm.pool_src[row, 1])
+        src, tok = gm.mPoolSrc[row, 0], Int64(gm.mPoolSrc[row, 1])
         s_chunks = chunks - x_chunks
-        src_addr = Int64(gm.peer_x[src]) + tok * (x_chunks * 16) + Int64(c) * 16
-        dst_addr = Int64(gm.pool_x.iterator.toint()) + Int64(row) * (x_chunks * 16) + Int64(c) * 16
+        src_addr = Int64(gm.mPeerX[src]) + tok * (x_chunks * 16) + Int64(c) * 16
+        dst_addr = Int64(gm.mPoolX.iterator.toint()) + Int64(row) * (x_chunks * 16) + Int64(c) * 16
         if c >= x_chunks:
-            src_addr = Int64(gm.peer_x_scale[src]) + tok * (s_chunks * 16) + Int64(c - x_chunks) * 16
-            dst_addr = Int64(gm.pool_x_scale.iterator.toint()) + Int64(row) * (s_chunks * 16) \
+            src_addr = Int64(gm.mPeerXScale[src]) + tok * (s_chunks * 16) + Int64(c - x_chunks) * 16
+            dst_addr = Int64(gm.mPoolXScale.iterator.toint()) + Int64(row) * (s_chunks * 16) \
                 + Int64(c - x_chunks) * 16
         return src_addr, dst_addr
 
@@ -95,9 +95,9 @@ class MegaMoESm90W8A8(MegaMoESm90):
     def bulk_row_extras(self, gm, sm, i, j: Int32, ok: Boolean, err):
         """The bulk Dispatch's one more piece per row: the row's scales."""
         scale_bytes = self.hidden // QUANT_BLOCK * 4
-        tok = Int64(gm.pool_src[i, 1])
-        j, ok = self.bulk_piece(sm, Int64(gm.peer_x_scale[gm.pool_src[i, 0]]) + tok * scale_bytes,
-                                Int64(gm.pool_x_scale.iterator.toint()) + Int64(i) * scale_bytes, scale_bytes, j, ok,
+        tok = Int64(gm.mPoolSrc[i, 1])
+        j, ok = self.bulk_piece(sm, Int64(gm.mPeerXScale[gm.mPoolSrc[i, 0]]) + tok * scale_bytes,
+                                Int64(gm.mPoolXScale.iterator.toint()) + Int64(i) * scale_bytes, scale_bytes, j, ok,
                                 err)
         return j, ok
 
@@ -110,7 +110,7 @@ class MegaMoESm90W8A8(MegaMoESm90):
         """The staged rows' h scales (one 1x128 group per L1 tile)."""
         m = et
         while m < rows:
-            gm.h_scale[row0 + m, tile.n_block] = sm.row_scale[m]
+            gm.mHScale[row0 + m, tile.n_block] = sm.row_scale[m]
             m = m + self.num_epi_threads
 
     # -- consumers
@@ -195,12 +195,12 @@ class MegaMoESm90W8A8(MegaMoESm90):
         first stage had landed, ok)."""
         mma, acc, tCrA, tCrB, tCcC, part = frags
         timeout = Int64(self.ring_timeout_ns)
-        err = gm.counters.iterator + self.COUNTER_ERROR
+        err = gm.mCounters.iterator + self.COUNTER_ERROR
         k_dim = self.hidden if const_expr(l1) else self.intermediate
         n_dim = 2 * self.intermediate if const_expr(l1) else self.hidden
         ks = k_dim // QUANT_BLOCK
-        a_scale = gm.pool_x_scale if const_expr(l1) else gm.h_scale
-        b_scale = gm.w1_scale if const_expr(l1) else gm.w2_scale
+        a_scale = gm.mPoolXScale if const_expr(l1) else gm.mHScale
+        b_scale = gm.mW1Scale if const_expr(l1) else gm.mW2Scale
         r0, _ = tCcC[0]  # this thread's two rows (v1 = 0, 1)
         r1, _ = tCcC[2]
         # rows past the expert's tokens read its last row's scales (the pool ends one block later)

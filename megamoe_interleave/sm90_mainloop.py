@@ -98,9 +98,9 @@ class ProducerMixin:
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
                     if ok:
-                        ok = xdev.spin_wait_ge(gm.counters.iterator + self.COUNTER_L2_FULL + tile.row,
+                        ok = xdev.spin_wait_ge(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row,
                                                Int32(2 * self.pairs_l1), ctx.timeout,
-                                               gm.counters.iterator + self.COUNTER_ERROR,
+                                               gm.mCounters.iterator + self.COUNTER_ERROR,
                                                self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
@@ -111,22 +111,22 @@ class ProducerMixin:
             c1 = Int32(nxt[1])
         # Every load landed (the peer issues the same loads, also after a failed wait, but may sit
         # in one bounded wait of its own: hence the bound), then every stage consumed.
-        ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), gm.counters.iterator + self.COUNTER_ERROR)
-        ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), gm.counters.iterator + self.COUNTER_ERROR)
+        ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), gm.mCounters.iterator + self.COUNTER_ERROR)
+        ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), gm.mCounters.iterator + self.COUNTER_ERROR)
 
     @cute.jit
     def wait_dispatched(self, row: Int32, rows_ok: Int32, ok: Boolean, ctx, gm):
         """Before an L1 tile's loads: unless ``row`` < ``rows_ok``, one acquire load of the last
         row's word (once it is published every row is; lane 0's value decides, so the branch is
         warp-uniform), else a bounded acquire spin on ``x_ready[row]``; then the proxy fence."""
-        ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
+        ready = gm.mCounters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
         if row >= rows_ok:
             last = xdev.load_acquire(ready + (ctx.grid.num_rows - 1), "gpu")
             if cute.arch.shuffle_sync(last, 0) >= ctx.nctas:
                 rows_ok = ctx.grid.num_rows
             else:
                 if ok:
-                    ok = xdev.spin_wait_ge(ready + row, ctx.nctas, ctx.timeout, gm.counters.iterator + self.COUNTER_ERROR,
+                    ok = xdev.spin_wait_ge(ready + row, ctx.nctas, ctx.timeout, gm.mCounters.iterator + self.COUNTER_ERROR,
                                            self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
                 rows_ok = row + 1
             cute.arch.sync_warp()
@@ -147,7 +147,7 @@ class ProducerMixin:
                                            cute.group_modes(gB, 0, 2))
         for kt in cutlass.range(num_k, unroll=1):
             ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
-                                                  gm.counters.iterator + self.COUNTER_ERROR, self.drain_ns())
+                                                  gm.mCounters.iterator + self.COUNTER_ERROR, self.drain_ns())
             bar = ab_pipe.producer_get_barrier(state)
             cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
@@ -202,7 +202,7 @@ class ConsumerMixin:
                         if const_expr(part == 0):
                             t_slot = t_part
                 if const_expr(self.trace):
-                    self.record_trace(gm.trace, ctx.cta, n_tile, tidx, tile,
+                    self.record_trace(gm.mTrace, ctx.cta, n_tile, tidx, tile,
                                       (t0, t1, t2, xdev.globaltimer_ns(), Int64(xdev.smid()), k2 - k0, t_slot))
                 n_tile = n_tile + 1
             c0, c1 = n0, n1
@@ -248,7 +248,7 @@ class ConsumerMixin:
         the first stage had landed, ok)."""
         tiled_mma, acc, tCrA, tCrB, _ = frags
         timeout = Int64(self.ring_timeout_ns)
-        err = gm.counters.iterator + self.COUNTER_ERROR
+        err = gm.mCounters.iterator + self.COUNTER_ERROR
         release = state.clone()
         ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
         t1 = self.timestamp()

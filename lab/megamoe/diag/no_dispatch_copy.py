@@ -37,9 +37,9 @@ class NoDispatchCopy(MegaMoESm90):
     def dispatch_rows_bulk(self, gm, ctx, sm, row_begin: Int32):
         """Rows [row_begin, num_rows): the window wait of the shipped bulk Dispatch, then one
         release increment of ``x_ready[row]`` per row, without any copy."""
-        ready = gm.counters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
-        err = gm.counters.iterator + self.COUNTER_ERROR
-        l1_done = gm.counters.iterator + self.COUNTER_L2_FULL  # l2_full[row]: finished L1 tiles of the row
+        ready = gm.mCounters.iterator + self.COUNTER_L2_FULL + ctx.grid.num_rows
+        err = gm.mCounters.iterator + self.COUNTER_ERROR
+        l1_done = gm.mCounters.iterator + self.COUNTER_L2_FULL  # l2_full[row]: finished L1 tiles of the row
         ok = Boolean(True)
         row = row_begin
         while row < ctx.grid.num_rows and ok:
