@@ -189,8 +189,8 @@ class MegaMoESm90W8A8(MegaMoESm90):
     def mma_tile_fp8(self, ab_pipe, state, ok: Boolean, gm, frags, num_k: cutlass.Constexpr, tile,
                      l1: cutlass.Constexpr, half: cutlass.Constexpr):
         """The tile's promoted sums over num_k ring stages (one 128-K block each). L1: A = pool x
-        with ``pool_x_scale``, B = w1 with ``w1_scale``; L2: A = h with ``h_scale``, B = w2 with
-        ``w2_scale``. The weights' scales of the whole tile are loaded at its start, one K block per
+        with ``mPoolXScale``, B = w1 with ``mW1Scale``; L2: A = h with ``mHScale``, B = w2 with
+        ``mW2Scale``. The weights' scales of the whole tile are loaded at its start, one K block per
         lane (:meth:`weight_scale`), the rows' scales two K blocks ahead. Returns (state, time the
         first stage had landed, ok)."""
         mma, acc, tCrA, tCrB, tCcC, part = frags
