@@ -635,6 +635,47 @@ def test_graph_report_sets_w8a8_cases_against_the_streaming_floor(tmp_path):
     assert (tmp_path / "stream_floor.png").exists() or not _has_matplotlib()
 
 
+def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path):
+    """scripts/diag/megamoe_ab_trees.py on a CPU, with two stand-in trees whose tile_budget script writes a
+    fixed result: runs alternate (A B, B A), each in its own tree, and the table holds per P each tree's
+    median over the rounds (of the medians of its calls after the first) and its ratio to the first tree."""
+    import json
+    import textwrap
+
+    from lab.megamoe.diag import ab_trees
+
+    assert ab_trees.run_order(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    for bad in (["a=" + str(tmp_path)], ["a"], ["a=" + str(tmp_path), "a=" + str(tmp_path)],
+                ["a=" + str(tmp_path), "b=" + str(tmp_path / "missing")]):
+        with pytest.raises(ValueError):
+            ab_trees.parse_trees(bad)
+    log = tmp_path / "order.log"
+    for name, us in (("base", 100.0), ("new", 90.0)):
+        tree = tmp_path / name
+        (tree / "scripts" / "diag").mkdir(parents=True)
+        (tree / ".xstage_commit").write_text(f"commit-{name}\n")
+        (tree / "scripts" / "diag" / "megamoe_tile_budget.py").write_text(textwrap.dedent(f"""
+            import json, os, sys
+            out = sys.argv[sys.argv.index("--out") + 1]
+            os.makedirs(out, exist_ok=True)
+            open({str(log)!r}, "a").write({name!r} + " " + os.getcwd() + "\\n")
+            ps = sys.argv[sys.argv.index("--P") + 1:]
+            runs = {{"P" + p: {{"kernel_us": [999.0, {us} * int(p), {us} * int(p) + 2, {us} * int(p) - 2],
+                              "L1": {{"mainloop_cycles_p50": 5}}, "L2": {{}}}} for p in ps}}
+            json.dump({{"runs": runs}}, open(os.path.join(out, "tile_budget.json"), "w"))
+        """))
+    ab_trees.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}", "--P", "1", "8",
+                   "--rounds", "2", "--out", str(tmp_path / "out")])
+    order = [line.split() for line in log.read_text().splitlines()]
+    assert [n for n, _ in order] == ["base", "new", "new", "base"]
+    assert all(cwd == str(tmp_path / n) for n, cwd in order)
+    res = json.loads((tmp_path / "out" / "ab_trees.json").read_text())
+    assert res["trees"]["new"]["commit"] == "commit-new" and not res["failed"]
+    rows = {(r["P"], r["tree"]): r for r in res["rows"]}
+    assert rows[(8, "base")]["kernel_us"] == 800.0 and rows[(8, "new")]["over_first"] == pytest.approx(0.9)
+    assert rows[(1, "new")]["kernel_us_per_round"] == [90.0, 90.0] and rows[(1, "new")]["l1_mainloop_p50"] == 5
+
+
 def _has_matplotlib():
     import importlib.util
 

@@ -13,4 +13,5 @@ ncu_source        warp stalls by role and instruction from an ncu source export 
 sass_report       a build's registers, stack, local accesses, WGMMA waits, K-loop moves (scripts/diag/megamoe_sass.py)
 wgmma_rate        the W8A8 mainloop's WGMMA batch shapes alone (scripts/diag/wgmma_rate.py)
 tile_budget       where each tile's time goes, from the trace (scripts/diag/megamoe_tile_budget.py)
+ab_trees          tile_budget of several source trees on one host, alternating (scripts/diag/megamoe_ab_trees.py)
 """

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Same-host A/B of fused-kernel builds from several source trees (a change against main): each tree's
+:mod:`~lab.megamoe.diag.tile_budget` in a process of its own (working directory and ``PYTHONPATH`` = the
+tree), the trees in alternating order round by round (A B, B A, ...), and per P each tree's untraced kernel
+time (the median of its calls after the first, then the median over the rounds) with its ratio to the first
+tree's, next to the traced mainloops.
+
+    python scripts/diag/megamoe_ab_trees.py --tree main=.kc/mainwt --tree new=. --P 1 8 --rounds 2 --out DIR
+
+The trees travel to the GPU host with ``carry`` (docs/gpu.md). Writes ``ab_trees.json`` (every run's
+``tile_budget.json``, each tree's commit, provenance) and ``ab_trees.csv``, and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def run_order(names, rounds: int) -> list:
+    """[(round, name)] in run order: the trees as given in even rounds, reversed in odd ones."""
+    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+
+
+def tree_commit(path: str) -> str:
+    """The tree's commit: its ``.xstage_commit`` (a worktree on the GPU host has no git), else git's."""
+    f = os.path.join(path, ".xstage_commit")
+    if os.path.exists(f):
+        with open(f) as fh:
+            return fh.read().strip()
+    out = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def kernel_median(run: dict) -> float:
+    """A tile_budget run's untraced kernel time: the median of its calls after the first."""
+    us = run["kernel_us"]
+    return statistics.median(us[1:] or us)
+
+
+def summarize(names, budgets: dict) -> list:
+    """One row per (P, tree) from ``budgets[(round, name)]`` (tile_budget.json contents): the kernel's
+    median per round, over the rounds, and its ratio to the first tree's; the last round's traced L1 / L2
+    mainloop p50 cycles."""
+    rounds = sorted({r for r, _ in budgets})
+    ps = sorted({p for b in budgets.values() for p in b["runs"]}, key=lambda k: int(k[1:]))
+    rows = []
+    for p in ps:
+        base = None
+        for name in names:
+            per_round = [kernel_median(budgets[(r, name)]["runs"][p]) for r in rounds if (r, name) in budgets]
+            med = statistics.median(per_round)
+            base = med if base is None else base
+            last = budgets[(rounds[-1], name)]["runs"][p]
+            rows.append(dict(P=int(p[1:]), tree=name, kernel_us_per_round=[round(x, 1) for x in per_round],
+                             kernel_us=round(med, 1), over_first=round(med / base, 4),
+                             l1_mainloop_p50=last.get("L1", {}).get("mainloop_cycles_p50"),
+                             l2_mainloop_p50=last.get("L2", {}).get("mainloop_cycles_p50")))
+    return rows
+
+
+def parse_trees(specs) -> list:
+    """``NAME=PATH`` specs -> [(name, absolute path)]; names unique, paths existing directories."""
+    trees = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--tree wants NAME=PATH, got {spec!r}")
+        if not os.path.isdir(path):
+            raise ValueError(f"--tree {name}: no directory {path!r}")
+        trees.append((name, os.path.abspath(path)))
+    if len({n for n, _ in trees}) != len(trees) or len(trees) < 2:
+        raise ValueError("give two or more --tree with distinct names")
+    return trees
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
+                    help="a source tree to build and time (the first is the baseline)")
+    ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8"])
+    ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="every tree once per round, the order alternating")
+    ap.add_argument("--timeout-s", type=int, default=300, help="bound of one tree's run")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    try:
+        trees = parse_trees(args.tree)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.rounds < 1 or args.calls < 2:
+        ap.error("--rounds >= 1 and --calls >= 2")
+    from lab import bench
+    from xstage import provenance
+
+    paths = dict(trees)
+    names = [n for n, _ in trees]
+    budgets, failed = {}, []
+    for r, name in bench.progress(run_order(names, args.rounds), desc="tree runs"):
+        out = os.path.join(os.path.abspath(args.out), f"{name}_round{r}")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--precision", args.precision, "--schedule",
+               args.schedule, "--tokens", str(args.tokens), "--calls", str(args.calls), "--out", out,
+               "--P", *map(str, args.P)]
+        try:
+            done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True,
+                                  timeout=args.timeout_s)
+            ok = done.returncode == 0
+            tail = (done.stdout + done.stderr)[-2000:]
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {args.timeout_s} s"
+        if not ok:
+            failed.append(dict(round=r, tree=name, tail=tail))
+            bench.log(f"{name} round {r}: failed\n{tail}")
+            continue
+        with open(os.path.join(out, "tile_budget.json")) as f:
+            budgets[(r, name)] = json.load(f)
+        bench.log(f"{name} round {r}: " + ", ".join(
+            f"P={p[1:]} {kernel_median(v):.0f} us" for p, v in budgets[(r, name)]["runs"].items()))
+    if {n for _, n in budgets} != set(names):
+        sys.exit(f"no complete comparison: {len(failed)} run(s) failed")
+    rows = summarize(names, budgets)
+    for row in rows:
+        print(f"P={row['P']} {row['tree']:>12}: kernel {row['kernel_us']:.0f} us (rounds {row['kernel_us_per_round']}), "
+              f"{row['over_first']:.4f}x the first tree; L1 mainloop p50 {row['l1_mainloop_p50']}, "
+              f"L2 {row['l2_mainloop_p50']}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    bench.write_csv(os.path.join(args.out, "ab_trees.csv"), rows)
+    with open(os.path.join(args.out, "ab_trees.json"), "w") as f:
+        json.dump({"what": __doc__.splitlines()[0], "args": vars(args),
+                   "trees": {n: dict(path=p, commit=tree_commit(p)) for n, p in trees}, "rows": rows,
+                   "runs": {f"{n}_round{r}": b for (r, n), b in budgets.items()}, "failed": failed,
+                   "provenance": provenance.collect()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
