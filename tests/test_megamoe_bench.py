@@ -674,6 +674,10 @@ def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path)
     rows = {(r["P"], r["tree"]): r for r in res["rows"]}
     assert rows[(8, "base")]["kernel_us"] == 800.0 and rows[(8, "new")]["over_first"] == pytest.approx(0.9)
     assert rows[(1, "new")]["kernel_us_per_round"] == [90.0, 90.0] and rows[(1, "new")]["l1_mainloop_p50"] == 5
+    # a failed run is left out of its tree's rounds
+    run = lambda us: {"runs": {"P1": {"kernel_us": [9, us, us]}}}  # noqa: E731
+    a, b = ab_trees.summarize(["a", "b"], {(0, "a"): run(10), (0, "b"): run(5), (1, "a"): run(12)})
+    assert (a["kernel_us"], b["kernel_us_per_round"]) == (11.0, [5.0]) and b["over_first"] == pytest.approx(5 / 11, abs=1e-4)
 
 
 def _has_matplotlib():

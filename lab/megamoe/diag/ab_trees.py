@@ -42,9 +42,9 @@ def kernel_median(run: dict) -> float:
 
 
 def summarize(names, budgets: dict) -> list:
-    """One row per (P, tree) from ``budgets[(round, name)]`` (tile_budget.json contents): the kernel's
-    median per round, over the rounds, and its ratio to the first tree's; the last round's traced L1 / L2
-    mainloop p50 cycles."""
+    """One row per (P, tree) from ``budgets[(round, name)]`` (tile_budget.json contents; a failed run is
+    missing): the kernel's median per round, over the rounds, and its ratio to the first tree's; the traced
+    L1 / L2 mainloop p50 cycles of the tree's last run."""
     rounds = sorted({r for r, _ in budgets})
     ps = sorted({p for b in budgets.values() for p in b["runs"]}, key=lambda k: int(k[1:]))
     rows = []
@@ -54,7 +54,7 @@ def summarize(names, budgets: dict) -> list:
             per_round = [kernel_median(budgets[(r, name)]["runs"][p]) for r in rounds if (r, name) in budgets]
             med = statistics.median(per_round)
             base = med if base is None else base
-            last = budgets[(rounds[-1], name)]["runs"][p]
+            last = budgets[(max(r for r in rounds if (r, name) in budgets), name)]["runs"][p]
             rows.append(dict(P=int(p[1:]), tree=name, kernel_us_per_round=[round(x, 1) for x in per_round],
                              kernel_us=round(med, 1), over_first=round(med / base, 4),
                              l1_mainloop_p50=last.get("L1", {}).get("mainloop_cycles_p50"),
