@@ -83,8 +83,7 @@ def host_enqueue_us(fn, trials: int) -> float:
 def expert_weight_bytes(moe) -> int:
     """Bytes of every rank's kernel-layout expert weights (and block scales): what the layer reads
     at least once per call."""
-    tensors = [*moe.w1.values(), *moe.w2.values(), *getattr(moe, "w1_scales", {}).values(),
-               *getattr(moe, "w2_scales", {}).values()]
+    tensors = [*moe.w1.values(), *moe.w2.values(), *moe.w1_scales.values(), *moe.w2_scales.values()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
