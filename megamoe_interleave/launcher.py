@@ -48,6 +48,7 @@ class FusedLauncher:
                       sources=kernel_sources())
 
     def compile(self, device_plan: bool) -> None:
+        from .act_quant import compiled_act_quant
         from .plan_kernel import compiled_device_plan
         from .topk_reduce import compiled_topk_reduce
 
@@ -58,6 +59,8 @@ class FusedLauncher:
                 compiled_device_plan(layer.world.world_size, layer.buffer.max_tokens, layer.topk,
                                      **self.device_plan_options(c))
         compiled_topk_reduce(layer.hidden)
+        if layer.config.fp8:
+            compiled_act_quant(layer.hidden)  # inputs.copy_inputs' staging (W8A8 activations)
 
     def device_plan_options(self, config: MegaMoEConfig) -> dict:
         layer = self.layer

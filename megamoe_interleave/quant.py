@@ -12,7 +12,8 @@ github.com/deepseek-ai/DeepGEMM):
 Scale rule, as ``per_token_cast_to_fp8`` / ``per_block_cast_to_fp8`` in DeepGEMM's
 ``deep_gemm/utils/math.py``: ``s = max(amax, 1e-4) / 448`` over the group or block (448 = the
 largest E4M3 value; the 1e-4 floor keeps an all-zero group's scale finite and nonzero, so it
-quantizes and dequantizes to exact zeros), ``q = e4m3(x * (1 / s))`` with round-to-nearest-even,
+quantizes and dequantizes to exact zeros; the division evaluated as torch does it on a GPU, times fl32(1/448)),
+``q = e4m3(x * (1 / s))`` with round-to-nearest-even,
 saturating (the ``cvt.rn.satfinite`` of the kernel) and ``x ~= q * s``. The scales stay FP32:
 they are NOT rounded to powers of two. DeepGEMM rounds them up to powers of two (UE8M0, its
 ``use_ue8m0``) for the SM100 kernels, whose block-scaled MMAs take 8-bit exponents; the SM90
@@ -57,7 +58,9 @@ def quantize(x: torch.Tensor, block_rows: int, scales: Optional[torch.Tensor] = 
     with those instead of the amax rule (the cast alone)."""
     v = _blocks(x.float(), block_rows)
     if scales is None:
-        scales = v.abs().amax(dim=(-3, -1)).clamp(min=AMAX_FLOOR) / E4M3_MAX
+        # times fl32(1/448), not / 448: what torch computes for a scalar divisor on a GPU, written
+        # out so that the CPU gives the same bits (and the staging kernel, act_quant, can match).
+        scales = v.abs().amax(dim=(-3, -1)).clamp(min=AMAX_FLOOR) * (1.0 / E4M3_MAX)
     q = (v * (1.0 / scales[..., :, None, :, None])).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q.reshape(x.shape), scales
 

@@ -609,3 +609,20 @@ def test_w8a8_staging_handoff_ptx(tmp_path, schedule):
     broken = ptx.replace(f"bar.sync \t{empty}, 320;", "nop;", 1)
     with pytest.raises(AssertionError, match="outside the EMPTY"):
         _check_staging_handoff_w8a8(broken, empty, full)
+
+
+@pytest.mark.compile
+def test_act_quant_kernel_ptx():
+    """The W8A8 staging kernel (act_quant) rounds as the torch recipe does on a GPU: a multiply by
+    fl32(1/448), the correctly rounded reciprocal, RN-saturating E4M3 conversion, no approximate
+    division; 16-byte loads, 8-byte E4M3 stores, no local memory."""
+    from megamoe_interleave.act_quant import compile_act_quant
+
+    ptx = compile_act_quant(4096, keep_ptx=True).ptx
+    body = ptx[ptx.index(".entry"):]
+    assert body.count("rcp.rn.f32") == 1 and body.count("cvt.rn.satfinite.e4m3x2.f32") == 4
+    assert not re.search(r"\b(div|rcp\.approx|ex2)\.", body) and ".local" not in body
+    assert "0f3B124925" in body  # fl32(1 / 448)
+    assert "ld.global.v4.b32" in body and "st.global.v2.b32" in body
+    with pytest.raises(ValueError, match="multiple of 128"):
+        compile_act_quant(200)

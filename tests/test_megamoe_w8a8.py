@@ -42,7 +42,7 @@ def _layer(P, **kw):
 @pytest.mark.parametrize("block_rows", [1, 128])
 def test_round_trip_within_the_e4m3_bound(block_rows):
     """Every element comes back within half an E4M3 step: 2^-4 of its value in the normal range,
-    2^-10 of the scale among the subnormals (fp32 slack 2^-16); s = amax / 448 exactly, and each
+    2^-10 of the scale among the subnormals (fp32 slack 2^-16); s = amax * fl32(1/448) exactly, and each
     group's largest element lands on +-448. Magnitudes vary by 2^-8 .. 2^20 between groups (above
     the 1e-4 amax floor)."""
     g = torch.Generator().manual_seed(1)
@@ -53,7 +53,7 @@ def test_round_trip_within_the_e4m3_bound(block_rows):
     q, s = quant.quantize(x, block_rows)
     assert q.dtype == quant.E4M3 and s.dtype == torch.float32 and s.shape == (256 // block_rows, 3)
     amax = x.view(256 // block_rows, block_rows, 3, 128).abs().amax(dim=(1, 3))
-    assert torch.equal(s, amax / 448)
+    assert torch.equal(s, amax * (1 / 448))
     err = (quant.dequantize(q, s) - x).abs()
     bound = torch.maximum(2 ** -4 * x.abs(), 2 ** -10 * _scale_per_element(q, s)) * (1 + 2 ** -16)
     assert (err <= bound).all()
@@ -78,20 +78,21 @@ def test_values_representable_in_e4m3_round_trip_exactly(block_rows):
 
 
 def test_all_zero_groups_get_the_floor_scale_and_stay_zero():
-    """amax is floored at 1e-4 (DeepGEMM's rule): an all-zero group gets s = 1e-4 / 448, finite
+    """amax is floored at 1e-4 (DeepGEMM's rule): an all-zero group gets s = 1e-4 * fl32(1/448), finite
     and nonzero, codes 0 and exact zeros back, no NaN; the other groups are unaffected."""
     x = torch.randn(4, 384)
     x[1] = 0
     x[2, 128:256] = 0
     q, s = quant.quantize_act(x)
-    assert (s[1] == 1e-4 / 448).all() and s[2, 1] == 1e-4 / 448 and s[0, 0] == x[0, :128].abs().max() / 448
+    floor = torch.tensor(1e-4) * (1 / 448)
+    assert (s[1] == floor).all() and s[2, 1] == floor and s[0, 0] == x[0, :128].abs().max() * (1 / 448)
     assert (_bits(q[1]) == 0).all() and (_bits(q[2, 128:256]) == 0).all()
     d = quant.dequantize(q, s)
     assert torch.isfinite(d).all() and (d[1] == 0).all() and (d[2, 128:256] == 0).all()
     w = torch.randn(2, 256, 256)
     w[1, 128:, :128] = 0
     wq, ws = quant.quantize_weight(w)
-    assert ws[1, 1, 0] == 1e-4 / 448 and (quant.dequantize(wq, ws)[1, 128:, :128] == 0).all()
+    assert ws[1, 1, 0] == floor and (quant.dequantize(wq, ws)[1, 128:, :128] == 0).all()
 
 
 # -- the kernel weight layout ---------------------------------------------------------------
@@ -113,8 +114,8 @@ def test_w1_is_quantized_in_gate_and_up_blocks_then_interleaved():
     for n in (0, nb - 1):  # gate block n from the gate rows' amax, up block n from the up rows'
         gate = w1.float()[:, 128 * n:128 * n + 128].view(2, 128, H // 128, 128)
         up = w1.float()[:, I + 128 * n:I + 128 * n + 128].view(2, 128, H // 128, 128)
-        assert torch.equal(w1_s[:, 2 * n], gate.abs().amax(dim=(1, 3)) / 448)
-        assert torch.equal(w1_s[:, 2 * n + 1], up.abs().amax(dim=(1, 3)) / 448)
+        assert torch.equal(w1_s[:, 2 * n], gate.abs().amax(dim=(1, 3)) * (1 / 448))
+        assert torch.equal(w1_s[:, 2 * n + 1], up.abs().amax(dim=(1, 3)) * (1 / 448))
     assert not torch.equal(w1_s[:, 0::2], w1_s[:, 1::2])  # the test's gate and up scales differ
     rows = quant.w1_scale_rows(w1_s)  # [2, 2I, H/128]
     assert torch.equal(untransform_w1(rows), s_nat.repeat_interleave(128, dim=1))
@@ -279,3 +280,22 @@ def test_w8a8_errors_before_any_launch():
 def test_constructor_stays_at_ten_parameters():
     """precision is a MegaMoEConfig field: MegaMoE's constructor keeps <= 10 parameters."""
     assert len(inspect.signature(MegaMoE.__init__).parameters) - 1 <= 10
+
+
+def test_activation_scales_multiply_by_the_float32_reciprocal_of_448():
+    """The recipe's scale is max(amax, 1e-4) times fl32(1/448), as torch evaluates ``/ 448`` on a
+    GPU, on every device (the GPU staging kernel matches it bit for bit); for some amax that differs
+    from the correctly rounded quotient."""
+    import struct
+
+    def f32(v):
+        return struct.unpack("f", struct.pack("f", v))[0]
+
+    amaxes = torch.tensor([1.0 + i / 64 for i in range(256)], dtype=torch.float32)
+    x = torch.zeros(amaxes.numel(), 128)
+    x[:, 0] = amaxes
+    _, s = quant.quantize_act(x.bfloat16())
+    inv448 = f32(1.0 / 448.0)
+    bf = x[:, 0].bfloat16().float().tolist()
+    assert s[:, 0].tolist() == [f32(f32(a) * inv448) for a in bf]
+    assert any(f32(a * inv448) != f32(a / 448.0) for a in bf)

@@ -231,3 +231,24 @@ def test_w8a8_reads_nothing_past_its_tensors_under_memcheck(tmp_path):
         pytest.skip("compute-sanitizer (CUDA toolkit) not found")
     errors, _, log = sanitize.sanitize("megamoe_w8a8_expert_wave", "memcheck", str(tmp_path), 600)
     assert errors == 0, open(log).read()[-4000:]
+
+
+@pytest.mark.parametrize("T,H", [(1, 128), (37, 384), (300, 4096)])
+def test_the_staging_kernel_quantizes_x_as_the_recipe_bit_for_bit(T, H):
+    """act_quant's kernel (the W8A8 layer's input staging) gives quant.quantize_act's E4M3 bytes and
+    scales exactly, into poisoned outputs, rows of every magnitude: all-zero groups (the 1e-4 floor),
+    E4M3 subnormals, saturation, 448-multiples. H = 384: a 16-thread group can end a token mid-warp."""
+    from megamoe_interleave import quant
+    from megamoe_interleave.act_quant import quantize_act_into
+
+    g = torch.Generator().manual_seed(T * 7 + H)
+    x = torch.randn(T, H, generator=g) * torch.logspace(-8, 8, T)[:, None]
+    x[0, :128] = 0.0
+    x[-1, -128:] = torch.linspace(-448.0, 448.0, 128)
+    x = x.bfloat16().cuda()
+    want_q, want_s = quant.quantize_act(x)
+    q = torch.full((T, H), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    s = torch.full((T, H // 128), float("nan"), device="cuda")
+    quantize_act_into(x, q, s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), want_s.view(torch.int32))

@@ -253,6 +253,16 @@ def cvt_e4m3x2(lo, hi, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def rcp_rn(x, *, loc=None, ip=None) -> Float32:
+    """``rcp.rn.f32``: the correctly rounded reciprocal (what ``1.0f / x`` compiles to without fast
+    math), spelled out so that no compiler flag can turn it into ``rcp.approx``."""
+    from cutlass._mlir.dialects import llvm
+
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;",
+                                   "=f,f", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def store_shared_b16(address, value, *, loc=None, ip=None) -> None:
     """``st.shared.b16 [address], value``: the low 16 bits of ``value`` at a 2-byte aligned
     shared-memory ``address`` (32-bit, as ``pointer.toint()`` of a shared pointer)."""
