@@ -234,35 +234,75 @@ class MegaMoESm90W8A8(MegaMoESm90):
         sa0, sa1 = self.row_scales(pa, oa0, oa1, 0)
         na0, na1 = self.row_scales(pa, oa0, oa1, min(1, num_k - 1))
         c0, c1, c2, c3 = self.scale_products(sa0, sa1, sbv0, sbv1, 0, one_block)
+        if const_expr(half):
+            state, ok = self.half_k_pairs(ab_pipe, state, ok, timeout, err, frags, num_k, pa, oa0, oa1, sbv0, sbv1,
+                                          na0, na1, c0, c1, c2, c3, one_block)
+            return state, t1, ok
         for kt in cutlass.range(num_k, unroll=1):
             if kt > 0:
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
             nxt = cutlass.min(kt + 1, num_k - 1)
-            if const_expr(half):
-                sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index,
+            # one 128-column batch per weight scale block, each promoted after wait 0
+            p = part[0]
+            for j in cutlass.range_constexpr(len(tCrB)):
+                sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=state.index,
                                       wg_wait=-1)
-                d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
-                na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
+                if const_expr(j == 0):
+                    d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
+                    na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
                 warpgroup.wait_group(0)
-                self.promote(acc, part, 0, c0, c1, c2, c3, l1)
-            else:
-                # one 128-column batch per weight scale block, each promoted after wait 0
-                p = part[0]
-                for j in cutlass.range_constexpr(len(tCrB)):
-                    sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=state.index,
-                                          wg_wait=-1)
-                    if const_expr(j == 0):
-                        d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
-                        na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
-                    warpgroup.wait_group(0)
-                    if const_expr(l1 or j == 0):
-                        self.promote(acc, p, j * cute.size(p), c0, c1, c2, c3, l1)
-                    else:
-                        self.promote(acc, p, j * cute.size(p), c2, c3, c2, c3, False)
+                if const_expr(l1 or j == 0):
+                    self.promote(acc, p, j * cute.size(p), c0, c1, c2, c3, l1)
+                else:
+                    self.promote(acc, p, j * cute.size(p), c2, c3, c2, c3, False)
             ab_pipe.consumer_release(state)
             state.advance()
             c0, c1, c2, c3 = d0, d1, d2, d3
         return state, t1, ok
+
+    @cute.jit
+    def half_k_pairs(self, ab_pipe, state, ok: Boolean, timeout, err, frags, num_k: cutlass.Constexpr, pa, oa0, oa1,
+                     sbv0, sbv1, na0, na1, c0, c1, c2, c3, one_block: cutlass.Constexpr):
+        """A 64-row half tile's K loop, two K blocks per iteration (its first stage already waited
+        for): block kt + 1's batch is issued before block kt's promotion, so the tensor pipe works
+        while the sums are scaled (one batch and then its promotion left it idle for most of each
+        stage at decode batches, where every tile is a half tile). The second fragment is the upper
+        64 registers of the full tile's sums, which a half tile does not use; the promotion order is
+        unchanged, so the sums are bitwise the one-block loop's. (A batch left in flight across the
+        back edge made ptxas serialize every WGMMA: C7514.)"""
+        mma, acc, tCrA, tCrB, _, part = frags
+        part_b = cute.make_tensor(acc.iterator + cute.size(part), part.layout)
+        l1 = not one_block
+        for kp in cutlass.range(num_k // 2, unroll=1):
+            kt = 2 * kp
+            if kp > 0:
+                ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+            sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=-1)
+            d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, kt + 1, one_block)
+            na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
+            second = state.clone()
+            second.advance()
+            ok = ab_pipe.consumer_wait_bounded(second, ok, timeout, err)
+            sm90_utils.gemm_w_idx(mma, part_b, tCrA, tCrB, True, A_idx=second.index, B_idx=second.index,
+                                  wg_wait=-1)
+            warpgroup.wait_group(1)
+            self.promote(acc, part, 0, c0, c1, c2, c3, l1)
+            ab_pipe.consumer_release(state)
+            c0, c1, c2, c3 = self.scale_products(na0, na1, sbv0, sbv1, cutlass.min(kt + 2, num_k - 1), one_block)
+            na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 3, num_k - 1))
+            warpgroup.wait_group(0)
+            self.promote(acc, part_b, 0, d0, d1, d2, d3, l1)
+            ab_pipe.consumer_release(second)
+            state.advance()
+            state.advance()
+        if const_expr(num_k % 2 == 1):  # the last block alone
+            if const_expr(num_k > 1):
+                ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+            sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=0)
+            self.promote(acc, part, 0, c0, c1, c2, c3, l1)
+            ab_pipe.consumer_release(state)
+            state.advance()
+        return state, ok
 
     @cute.jit
     def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, one_block: cutlass.Constexpr):
