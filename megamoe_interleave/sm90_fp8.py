@@ -235,8 +235,8 @@ class MegaMoESm90W8A8(MegaMoESm90):
         na0, na1 = self.row_scales(pa, oa0, oa1, min(1, num_k - 1))
         c0, c1, c2, c3 = self.scale_products(sa0, sa1, sbv0, sbv1, 0, one_block)
         if const_expr(half):
-            state, ok = self.half_k_pairs(ab_pipe, state, ok, timeout, err, frags, num_k, pa, oa0, oa1, sbv0, sbv1,
-                                          na0, na1, c0, c1, c2, c3, one_block)
+            state, ok = self.half_k_pairs(ab_pipe, state, ok, timeout, err, frags, num_k, (pa, oa0, oa1), (sbv0, sbv1),
+                                          (na0, na1, c0, c1, c2, c3), one_block)
             return state, t1, ok
         for kt in cutlass.range(num_k, unroll=1):
             if kt > 0:
@@ -261,16 +261,21 @@ class MegaMoESm90W8A8(MegaMoESm90):
         return state, t1, ok
 
     @cute.jit
-    def half_k_pairs(self, ab_pipe, state, ok: Boolean, timeout, err, frags, num_k: cutlass.Constexpr, pa, oa0, oa1,
-                     sbv0, sbv1, na0, na1, c0, c1, c2, c3, one_block: cutlass.Constexpr):
+    def half_k_pairs(self, ab_pipe, state, ok: Boolean, timeout, err, frags, num_k: cutlass.Constexpr, rows, weights,
+                     ahead, one_block: cutlass.Constexpr):
         """A 64-row half tile's K loop, two K blocks per iteration (its first stage already waited
         for): block kt + 1's batch is issued before block kt's promotion, so the tensor pipe works
         while the sums are scaled (one batch and then its promotion left it idle for most of each
         stage at decode batches, where every tile is a half tile). The second fragment is the upper
         64 registers of the full tile's sums, which a half tile does not use; the promotion order is
         unchanged, so the sums are bitwise the one-block loop's. (A batch left in flight across the
-        back edge made ptxas serialize every WGMMA: C7514.)"""
+        back edge made ptxas serialize every WGMMA: C7514.) ``rows``: :meth:`row_scales`' (base,
+        offset 0, offset 1); ``weights``: the two :meth:`weight_scales`; ``ahead``: block 1's row
+        scales and block 0's scale products, as :meth:`mma_tile_fp8` leaves them."""
         mma, acc, tCrA, tCrB, _, part = frags
+        pa, oa0, oa1 = rows
+        sbv0, sbv1 = weights
+        na0, na1, c0, c1, c2, c3 = ahead
         part_b = cute.make_tensor(acc.iterator + cute.size(part), part.layout)
         l1 = not one_block
         for kp in cutlass.range(num_k // 2, unroll=1):
