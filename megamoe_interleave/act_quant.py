@@ -20,34 +20,23 @@ from xstage.device import cvt_e4m3x2, rcp_rn
 
 from .config import QUANT_BLOCK
 from .quant import AMAX_FLOOR, E4M3_MAX
+from .row_kernel import VEC, RowChunkKernel, compile_row_kernel, compiled_row_kernel
 
-VEC = 8  # bf16 per 16-byte load
 GROUP_THREADS = QUANT_BLOCK // VEC  # threads sharing one scale (16: a half warp)
-THREADS = 128
 
 
-class ActQuantSm90:
+class ActQuantSm90(RowChunkKernel):
     """``mX`` [T, H] bf16 -> ``mQ`` [T, H / 4] int32 (the E4M3 bytes, 4 per word) and ``mS`` [T, H / 128] f32."""
 
-    def __init__(self, hidden: int):
-        if hidden % QUANT_BLOCK:
-            raise ValueError(f"hidden {hidden} must be a multiple of {QUANT_BLOCK} (1x{QUANT_BLOCK} scale groups)")
-        self.hidden = hidden
+    multiple, why = QUANT_BLOCK, f"1x{QUANT_BLOCK} scale groups"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, stream):
-        work = cute.size(mX, mode=[0]) * (self.hidden // VEC)
-        self.kernel(mX, mQ, mS).launch(grid=[(work + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1],
-                                       stream=stream)
+        self.launch_chunks(self.kernel(mX, mQ, mS), cute.size(mX, mode=[0]), stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        chunks = self.hidden // VEC
-        i = Int32(bidx) * THREADS + Int32(tidx)
-        t = i // chunks
-        c = i - t * chunks
+        t, c = self.thread_chunk()
         num_tokens = cute.size(mX, mode=[0])
         # Threads past the last token load its row again: all 16 of a group take part in the
         # shuffles (a group may straddle the end when hidden / 8 is not a multiple of 32).
@@ -72,24 +61,23 @@ class ActQuantSm90:
                 mS[t, c // GROUP_THREADS] = scale
 
 
-def compile_act_quant(hidden: int, *, keep_ptx: bool = False):
-    """Compile for CUTE_DSL_ARCH with fake tensors (no GPU needed); returns xstage's Compiled."""
-    from xstage.cute_compile import compile_hopper, fake_stream, fake_tensor
+def fake_arguments(hidden: int):
+    from xstage.cute_compile import fake_stream, fake_tensor
 
     T = cute.sym_int()
-    args = (fake_tensor(BFloat16, (T, hidden), stride=(hidden, 1)),
+    return (fake_tensor(BFloat16, (T, hidden), stride=(hidden, 1)),
             fake_tensor(Int32, (T, hidden // 4), stride=(hidden // 4, 1)),
             fake_tensor(Float32, (T, hidden // QUANT_BLOCK), stride=(hidden // QUANT_BLOCK, 1)), fake_stream())
-    return compile_hopper(ActQuantSm90(hidden), *args, keep_ptx=keep_ptx)
+
+
+def compile_act_quant(hidden: int, *, keep_ptx: bool = False):
+    """Compile for CUTE_DSL_ARCH with fake tensors (no GPU needed); returns xstage's Compiled."""
+    return compile_row_kernel(ActQuantSm90, hidden, fake_arguments, keep_ptx=keep_ptx)
 
 
 def compiled_act_quant(hidden: int):
     """The staging kernel for rows of ``hidden`` bf16 elements, compiled once (on any host)."""
-    import sys
-
-    from xstage.cute_compile import cached
-
-    return cached(("ActQuantSm90", hidden), lambda: compile_act_quant(hidden).fn, sources=(sys.modules[__name__],))
+    return compiled_row_kernel(ActQuantSm90, hidden, fake_arguments)
 
 
 def quantize_act_into(x, q, s) -> None:

@@ -14,32 +14,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-VEC = 8  # bf16 per 16-byte load
-THREADS = 128
+from .row_kernel import VEC, RowChunkKernel, compile_row_kernel, compiled_row_kernel
 
 
-class TopkReduceSm90:
+class TopkReduceSm90(RowChunkKernel):
     """``mSlots`` [R, H] bf16 (row R - 1 = padding), ``mRows`` [T, k] int32, ``mOut`` [T, H] bf16."""
-
-    def __init__(self, hidden: int):
-        if hidden % VEC:
-            raise ValueError(f"hidden {hidden} must be a multiple of {VEC} (16-byte loads)")
-        self.hidden = hidden
 
     @cute.jit
     def __call__(self, mSlots: cute.Tensor, mRows: cute.Tensor, mOut: cute.Tensor, stream):
-        work = cute.size(mRows, mode=[0]) * (self.hidden // VEC)
-        self.kernel(mSlots, mRows, mOut).launch(grid=[(work + THREADS - 1) // THREADS, 1, 1],
-                                                block=[THREADS, 1, 1], stream=stream)
+        self.launch_chunks(self.kernel(mSlots, mRows, mOut), cute.size(mRows, mode=[0]), stream)
 
     @cute.kernel
     def kernel(self, mSlots: cute.Tensor, mRows: cute.Tensor, mOut: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        chunks = self.hidden // VEC
-        i = Int32(bidx) * THREADS + Int32(tidx)
-        t = i // chunks
-        c = i - t * chunks
+        t, c = self.thread_chunk()
         pad = cute.size(mSlots, mode=[0]) - 1
         if t < cute.size(mRows, mode=[0]):
             dst = cute.local_tile(mOut, (1, VEC), (t, c))
@@ -52,14 +39,17 @@ class TopkReduceSm90:
             dst.store(acc.load().to(BFloat16))
 
 
-def compile_topk_reduce(hidden: int, *, keep_ptx: bool = False):
-    """Compile for CUTE_DSL_ARCH with fake tensors (no GPU needed); returns xstage's Compiled."""
-    from xstage.cute_compile import compile_hopper, fake_stream, fake_tensor
+def fake_arguments(hidden: int):
+    from xstage.cute_compile import fake_stream, fake_tensor
 
     R, T, k = cute.sym_int(), cute.sym_int(), cute.sym_int()
-    args = (fake_tensor(BFloat16, (R, hidden), stride=(hidden, 1)), fake_tensor(Int32, (T, k), stride=(k, 1)),
+    return (fake_tensor(BFloat16, (R, hidden), stride=(hidden, 1)), fake_tensor(Int32, (T, k), stride=(k, 1)),
             fake_tensor(BFloat16, (T, hidden), stride=(hidden, 1)), fake_stream())
-    return compile_hopper(TopkReduceSm90(hidden), *args, keep_ptx=keep_ptx)
+
+
+def compile_topk_reduce(hidden: int, *, keep_ptx: bool = False):
+    """Compile for CUTE_DSL_ARCH with fake tensors (no GPU needed); returns xstage's Compiled."""
+    return compile_row_kernel(TopkReduceSm90, hidden, fake_arguments, keep_ptx=keep_ptx)
 
 
 def topk_reduce_cuda(slots, rows):
@@ -75,8 +65,4 @@ def topk_reduce_cuda(slots, rows):
 
 def compiled_topk_reduce(hidden: int):
     """The reduction's kernel for rows of ``hidden`` bf16 elements, compiled once (on any host)."""
-    import sys
-
-    from xstage.cute_compile import cached
-
-    return cached(("TopkReduceSm90", hidden), lambda: compile_topk_reduce(hidden).fn, sources=(sys.modules[__name__],))
+    return compiled_row_kernel(TopkReduceSm90, hidden, fake_arguments)
