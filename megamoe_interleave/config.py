@@ -131,6 +131,10 @@ class MegaMoEConfig:
     trace: bool = False  # per-tile timelines into MegaMoE.last_trace (TRACE_FIELDS)
     timeout_ns: int = 2_000_000_000  # bound of every device-side wait (then an error word, not a hang)
     precision: str = "bf16"  # "bf16", "w8a8" or "w4a8" (see the class docstring)
+    # W8A8 full tiles: the two consumer warpgroups take turns issuing their WGMMA batches, so one's
+    # promotion runs under the other's batch. Experimental: compiled and checked on a CPU, not yet
+    # measured on a GPU (docs/moe-core.md section 5); it goes (or becomes the default) with that run.
+    consumer_turns: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES + (AUTO,):
@@ -160,6 +164,8 @@ class MegaMoEConfig:
             raise ValueError(f"dispatch_window must be 0, or >= 1 with the bulk Dispatch, got {self.dispatch_window}")
         if self.timeout_ns <= 0:
             raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
+        if self.consumer_turns and self.precision != "w8a8":
+            raise ValueError(f"consumer_turns is a W8A8 mainloop option, got precision={self.precision!r}")
 
     def choose_schedule(self, shape, world_size: int, max_tokens: int, num_sms: int, platform, expert_rows=None):
         """``schedule="auto"``: (this config with the schedule the model picks, the

@@ -9,3 +9,5 @@ class NamedBarrier(enum.IntEnum):
     Epilogue = 4  # the epilogue warps among themselves
     Dispatch = 5  # the warps copying Dispatch rows among themselves
     Consumers = 6  # W8A8 half tiles: the two consumer warpgroups exchange their rows' h amax
+    ConsumerTurn0 = 7  # W8A8 consumer_turns: warpgroup 0 may issue its next batch
+    ConsumerTurn1 = 8  # ... warpgroup 1 may

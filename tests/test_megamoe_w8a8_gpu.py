@@ -252,3 +252,24 @@ def test_the_staging_kernel_quantizes_x_as_the_recipe_bit_for_bit(T, H):
     quantize_act_into(x, q, s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     assert torch.equal(s.view(torch.int32), want_s.view(torch.int32))
+
+
+@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
+def test_consumer_turns_give_the_default_kernels_bits(schedule):
+    """MegaMoEConfig(consumer_turns=True) only reorders the two warpgroups' WGMMA issues (each keeps
+    its own promotion order), so y equals the default build's bit for bit: full and half tiles,
+    zero-token experts, 20 calls in a row (the turn barriers stay paired across tiles and calls)."""
+    from megamoe_interleave import quant
+
+    P, k, hidden, inter = 2, 6, 1024, 512
+    w1, w2, xs, idx, w = _problem(P, [250, 77], k, "skewed", 0.1, 21, hidden, inter)
+    base = _make(P, k, schedule, hidden, inter)
+    base.load_weights(w1, w2)
+    want = [y.clone() for y in base.forward(xs, idx, w)]
+    turns = _make(P, k, schedule, hidden, inter, consumer_turns=True)
+    turns.load_weights(w1, w2)
+    for _ in range(20):
+        for a, b in zip(turns.forward(xs, idx, w), want):
+            assert torch.equal(a, b)
+    _check(want, reference_moe_w8a8(xs, idx, w, *quant.quantize_weights(w1, w2)),
+           reference_moe_fp32(xs, idx, w, w1, w2))

@@ -77,10 +77,24 @@ def parse_trees(specs) -> list:
     return trees
 
 
+def parse_flags(specs, names) -> dict:
+    """``NAME=FLAGS`` specs (FLAGS: tile_budget options, space-separated) -> {name: [flag, ...]},
+    for trees of ``names`` only: the same tree can run twice, once with an option and once without."""
+    flags = {}
+    for spec in specs or []:
+        name, sep, rest = spec.partition("=")
+        if not sep or name not in names:
+            raise ValueError(f"--flags wants NAME=FLAGS for a --tree name, got {spec!r}")
+        flags[name] = rest.split()
+    return flags
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
                     help="a source tree to build and time (the first is the baseline)")
+    ap.add_argument("--flags", action="append", metavar="NAME=FLAGS",
+                    help="extra tile_budget options for one tree, e.g. turns=--consumer-turns")
     ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8"])
     ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
@@ -92,6 +106,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     try:
         trees = parse_trees(args.tree)
+        flags = parse_flags(args.flags, [n for n, _ in trees])
     except ValueError as e:
         ap.error(str(e))
     if args.rounds < 1 or args.calls < 2:
@@ -107,7 +122,7 @@ def main(argv=None):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--precision", args.precision, "--schedule",
                args.schedule, "--tokens", str(args.tokens), "--calls", str(args.calls), "--out", out,
-               "--P", *map(str, args.P)]
+               *flags.get(name, []), "--P", *map(str, args.P)]
         try:
             done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True,
                                   timeout=args.timeout_s)

@@ -86,7 +86,8 @@ def summarize(recs, ideal: dict) -> dict:
             "L2": {**phase_summary(recs, 2), "ideal_cycles": ideal[2]}, "shares": time_shares(recs)}
 
 
-def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int, calls: int, out_dir: str) -> dict:
+def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int, calls: int, out_dir: str,
+            consumer_turns: bool = False) -> dict:
     """Untraced, then traced: ``calls`` forwards each of a fused layer at loopback P (balanced routing),
     the fused kernel's times of each, and :func:`summarize` of rank 0's trace of the last traced call."""
     import torch
@@ -100,7 +101,8 @@ def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int,
     w1, w2, xs, idx, wts = make_problem(shape, "balanced", P, tokens)
     out = {}
     for trace in (False, True):
-        moe = build_moe(shape, P, tokens, MegaMoEConfig(schedule, precision=precision, trace=trace), w1, w2)
+        moe = build_moe(shape, P, tokens, MegaMoEConfig(schedule, precision=precision, trace=trace,
+                                                                  consumer_turns=consumer_turns), w1, w2)
         us = []
         for _ in range(calls):
             moe.forward(xs, idx, wts)
@@ -134,6 +136,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--calls", type=int, default=4, help="forwards per build (the first includes first-launch costs)")
     ap.add_argument("--shape", default="deepseek-v4-flash")
+    ap.add_argument("--consumer-turns", action="store_true", help="MegaMoEConfig(consumer_turns=True) (W8A8)")
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
     ap.add_argument("--trace", nargs="+", default=None, metavar="CSV",
                     help="summarize these trace CSVs instead of running (no GPU needed)")
@@ -160,7 +163,8 @@ def main(argv=None):
             ap.error("running the kernel needs a CUDA GPU (Hopper); --trace summarizes CSVs anywhere")
     os.makedirs(args.out, exist_ok=True)
     for P in ([] if args.trace else args.P):
-        runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out)
+        runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
+                                 args.consumer_turns)
         print_row(P, runs[f"P{P}"])
     with open(os.path.join(args.out, "tile_budget.json"), "w") as f:
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args), "runs": runs,
