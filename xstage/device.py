@@ -263,6 +263,39 @@ def rcp_rn(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def mul_f16x2(a, b, *, loc=None, ip=None) -> Int32:
+    """``mul.rn.f16x2``: two FP16 products, each half of ``a`` times the same half of ``b`` (32-bit words)."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+                                 "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cvt_e4m3x4_f16x2(a, b, *, loc=None, ip=None) -> Int32:
+    """``cvt.rn.satfinite.e4m3x2.f16x2`` of two words: the FP16 halves of ``a`` as E4M3 bytes 0 (low
+    half) and 1, those of ``b`` as bytes 2 and 3 (round to nearest even, saturated)."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(
+        Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 xs_lo, xs_hi; cvt.rn.satfinite.e4m3x2.f16x2 xs_lo, $1; cvt.rn.satfinite.e4m3x2.f16x2 xs_hi, $2; "
+        "mov.b32 $0, {xs_lo, xs_hi}; }",
+        "=r,r,r", has_side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32`` with a constant ``selector``: byte i of the result is byte ``selector``'s nibble i
+    of the eight bytes (``a`` bytes 0-3, ``b`` bytes 4-7). No side effects, so ptxas may schedule it."""
+    from cutlass._mlir.dialects import llvm
+
+    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+                                 f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", has_side_effects=False, loc=loc,
+                                 ip=ip))
+
+
+@dsl_user_op
 def store_shared_b16(address, value, *, loc=None, ip=None) -> None:
     """``st.shared.b16 [address], value``: the low 16 bits of ``value`` at a 2-byte aligned
     shared-memory ``address`` (32-bit, as ``pointer.toint()`` of a shared pointer)."""
