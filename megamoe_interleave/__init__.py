@@ -17,8 +17,8 @@ kernel          the fused kernel of a precision (``kernel_class``, ``compile_meg
 kernel_sm90     ``MegaMoESm90``: the persistent fused kernel in BF16; its roles in ``sm90_mainloop``
                 (TMA producer, WGMMA consumers), ``sm90_epilogue`` (h publish, Combine remote
                 stores) and ``sm90_dispatch`` (row pull); ``named_barrier``, ``activation`` (SwiGLU)
-sm90_fp8        ``MegaMoESm90W8A8``: the W8A8 precision class (FP8 fragments, MMA with promotion,
-                h quantization, the scales' Dispatch)
+sm90_fp8        ``MegaMoESm90W8A8``: the W8A8 precision class (h quantization, the scales' Dispatch);
+                its mainloop in ``sm90_fp8_mainloop`` (FP8 fragments, MMA with promotion)
 scheduler       tile schedulers (pure functions: the Python reference and the kernel's trace-time
                 arithmetic share one definition), deadlock-freedom proof; ``int_ops`` their arithmetic
 row_grid        the schedulers' host side: the row grid, balanced L2 starts, schedule table, eq. 16

@@ -38,7 +38,7 @@ def kernel_sources():
     from xstage import device, pipeline
 
     from . import activation, arguments, config, int_ops, kernel_sm90, named_barrier, scheduler, sm90_dispatch, \
-        sm90_epilogue, sm90_fp8, sm90_mainloop
+        sm90_epilogue, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop
 
     return (sys.modules[__name__], activation, arguments, config, int_ops, kernel_sm90, named_barrier, scheduler,
-            sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_mainloop, device, pipeline)
+            sm90_dispatch, sm90_epilogue, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop, device, pipeline)

@@ -1,7 +1,6 @@
 """The W4A8 widening (megamoe_interleave.fp4_widen) in a test kernel of its own: one thread per word
 of eight nibbles. CPU: its SASS (the instructions a widened word costs); GPU: the recipe's bits."""
 import re
-import subprocess
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ THREADS = 128
 
 
 def _widen_kernel():
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
 
