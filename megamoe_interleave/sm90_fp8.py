@@ -35,10 +35,10 @@ class MegaMoESm90W8A8(Fp8ConsumerMixin, MegaMoESm90):
     precision = "w8a8"
     # One ring stage is a 128-byte swizzle row either way: 128 E4M3 of K = one scale block.
     ab_dtype, ab_bytes, block_k = Float8E4M3FN, 1, BLOCK_K_FP8
-    # The consumers' promoted sums (128) and two ping-pong slice fragments (2 x 32) need 216 registers
-    # (at 208 ptxas spilled inside the mainloop); at 216 the tile loop's state spilled around each tile
-    # (5.8-7.6 % of the time between tiles; at 224 1.6 %, the layer 2 % faster). The aux warps fit 56
-    # (256 x 224 + 128 x 56 = 64512) with a shallower Dispatch unroll.
+    # The consumers hold the promoted sums (128 registers), one 64-register batch fragment and the
+    # scales: at 216 the tile loop's state spilled around each tile (5.8-7.6 % of the time between
+    # tiles; at 224 1.6 %, the layer 2 % faster). The aux warps fit 56 (256 x 224 + 128 x 56 = 64512)
+    # with a shallower Dispatch unroll.
     aux_warpgroup_regs, mma_warpgroup_regs, dispatch_warp_unroll = 56, 224, 8
     row_scale_words, amax_words = BLOCK_M, 2 * 64  # the staged rows' h scales; the half tiles' amax
 

@@ -47,11 +47,12 @@ class Fp8ConsumerMixin:
         return state, t1, ok
 
     def consumer_fragments(self, tiled_mma, tidx, sm):
-        """``(full, half)``, each (tiled_mma of a slice, promoted sums, tCrA, tCrB, tCcC, slice
+        """``(full, half)``, each (tiled_mma of a batch, promoted sums, tCrA, tCrB, tCcC, batch
         fragment). ``full``: the 128 x 256 tile's sums (``tiled_mma``'s layout, 128 registers) and
-        a 128 x 64 slice MMA (a warpgroup per 64 rows), tCrB per slice. ``half``: 64 x 256, a
-        warpgroup per 128 columns (one slice each): the sums are the first 64 of ``full``'s
-        registers, the slice fragment its own."""
+        a 128 x 128 batch MMA (a warpgroup per 64 rows), tCrB per 128-column batch. ``half``:
+        64 x 256, a warpgroup per 128 columns (one batch each): the sums are the first 64 of
+        ``full``'s registers, the batch fragment its own (:meth:`half_k_pairs` adds the sums' upper
+        64 as a second)."""
         BN, BK, S = self.block_n, self.block_k, self.stages
         thr = tiled_mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((BLOCK_M, BN)), Float32)
