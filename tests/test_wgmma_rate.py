@@ -1,5 +1,6 @@
-"""lab.megamoe.diag.wgmma_rate, the FP8 WGMMA-rate microbenchmark: every variant compiles for sm_90a
-with the batches it claims; the shipped mainloop's batch shape keeps its registers (CPU)."""
+"""lab.megamoe.diag.wgmma_rate, the FP8 WGMMA-rate microbenchmark (and the W4A8 widening next to it):
+every variant compiles for sm_90a with the batches it claims; the shipped mainloop's batch shape keeps
+its registers (CPU)."""
 import re
 from collections import Counter
 
@@ -13,6 +14,8 @@ def test_variants_reject_shapes_they_cannot_run():
         w.Variant(256, 96, True)
     with pytest.raises(ValueError):
         w.Variant(256, 64, False)  # accumulating in place is one batch over the tile
+    with pytest.raises(ValueError):
+        w.Variant(128, 128, False, widen=True)  # the W4A8 stage is the 256-column tile's
 
 
 @pytest.mark.compile
@@ -27,6 +30,8 @@ def test_variant_issues_its_batches(v):
     assert len(re.findall(r"wgmma\.wait_group", ptx)) == (batches if v.promote else 1)
     assert ptx.count("%clock64") == 2
     assert ("cp.async.bulk.shared::cluster.global" in ptx) == v.refill
+    # widen: 4 groups of 32 weights per thread and k-block, 2 FP16 multiplies per pair of them
+    assert ptx.count("mul.rn.f16x2") == (128 if v.widen else 0)
 
 
 @pytest.mark.compile

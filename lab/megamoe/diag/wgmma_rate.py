@@ -14,6 +14,12 @@ shared-memory buffers (two in flight; it waits for the copy two back): the TMA r
 shared-memory writes that the real ring adds, without a producer warp (one would need setmaxnreg,
 which ptxas drops here with C7508, leaving the consumers 168 registers).
 
+With ``widen`` (W4A8, docs/w4a8.md) each k-block first widens a packed E2M1 stage (256 rows x 64
+bytes and a shift byte per row and 32 K, resident in shared memory) into the stage's B operand with
+:func:`megamoe_interleave.fp4_widen.widen_e2m1x8`, all 256 threads (one 32-weight group each, four
+times), then fences and syncs before the WGMMAs: the consumer-side widening's cost next to the same
+variant without it.
+
 A variant's rate is MACs per SM cycle: ``128 x tile_n x 128 x k_blocks`` over the CTA's
 ``%clock64`` span of the loop (the median over CTAs), against 4096 (sm_90's dense FP8 rate). Its
 operands are zeros, so the rate is the instruction and operand stream's, not the data's.
@@ -36,6 +42,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
 
+from megamoe_interleave.fp4_widen import shift_factor, widen_e2m1x8
 from xstage import device as xdev
 
 BLOCK_M, BLOCK_K = 128, 128  # one W8A8 tile's rows, one ring stage's K (one promotion block)
@@ -52,18 +59,21 @@ class Variant:
     refill: bool = False  # a warpgroup streams one stage's bytes per k-block into shared memory meanwhile
     stages: int = 4
     k_blocks: int = 512
+    widen: bool = False  # W4A8: widen a packed E2M1 stage into B before each k-block's WGMMAs
 
     def __post_init__(self):
         if self.tile_n % self.slice_n or self.slice_n not in (64, 128, 192, 256) or self.tile_n > 256:
             raise ValueError(f"tile_n {self.tile_n} must be a multiple of slice_n {self.slice_n} in 64..256")
         if not self.promote and self.slice_n != self.tile_n:
             raise ValueError("without promote the batch is the whole tile (slice_n == tile_n)")
+        if self.widen and (self.tile_n != 256 or self.refill):
+            raise ValueError("widen is the W4A8 tile's: tile_n 256, no refill")
 
     @property
     def name(self) -> str:
         how = f"{self.tile_n // self.slice_n} x n{self.slice_n}" + (
             "" if not self.promote else " + promote" + ("" if self.ping_pong else ", 1 fragment")) + (
-            " + refill" if self.refill else "")
+            " + refill" if self.refill else "") + (" + widen E2M1" if self.widen else "")
         return f"tile n{self.tile_n}: {how}"
 
     @property
@@ -82,7 +92,10 @@ VARIANTS = (
     Variant(256, 256, False, refill=True, stages=2),  # the same with the refills' shared-memory writes
     Variant(256, 64, True, refill=True, stages=2),
     Variant(256, 128, True, ping_pong=False, refill=True, stages=2),
+    Variant(256, 256, False, widen=True),  # W4A8: the widening before the plain tile
+    Variant(256, 128, True, ping_pong=False, widen=True),  # ... before the shipped W8A8 batches
 )
+PACKED_WORDS = 256 * BLOCK_K // 8  # a packed E2M1 stage: 256 rows x 64 bytes
 BULK_WAIT_TRIES = 1 << 20
 
 
@@ -106,6 +119,8 @@ class WgmmaRateSm90:
             sB: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(self.sB_layout)], 1024]
             refill: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, 2 * v.stage_bytes if v.refill else 16], 128]
             refill_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2], 8]
+            packed: cute.struct.Align[cute.struct.MemRange[Int32, PACKED_WORDS if v.widen else 4], 16]
+            shifts: cute.struct.Align[cute.struct.MemRange[Int32, 256 if v.widen else 4], 16]
 
         self.shared_storage = SharedStorage
         self.kernel(mCycles, mSink, mSource, mError, self.mma_tile, self.mma_slice, self.sA_layout,
@@ -134,6 +149,13 @@ class WgmmaRateSm90:
         while i < cute.cosize(sB_layout):
             words_b[i] = Float8E4M3FN(0.0)
             i = i + THREADS
+        if const_expr(v.widen):  # codes 0 and shift 0 (the rate does not depend on the values)
+            packed = storage.packed.get_tensor(cute.make_layout(PACKED_WORDS))
+            i = Int32(tidx)
+            while i < PACKED_WORDS:
+                packed[i] = Int32(0)
+                i = i + THREADS
+            storage.shifts.get_tensor(cute.make_layout(256))[tidx] = Int32(0)
         if const_expr(v.refill):
             if tidx == 0:
                 for b in cutlass.range_constexpr(2):
@@ -152,6 +174,31 @@ class WgmmaRateSm90:
             xdev.mbarrier_wait_tries(mbar, ((kb - 2) // 2) % 2, BULK_WAIT_TRIES, mError.iterator)
         cute.arch.mbarrier_arrive_and_expect_tx(mbar, v.stage_bytes)
         xdev.bulk_copy_g2s(storage.refill.data_ptr() + (kb % 2) * v.stage_bytes, src, v.stage_bytes, mbar)
+
+    @cute.jit
+    def widen_stage(self, tidx, storage, sB, s):
+        """The packed stage into B stage ``s``: thread t widens groups t + 256 i (row g // 4, K
+        32 (g % 4) ...) with its row's shift byte, two 16-byte stores each; then the generic-proxy
+        writes are fenced for the WGMMAs and both warpgroups sync. (B stage s was last read 2 or
+        more k-blocks ago, behind the sync of the k-block between.)"""
+        packed = storage.packed.get_tensor(cute.make_layout((256, BLOCK_K // 8), stride=(BLOCK_K // 8, 1)))
+        shifts = storage.shifts.get_tensor(cute.make_layout(256))
+        out = cute.make_rmem_tensor((1, 32), Float8E4M3FN)
+        words = cute.recast_tensor(out, Int32)
+        for i in cutlass.range_constexpr(4):
+            g = Int32(tidx) + 256 * i
+            row, c = g // 4, g % 4
+            codes = cute.make_rmem_tensor((1, 4), Int32)
+            codes.store(cute.local_tile(packed, (1, 4), (row, c)).load())
+            d = (shifts[row] << (24 - 8 * c)) >> 24  # the row's shift byte c, sign-extended
+            factor = shift_factor(d)
+            for w in cutlass.range_constexpr(4):
+                lo, hi = widen_e2m1x8(codes[0, w], factor)
+                words[0, 2 * w] = lo
+                words[0, 2 * w + 1] = hi
+            cute.local_tile(sB[None, None, s], (1, 32), (row, c)).store(out.load())
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
 
     @cute.jit
     def consume(self, tidx, bidx, mCycles: cute.Tensor, mSink: cute.Tensor, mma_tile: cute.TiledMma,
@@ -178,6 +225,8 @@ class WgmmaRateSm90:
             if const_expr(v.refill):
                 if tidx == 0:
                     self.refill_step(storage, src, kb, mError)
+            if const_expr(v.widen):
+                self.widen_stage(tidx, storage, sB, s)
             if const_expr(not v.promote):
                 sm90_utils.gemm_w_idx(mma_tile, acc, tCrA, tCrB[0], False, A_idx=s, B_idx=s, wg_wait=0)
             elif const_expr(not v.ping_pong):
