@@ -257,8 +257,8 @@ def test_the_staging_kernel_quantizes_x_as_the_recipe_bit_for_bit(T, H):
 @pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
 def test_consumer_turns_give_the_default_kernels_bits(schedule):
     """MegaMoEConfig(consumer_turns=True) only reorders the two warpgroups' WGMMA issues (each keeps
-    its own promotion order), so y equals the default build's bit for bit: full and half tiles,
-    zero-token experts, 20 calls in a row (the turn barriers stay paired across tiles and calls)."""
+    its own promotion order), so y equals the default build's bit for bit: skewed routing (full and
+    half tiles), 20 calls in a row (the turn barriers stay paired across tiles and calls)."""
     from megamoe_interleave import quant
 
     P, k, hidden, inter = 2, 6, 1024, 512
