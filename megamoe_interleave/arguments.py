@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .config import QUANT_BLOCK, TRACE_FIELDS
+from .config import FP8_PRECISIONS, QUANT_BLOCK, TRACE_FIELDS
 
 NUM_SCALAR_ARGS = 4  # after the arguments: max_tokens, topk, barrier_base, num_ctas
 
@@ -39,13 +39,26 @@ class MegaMoEArguments(NamedTuple):
     mW2Scale: Any  # (E_l, H/128, I/128)
 
 
+# The W4A8 kernel's arguments: the same fields (mW1 / mW2 packed E2M1 codes (E_l, 2I, H/2) / (E_l, H, I/2)
+# uint8, mW1Scale / mW2Scale the widened blocks' FP32 scales 2^r), then each row's shift words, int32
+# (E_l, H/128, 2I) / (E_l, I/128, H): a row's four 32-group shifts of one K block, a byte each
+# (quant_fp4.kernel_operands). A class of its own, so the other kernels' programs do not change.
+MegaMoEArgumentsW4A8 = NamedTuple("MegaMoEArgumentsW4A8", [(f, Any) for f in MegaMoEArguments._fields]
+                                  + [("mW1Shift", Any), ("mW2Shift", Any)])
+
+
+def arguments_class(precision: str):
+    """The launch-argument class of ``precision``'s kernel."""
+    return MegaMoEArgumentsW4A8 if precision == "w4a8" else MegaMoEArguments
+
+
 def tensor_argument_spec(hidden: int, intermediate: int, precision: str = "bf16"):
     """:class:`MegaMoEArguments` as (name, dtype name, shape) in field order; str dims are dynamic and
     agree wherever the same name appears. One definition for the compile
     (:func:`.kernel_sm90.fake_launch_arguments`) and the host-side check. BF16 builds take any
     [1, 1] / [1, 1, 1] scale stand-ins (and any (P,) table)."""
     q = QUANT_BLOCK
-    if precision == "w8a8":
+    if precision in FP8_PRECISIONS:
         ab = "float8_e4m3fn"
         scales = dict(mPoolXScale=("float32", ("n_pad", hidden // q)),
                       mHScale=("float32", ("n_pad", intermediate // q)),
@@ -62,7 +75,12 @@ def tensor_argument_spec(hidden: int, intermediate: int, precision: str = "bf16"
                 mScheduleTable=("int32", ("n_s",)), mCounters=("int32", ("n_c",)),
                 mTrace=("int64", ("n_tc", "n_tt", len(TRACE_FIELDS))), mPlan=("int32", (2,)),
                 mPeerXScale=("int64", ("P",)), **scales)
-    return [(name, *spec[name]) for name in MegaMoEArguments._fields]
+    if precision == "w4a8":
+        spec.update(mW1=("uint8", ("E_l", 2 * intermediate, hidden // 2)),
+                    mW2=("uint8", ("E_l", hidden, intermediate // 2)),
+                    mW1Shift=("int32", ("E_l", hidden // q, 2 * intermediate)),
+                    mW2Shift=("int32", ("E_l", intermediate // q, hidden)))
+    return [(name, *spec[name]) for name in arguments_class(precision)._fields]
 
 
 def check_launch_arguments(hidden: int, intermediate: int, args: MegaMoEArguments, precision: str = "bf16") -> None:
@@ -70,8 +88,9 @@ def check_launch_arguments(hidden: int, intermediate: int, args: MegaMoEArgument
     rank, static dims, consistent dynamic dims, row-major contiguity, alignment)."""
     import torch
 
-    if not isinstance(args, MegaMoEArguments):
-        raise TypeError(f"expected MegaMoEArguments, got {type(args).__name__}")
+    cls = arguments_class(precision)
+    if not isinstance(args, cls):
+        raise TypeError(f"expected {cls.__name__}, got {type(args).__name__}")
     bound = {}
     for (name, dtype, shape), t in zip(tensor_argument_spec(hidden, intermediate, precision), args):
         if t.dtype != getattr(torch, dtype):

@@ -31,6 +31,9 @@ INTERLEAVE = 8  # gate/up interleave granularity of w1 (api.transform_weights)
 DISPATCH_COPIES = ("lsu", "bulk")
 BULK_PIECE_BYTES = 8192  # largest bulk-copy piece of a dispatched row (two bounce buffers in smem)
 DEEP_RING_MAX_ROWS = 512  # 4 ring stages below this many rows per local expert, else 3
+# W4A8: E4M3 B blocks the consumers widen the ring's packed stages into (two: docs/w4a8.md, the
+# kernel step by step); with them 3 ring stages fit, 4 do not
+WIDENED_BUFFERS = 2
 
 # Per-tile trace row (trace=True), both sides of the staging boundary (paper Section 5.2.3).
 # Written by consumer thread 0: key = phase<<40 | row<<16 | n_block; %globaltimer (ns) at tile
@@ -82,16 +85,21 @@ class SmemPlan:
         return self.ring_bytes + self.staging_bytes + self.other_bytes
 
 
-def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str, *, w8a8: bool = False) -> SmemPlan:
+def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str, *, precision: str = "bf16") -> SmemPlan:
     """:class:`SmemPlan` of a configuration; ValueError when it does not fit SMEM_BYTES. W8A8
     stages hold the same bytes (128-byte rows of E4M3, BLOCK_K_FP8 deep) plus two small arrays
-    (the rows' h scales, the half tiles' cross-warpgroup amax)."""
+    (the rows' h scales, the half tiles' cross-warpgroup amax). W4A8 stages hold packed E2M1 B
+    rows (64 bytes) and their shift words (4 bytes), plus WIDENED_BUFFERS E4M3 B blocks outside the ring."""
+    fp8 = precision in FP8_PRECISIONS
     ring = stages * BLOCK_K * (BLOCK_M + block_n) * 2
+    if precision == "w4a8":
+        ring = stages * (BLOCK_K_FP8 * BLOCK_M + block_n * (BLOCK_K_FP8 // 2 + 4)) \
+            + WIDENED_BUFFERS * block_n * BLOCK_K_FP8
     other = 16 * stages + 12 * BLOCK_M  # ring mbarriers, row weights + Combine addresses
-    if w8a8:
+    if fp8:
         other += 4 * BLOCK_M + 4 * 2 * 64
     if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers
-        other += 2 * bulk_piece_bytes(hidden, 1 if w8a8 else 2) + 128 + 16
+        other += 2 * bulk_piece_bytes(hidden, 1 if fp8 else 2) + 128 + 16
     handoffs = 1 if ring + BLOCK_M * block_n * 2 + other <= SMEM_BYTES else 2
     plan = SmemPlan(ring, BLOCK_M * block_n * 2 // handoffs, other, handoffs)
     if plan.total_bytes > SMEM_BYTES:
@@ -233,7 +241,8 @@ class MegaMoEConfig:
         * block_n: the widest of 256 / 128 / 64 that tiles H and I (CTA pairs need H % 2 BN).
         * stages: 4 below DEEP_RING_MAX_ROWS rows per local expert (balanced routing), else 3 at
           128 x 256 tiles: 4 are 9.5 % faster at 192 rows per expert (P = 1), 3 are 1-5 % faster
-          at 1536 (loopback P = 8) (stages/); only those two points were measured.
+          at 1536 (loopback P = 8) (stages/); only those two points were measured. W4A8: 3 (its
+          widened B blocks leave no room for a fourth).
         * dispatch_copy: "bulk" where its bounce buffers fit next to the ring (the 3-stage tiles),
           else "lsu": paired against the grouped GEMMs, interleaved 1.044-1.061x -> 1.017-1.031x,
           1.014x with the copies' L2 evict-first policy (bulk/).
@@ -277,16 +286,17 @@ class MegaMoEConfig:
         stages = self.stages
         if stages is None:
             rows_per_expert = world_size * tokens * topk / experts
-            stages = 3 if block_n == 256 and rows_per_expert >= DEEP_RING_MAX_ROWS else 4
+            deep = rows_per_expert < DEEP_RING_MAX_ROWS and self.precision != "w4a8"
+            stages = 3 if block_n == 256 and not deep else 4
         copy = self.dispatch_copy
         if copy is None:
             copy = "lsu"
             try:
-                smem_plan(hidden, block_n, stages, "bulk", w8a8=fp8)
+                smem_plan(hidden, block_n, stages, "bulk", precision=self.precision)
                 copy = "bulk"
             except ValueError:  # no room for the bounce buffers
                 pass
-        smem_plan(hidden, block_n, stages, copy, w8a8=fp8)
+        smem_plan(hidden, block_n, stages, copy, precision=self.precision)
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window
         if window is None:

@@ -161,7 +161,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.block_n, self.stages, self.trace = config.block_n, config.stages, config.trace
         self.dispatch_copy, self.dispatch_window = config.dispatch_copy, config.dispatch_window
         self.timeout_ns = config.timeout_ns
-        plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy, w8a8=self.precision == "w8a8")
+        plan = smem_plan(hidden, self.block_n, self.stages, self.dispatch_copy, precision=self.precision)
         self.l2_handoffs, self.stage_words = plan.l2_handoffs, plan.stage_words
         self.bulk_piece_bytes = bulk_piece_bytes(hidden, self.ab_bytes)
         self.num_mma_threads = 2 * BLOCK_M

@@ -143,6 +143,30 @@ def widen_weights(w1_p, w1_sf, w2_p, w2_sf):
     return (interleave_w1(w1_q), quant.kernel_w1_scales(w1_s), *widen(w2_p, w2_sf))
 
 
+def shift_words(d: torch.Tensor) -> torch.Tensor:
+    """Per-group shifts ``d [..., N, K/32]`` -> the kernel's shift words ``int32 [..., K/128, N]``: a
+    row's four shifts of one K block, group g in byte g, clamped below at ``fp4_widen.MIN_SHIFT``
+    (a group that far down widens to zeros either way: 6 x 2^-21 rounds to 0 in E4M3)."""
+    from .fp4_widen import MIN_SHIFT
+
+    *lead, n, g = d.shape
+    b = d.clamp_min(MIN_SHIFT).to(torch.int8).view(torch.uint8).reshape(*lead, n, g // 4, 4).to(torch.int32)
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return words.transpose(-1, -2).contiguous()
+
+
+def kernel_operands(w1_p, w1_sf, w2_p, w2_sf):
+    """The fused W4A8 kernel's weight operands from the kernel-layout FP4 weights: ``(w1 codes, w1
+    block scales, w1 shift words, w2 codes, w2 block scales, w2 shift words)``. The codes are kept as
+    they are; the block scales ``2^r`` are :func:`widen_weights`' (w1 in ``quant.kernel_w1_scales``
+    order), the shift words are ``d = e - r`` of each row and 32-group (:func:`shift_words`), so the
+    kernel's widening is :func:`widen` bit for bit."""
+    d1, r1 = _block_shift(untransform_w1(w1_sf))
+    d2, r2 = _block_shift(w2_sf)
+    return (w1_p, quant.kernel_w1_scales(torch.exp2(r1.float())), shift_words(interleave_w1(d1)),
+            w2_p, torch.exp2(r2.float()), shift_words(d2))
+
+
 def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf):
     """FP32 global weights in the natural layout (``w1`` gate then up rows) of the kernel-layout
     FP4 weights: what :func:`~megamoe_interleave.reference.reference_moe_fp32` takes."""

@@ -7,7 +7,7 @@ from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world, quant_fp4
 from megamoe_interleave.reference import (W4A8_FP32_REL_ERROR, reference_moe_fp32, reference_moe_w4a8,
                                           relative_error)
 from lab.megamoe.routing import make_routing
-from megamoe_interleave.weights import interleave_w1
+from megamoe_interleave.weights import interleave_w1, untransform_w1
 
 
 def test_e2m1_codes_round_to_the_nearest_value_ties_to_the_smaller():
@@ -88,6 +88,41 @@ def test_the_widening_in_fp16_that_the_kernel_plans_equals_the_recipe():
         v = h * torch.tensor(2.0 ** 7, dtype=torch.float16) * torch.tensor(2.0 ** (7 + d), dtype=torch.float16)
         want = (quant_fp4.e2m1_values(codes.to(torch.uint8)) * 2.0 ** d).to(torch.float8_e4m3fn)
         assert torch.equal(v.to(torch.float8_e4m3fn).view(torch.uint8), want.view(torch.uint8)), d
+
+
+def _widen_as_the_kernel(codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """The fused kernel's widening of ``codes`` [N, K/2] with its shift words [K/128, N], emulated as
+    fp4_widen does it: a row's group g takes byte g of its K block's word, sign-extended, as the factor
+    2^(7 + d) of two FP16 multiplies, then round-to-nearest-even to E4M3 (uint8 [N, K])."""
+    n = codes.shape[0]
+    nib = quant_fp4.unpack(codes).to(torch.int32)
+    w = words.t().contiguous()  # [N, K/128]
+    d = torch.stack([(w << (24 - 8 * g)) >> 24 for g in range(4)], dim=-1).reshape(n, -1)  # [N, K/32]
+    h = (((nib & 7) << 9) | ((nib & 8) << 12)).to(torch.int16).view(torch.float16)
+    f = torch.exp2((7 + d).float()).to(torch.float16).repeat_interleave(quant_fp4.SCALE_GROUP, dim=-1)
+    return (h * torch.tensor(2.0 ** 7, dtype=torch.float16) * f).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def test_kernel_operands_widen_to_the_recipe_bit_for_bit():
+    """quant_fp4.kernel_operands (codes, block scales, shift words), widened as the fused kernel
+    does it, is widen_weights' W8A8 operands bit for bit, w1's interleaved rows included, with block
+    spreads past the exact 14 (rounded groups) and past the clamp at -20 (zeros)."""
+    g = torch.Generator().manual_seed(5)
+    E, H, inter = 2, 256, 256
+    w1 = torch.randn(E, 2 * inter, H, generator=g) * torch.exp2(torch.randint(-24, 14, (E, 2 * inter, H // 32),
+                                                                             generator=g).float()).repeat_interleave(32, -1)
+    w2 = torch.randn(E, H, inter, generator=g) * torch.exp2(torch.randint(-12, 4, (E, H, inter // 32),
+                                                                         generator=g).float()).repeat_interleave(32, -1)
+    fp4 = quant_fp4.quantize_weights(w1, w2)
+    d1, _ = quant_fp4._block_shift(untransform_w1(fp4[1]))
+    assert quant_fp4.inexact_groups(fp4[1]) > 0 and int(d1.min()) < -20
+    w1_q, w1_s, w2_q, w2_s = quant_fp4.widen_weights(*fp4)
+    c1, s1, sh1, c2, s2, sh2 = quant_fp4.kernel_operands(*fp4)
+    assert sh1.shape == (E, H // 128, 2 * inter) and sh2.shape == (E, inter // 128, H) and sh1.dtype == torch.int32
+    assert torch.equal(c1, fp4[0]) and torch.equal(c2, fp4[2]) and torch.equal(s1, w1_s) and torch.equal(s2, w2_s)
+    for e in range(E):
+        assert torch.equal(_widen_as_the_kernel(c1[e], sh1[e]), w1_q[e].view(torch.uint8))
+        assert torch.equal(_widen_as_the_kernel(c2[e], sh2[e]), w2_q[e].view(torch.uint8))
 
 
 def test_deepgemm_layout_converts_bit_for_bit():
