@@ -84,6 +84,8 @@ class SharedTensors:
     stamp_word: Any  # trace builds: a word holding 1, see MegaMoESm90.barrier_timestamp
     row_scale: Any  # W8A8: the staged L1 tile's h scale per row (consumers -> epilogue warps)
     amax_x: Any  # W8A8 half tiles: (2 warpgroups x 64 rows) partial h amax
+    sW: Any = None  # W4A8: the widened E4M3 B blocks (sm90_fp4)
+    shifts: Any = None  # W4A8: each ring stage's shift words
 
 
 # The host-built arguments become a JIT argument here, where the DSL is imported (arguments.py).
@@ -137,6 +139,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
 
     precision = "bf16"
     ab_dtype, ab_bytes, block_k = BFloat16, 2, BLOCK_K  # one ring stage: a 128-byte swizzle row of K
+    # B in the ring, if not ab_dtype x block_k (W4A8: packed E2M1 codes), and E4M3 B blocks outside it
+    b_dtype, b_tile_k, widened_buffers = None, None, 0
     aux_warpgroup_regs, mma_warpgroup_regs, dispatch_warp_unroll = AUX_WARPGROUP_REGS, MMA_WARPGROUP_REGS, \
         DISPATCH_WARP_UNROLL
     row_scale_words, amax_words = 1, 1  # shared words a precision's staging needs (bf16: placeholders)
@@ -157,6 +161,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             raise ValueError(f"{type(self).__name__} is the {self.precision} kernel, the config asks for "
                              f"{config.precision!r} (kernel.kernel_class picks the class)")
         self.hidden, self.intermediate, self.config = hidden, intermediate, config
+        self.b_ring_dtype, self.b_ring_k = self.b_dtype or self.ab_dtype, self.b_tile_k or self.block_k
         self.schedule = config.schedule_spec()
         self.block_n, self.stages, self.trace = config.block_n, config.stages, config.trace
         self.dispatch_copy, self.dispatch_window = config.dispatch_copy, config.dispatch_window
@@ -185,32 +190,43 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.tiled_mma = sm90_utils.make_tiled_mma(ab, "K", "K", self.block_n, atom_layout_mnk=(2, 1, 1))
         self.sA_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (BLOCK_M, self.block_k),
                                                      stage=self.stages)
-        self.sB_layout = sm90_utils.make_smem_layout(ab, LayoutEnum.ROW_MAJOR, (self.block_n, self.block_k),
-                                                     stage=self.stages)
+        self.sB_layout = sm90_utils.make_smem_layout(self.b_ring_dtype, LayoutEnum.ROW_MAJOR,
+                                                     (self.block_n, self.b_ring_k), stage=self.stages)
         self.sC_layout = cute.make_layout(BLOCK_M * self.stage_words)  # see stage_index
-        bulk_bytes = 2 * self.bulk_piece_bytes if self.dispatch_copy == "bulk" else 16
-
-        @cute.struct
-        class SharedStorage:
-            sA: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[ab, cute.cosize(self.sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(self.sC_layout)], 128]
-            ab_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.stages], 8]
-            row_w: cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_M], 16]
-            row_addr: cute.struct.Align[cute.struct.MemRange[Int64, BLOCK_M], 16]
-            bulk_buf: cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128]
-            # + trace builds: a word holding 1 (MegaMoESm90.barrier_timestamp)
-            bulk_mbar: cute.struct.Align[cute.struct.MemRange[Int64, 2 + int(self.trace)], 8]
-            row_scale: cute.struct.Align[cute.struct.MemRange[Float32, self.row_scale_words], 16]
-            amax_x: cute.struct.Align[cute.struct.MemRange[Float32, self.amax_words], 16]
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage(cute.cosize(self.sA_layout), cute.cosize(self.sB_layout),
+                                                       cute.cosize(self.sC_layout))
         self.kernel(
             args, max_tokens, topk, barrier_base, MmaLayouts(self.tiled_mma, self.sA_layout, self.sB_layout,
                                                              self.sC_layout),
-            TmaOperands(*self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2)),
+            self.tma_operands(args),
         ).launch(grid=[num_ctas, 1, 1], block=[self.num_threads, 1, 1], stream=stream,
                  cluster=[2, 1, 1])  # CTAs 2g, 2g + 1 (a scheduler pair) form one cluster
+
+    def make_shared_storage(self, a_elems: int, b_elems: int, c_words: int):
+        """The CTA's shared-memory struct (plain Python, so the W4A8 fields can be conditional)."""
+        ab = self.ab_dtype
+        bulk_bytes = 2 * self.bulk_piece_bytes if self.dispatch_copy == "bulk" else 16
+        fields = dict(
+            sA=cute.struct.Align[cute.struct.MemRange[ab, a_elems], 1024],
+            sB=cute.struct.Align[cute.struct.MemRange[ab, b_elems], 1024],
+            sC=cute.struct.Align[cute.struct.MemRange[Float32, c_words], 128],
+            ab_mbar=cute.struct.Align[cute.struct.MemRange[Int64, 2 * self.stages], 8],
+            row_w=cute.struct.Align[cute.struct.MemRange[Float32, BLOCK_M], 16],
+            row_addr=cute.struct.Align[cute.struct.MemRange[Int64, BLOCK_M], 16],
+            bulk_buf=cute.struct.Align[cute.struct.MemRange[Int8, bulk_bytes], 128],
+            # + trace builds: a word holding 1 (MegaMoESm90.barrier_timestamp)
+            bulk_mbar=cute.struct.Align[cute.struct.MemRange[Int64, 2 + int(self.trace)], 8],
+            row_scale=cute.struct.Align[cute.struct.MemRange[Float32, self.row_scale_words], 16],
+            amax_x=cute.struct.Align[cute.struct.MemRange[Float32, self.amax_words], 16])
+        if self.widened_buffers:
+            fields.update(sW=cute.struct.Align[cute.struct.MemRange[ab, self.widened_buffers * self.block_n
+                                                                    * self.block_k], 1024],
+                          shifts=cute.struct.Align[cute.struct.MemRange[Int32, self.stages * self.block_n], 128])
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def tma_operands(self, args):
+        """The kernel's TMA atoms and coordinate tensors (:meth:`make_tma_atoms`)."""
+        return TmaOperands(*self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2))
 
     def schedule_start(self, ctx):
         """Scheduler instance of a CTA: pair g, role r in the pair, stride G (pairs), first cursor."""
@@ -274,6 +290,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             stamp_word=cute.recast_ptr(storage.bulk_mbar.data_ptr() + 2, dtype=Int32),
             row_scale=storage.row_scale.get_tensor(cute.make_layout(self.row_scale_words)),
             amax_x=storage.amax_x.get_tensor(cute.make_layout(self.amax_words)))
+        sm = self.precision_shared_tensors(sm, storage, mma)
         if const_expr(self.trace):
             if tidx == 0:
                 cute.make_tensor(sm.stamp_word, cute.make_layout(1))[0] = Int32(1)  # before the CTA sync below
@@ -303,6 +320,10 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         while i < 2 * num_rows:
             args.mCounters[self.COUNTER_L2_FULL + i] = Int32(0)
             i = i + nctas * self.num_threads
+
+    def precision_shared_tensors(self, sm, storage, mma):
+        """A precision's own views of shared memory (W4A8: the packed ring, the widened blocks)."""
+        return sm
 
     def producer_warp(self, tidx):
         return tidx // 32 == self.num_mma_threads // 32

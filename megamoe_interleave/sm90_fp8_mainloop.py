@@ -80,7 +80,7 @@ class Fp8ConsumerMixin:
         ``mW2Scale``. The weights' scales of the whole tile are loaded at its start, one K block per
         lane (:meth:`weight_scale`), the rows' scales two K blocks ahead. Returns (state, time the
         first stage had landed, ok)."""
-        mma, acc, tCrA, tCrB, tCcC, part = frags
+        mma, acc, tCrA, tCrB, tCcC, part = frags[:6]
         timeout = Int64(self.ring_timeout_ns)
         err = gm.mCounters.iterator + self.COUNTER_ERROR
         k_dim = self.hidden if const_expr(l1) else self.intermediate
@@ -128,13 +128,13 @@ class Fp8ConsumerMixin:
         for kt in cutlass.range(num_k, unroll=1):
             if kt > 0:
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
+            b = self.b_ready(frags, state, kt, False)
             nxt = cutlass.min(kt + 1, num_k - 1)
             # one 128-column batch per weight scale block, each promoted after wait 0
             p = part[0]
             for j in cutlass.range_constexpr(len(tCrB)):
                 self.take_turn()
-                sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=state.index,
-                                      wg_wait=-1)
+                sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=b, wg_wait=-1)
                 self.pass_turn()
                 if const_expr(j == 0):
                     d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
@@ -187,7 +187,7 @@ class Fp8ConsumerMixin:
         back edge made ptxas serialize every WGMMA: C7514.) ``rows``: :meth:`row_scales`' (base,
         offset 0, offset 1); ``weights``: the two :meth:`weight_scales`; ``ahead``: block 1's row
         scales and block 0's scale products, as :meth:`mma_tile_fp8` leaves them."""
-        mma, acc, tCrA, tCrB, _, part = frags
+        mma, acc, tCrA, tCrB, _, part = frags[:6]
         pa, oa0, oa1 = rows
         sbv0, sbv1 = weights
         na0, na1, c0, c1, c2, c3 = ahead
@@ -197,14 +197,16 @@ class Fp8ConsumerMixin:
             kt = 2 * kp
             if kp > 0:
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
-            sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=-1)
+            self.b_free(True)
+            b = self.b_ready(frags, state, 0, True)
+            sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=b, wg_wait=-1)
             d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, kt + 1, one_block)
             na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
             second = state.clone()
             second.advance()
             ok = ab_pipe.consumer_wait_bounded(second, ok, timeout, err)
-            sm90_utils.gemm_w_idx(mma, part_b, tCrA, tCrB, True, A_idx=second.index, B_idx=second.index,
-                                  wg_wait=-1)
+            b = self.b_ready(frags, second, 1, True)
+            sm90_utils.gemm_w_idx(mma, part_b, tCrA, tCrB, True, A_idx=second.index, B_idx=b, wg_wait=-1)
             warpgroup.wait_group(1)
             self.promote(acc, part, 0, c0, c1, c2, c3, l1)
             ab_pipe.consumer_release(state)
@@ -218,11 +220,21 @@ class Fp8ConsumerMixin:
         if const_expr(num_k % 2 == 1):  # the last block alone
             if const_expr(num_k > 1):
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
-            sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=state.index, wg_wait=0)
+            self.b_free(True)
+            b = self.b_ready(frags, state, 0, True)
+            sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=b, wg_wait=0)
             self.promote(acc, part, 0, c0, c1, c2, c3, l1)
             ab_pipe.consumer_release(state)
             state.advance()
         return state, ok
+
+    def b_ready(self, frags, state, kt, half: bool):
+        """The B operand of K block ``kt`` (half tiles: 0 / 1 within a pair) at ring ``state``, ready for
+        the WGMMAs: its stage index (W4A8 widens it first, :class:`~.sm90_fp4.MegaMoESm90W4A8`)."""
+        return state.index
+
+    def b_free(self, half: bool):
+        """Before a half tile's K pair: the pair before it has no WGMMA in flight (W4A8: a barrier)."""
 
     @cute.jit
     def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, one_block: cutlass.Constexpr):

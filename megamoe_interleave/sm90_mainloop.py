@@ -44,31 +44,36 @@ class ProducerMixin:
             num_stages=self.stages,
             producer_group=CooperativeGroup(Agent.Thread),
             consumer_group=CooperativeGroup(Agent.Thread, 2 * (self.num_mma_threads // 32)),
-            tx_count=self.block_k * (BLOCK_M + self.block_n) * self.ab_bytes,
+            tx_count=self.stage_tx_bytes(),
             cta_layout_vmnk=cute.make_layout((1, 1, 2, 1)),
         )
+
+    def stage_tx_bytes(self) -> int:
+        """Bytes one ring stage receives (A, and B from both CTAs of the pair)."""
+        return self.block_k * (BLOCK_M + self.block_n) * self.ab_bytes
 
     def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
         """TMA atoms + coordinate tensors of the four GEMM operands, each a compact row-major 2-D
         view: L1 A = dispatched rows (n_pad, H), L1 B = every local expert's w1 rows (E_l * 2I, H),
-        L2 A = h (n_pad, I), L2 B = (E_l * H, I); B (shared by the pair) multicast."""
+        L2 A = h (n_pad, I), L2 B = (E_l * H, I); B (shared by the pair) multicast. (B's columns
+        are its ring tile's: ``b_tile_k`` per ``block_k`` of K.)"""
         H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
         n_pad = cute.size(mPoolX, mode=[0])
         n_exp = cute.size(mW1, mode=[0])
+        bk = self.b_ring_k
         views = (
-            (mPoolX, (n_pad, H), self.sA_layout, BLOCK_M),
-            (mW1, (n_exp * I2, H), self.sB_layout, self.block_n),
-            (mH, (n_pad, I), self.sA_layout, BLOCK_M),
-            (mW2, (n_exp * H, I), self.sB_layout, self.block_n),
+            (mPoolX, (n_pad, H), self.sA_layout, (BLOCK_M, self.block_k)),
+            (mW1, (n_exp * I2, H * bk // self.block_k), self.sB_layout, (self.block_n, bk)),
+            (mH, (n_pad, I), self.sA_layout, (BLOCK_M, self.block_k)),
+            (mW2, (n_exp * H, I * bk // self.block_k), self.sB_layout, (self.block_n, bk)),
         )
         out = []
-        for i, (t, shape, smem_layout, rows) in enumerate(views):
+        for i, (t, shape, smem_layout, box) in enumerate(views):
             compact = cute.make_tensor(t.iterator, cute.make_layout(shape, stride=(shape[1], 1)))
             mcast = i % 2 == 1
             atom, coords = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
-                compact, cute.slice_(smem_layout, (None, None, 0)), (rows, self.block_k),
-                num_multicast=2 if mcast else 1)
+                compact, cute.slice_(smem_layout, (None, None, 0)), box, num_multicast=2 if mcast else 1)
             out += [atom, coords]
         return tuple(out)
 
@@ -94,7 +99,7 @@ class ProducerMixin:
                     rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1,
                                                a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n,
-                                               self.hidden // self.block_k, sm)
+                                               self.hidden // self.block_k, sm, self.stage_extras(ops, tile, True))
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
                     if ok:
@@ -106,7 +111,7 @@ class ProducerMixin:
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2,
                                                a_row0, e * self.hidden + tile.n_block * self.block_n,
-                                               self.intermediate // self.block_k, sm)
+                                               self.intermediate // self.block_k, sm, self.stage_extras(ops, tile, False))
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
         # Every load landed (the peer issues the same loads, also after a failed wait, but may sit
@@ -133,13 +138,18 @@ class ProducerMixin:
             cute.arch.fence_proxy("async.global")
         return rows_ok, ok
 
+    def stage_extras(self, ops, tile, l1: bool):
+        """What a precision loads into each ring stage besides A and B (W4A8: the shift words)."""
+        return ()
+
     @cute.jit
     def load_tile(self, ab_pipe, state, ok: Boolean, gm, tma_a, mA, tma_b, mB, a_row0: Int32, b_row0: Int32,
-                  num_k: cutlass.Constexpr, sm):
+                  num_k: cutlass.Constexpr, sm, extras):
         """TMA loads of a tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN) (our half of B
-        multicast into both CTAs' stage). Returns (state, ok)."""
+        multicast into both CTAs' stage), and a precision's ``extras`` (:meth:`load_extras`). Returns
+        (state, ok)."""
         gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (BLOCK_M, self.block_k), (0, None))
-        gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, self.block_k), (0, None))
+        gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, self.b_ring_k), (0, None))
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sm.sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
@@ -151,6 +161,8 @@ class ProducerMixin:
             bar = ab_pipe.producer_get_barrier(state)
             cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+            if const_expr(len(extras) > 0):
+                self.load_extras(extras, sm, kt, state.index, bar)
             ab_pipe.producer_commit(state)
             state.advance()
         return state, ok
