@@ -101,8 +101,9 @@ class MegaMoE:
         self.num_experts, self.hidden, self.intermediate, self.topk = num_experts, hidden, intermediate, topk
         self.experts_per_rank = num_experts // P
         if backend == "fused":  # the kernel's own checks now (no compile, no launch)
-            from .kernel import make_kernel
+            from .kernel import make_kernel, require_validated
 
+            require_validated(self.config.precision)
             for c in self.configs.values():
                 make_kernel(hidden, intermediate, c)
         # Largest pool of one rank (every pick of every source) + the BLOCK_M padding rows.
@@ -128,6 +129,7 @@ class MegaMoE:
         self._poison_pending = False
         self.w1, self.w2 = {}, {}  # rank -> its experts' weights in the kernel layout
         self.w1_scales, self.w2_scales = {}, {}  # w8a8: FP32 block scales; w4a8: UE8M0 bytes per row and 32 K
+        self.fp4_operands = {}  # w4a8, fused: rank -> the kernel's block scales and shift words (kernel_operands)
 
     # -- weights -----------------------------------------------------------
     def load_weights(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
@@ -193,6 +195,10 @@ class MegaMoE:
         dev = self.world.device
         self.w1[r], self.w1_scales[r] = w1_q.to(dev).contiguous(), w1_s.to(dev).contiguous()
         self.w2[r], self.w2_scales[r] = w2_q.to(dev).contiguous(), w2_s.to(dev).contiguous()
+        if self.config.precision == "w4a8" and self.backend == "fused":
+            _, s1, sh1, _, s2, sh2 = quant_fp4.kernel_operands(self.w1[r], self.w1_scales[r], self.w2[r],
+                                                               self.w2_scales[r])
+            self.fp4_operands[r] = dict(mW1Scale=s1, mW1Shift=sh1, mW2Scale=s2, mW2Shift=sh2)
 
     # -- forward -----------------------------------------------------------
     def forward(self, x: Union[torch.Tensor, Sequence[torch.Tensor]], topk_idx, topk_weights, x_scales=None):

@@ -60,7 +60,7 @@ class MegaMoEGraph:
         if warmup < 1:
             raise ValueError("warmup must be >= 1 (the first call compiles and allocates; capture cannot)")
         self.moe, self.num_tokens = moe, counts
-        if moe.config.precision == "w8a8":
+        if moe.config.fp8:
             self.x: List[torch.Tensor] = [torch.zeros(T, moe.hidden, dtype=buf.dtype, device=moe.world.device)
                                           for T in counts]
         else:

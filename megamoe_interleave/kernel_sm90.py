@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int8, Int32, Int64, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int8, Int32, Int64, Uint8, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
@@ -39,7 +39,7 @@ from quack.cute_dsl_utils import mlir_namedtuple
 
 from xstage import device as xdev
 
-from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, tensor_argument_spec
+from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, arguments_class, tensor_argument_spec
 from .config import BLOCK_K, BLOCK_M, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
@@ -182,7 +182,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.pairs_l2 = pair_tiles_per_row(hidden, self.block_n)
 
     @cute.jit
-    def __call__(self, args: MegaMoEArguments, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32,
+    def __call__(self, args, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32,
                  stream):
         """Launch one rank's tiles on ``num_ctas`` CTAs (``args``: :func:`.arguments.tensor_argument_spec`)."""
         ab = self.ab_dtype
@@ -267,8 +267,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         return min(8, self.stage_words // 4)
 
     @cute.kernel
-    def kernel(self, args: MegaMoEArguments, max_tokens: Int32, topk: Int32, barrier_base: Int32,
-               mma: MmaLayouts, ops: TmaOperands):
+    def kernel(self, args, max_tokens: Int32, topk: Int32, barrier_base: Int32,
+               mma: MmaLayouts, ops):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
@@ -376,10 +376,11 @@ def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16
 
     from xstage.cute_compile import fake_stream
 
-    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16, "float8_e4m3fn": Float8E4M3FN}
-    div = {"bfloat16": 8, "float8_e4m3fn": 16}  # 16-byte rows
+    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16, "float8_e4m3fn": Float8E4M3FN,
+           "uint8": Uint8}
+    div = {"bfloat16": 8, "float8_e4m3fn": 16, "uint8": 16}  # 16-byte rows
     syms = {}
     fake = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
                                                for d in shape), divisibility=div.get(dtype, 1))
             for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
-    return (MegaMoEArguments(*fake), *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
+    return (arguments_class(precision)(*fake), *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())

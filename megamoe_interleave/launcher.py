@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import reference
-from .arguments import MegaMoEArguments, check_launch_arguments
+from .arguments import MegaMoEArguments, arguments_class, check_launch_arguments
 from .config import BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig
 from .device_plan import DevicePlan, plan_all_ranks
 from .host_plan import HostPlan, persistent_ctas
@@ -95,10 +95,13 @@ class FusedLauncher:
         return flat[: n * H].view(n, H)
 
     def scale_arguments(self, d: int, config: MegaMoEConfig, scale_rows) -> dict:
-        """The W8A8 scale fields of rank ``d``'s arguments: every rank's x_scales table, ``scale_rows`` =
-        (pool x, h) scale scratch, w1 / w2 scales; bf16: the x table and [1, 1] / [1, 1, 1] stand-ins
-        the kernel never reads."""
+        """The FP8 scale fields of rank ``d``'s arguments: every rank's x_scales table, ``scale_rows`` =
+        (pool x, h) scale scratch, w1 / w2 scales (W4A8: the widened blocks' scales and the shift
+        words); bf16: the x table and [1, 1] / [1, 1, 1] stand-ins the kernel never reads."""
         layer = self.layer
+        if config.precision == "w4a8":
+            return dict(mPeerXScale=layer.buffer.x_scales.peer_table(d), mPoolXScale=scale_rows[0],
+                        mHScale=scale_rows[1], **layer.fp4_operands[d])
         if config.precision != "w8a8":
             if self.no_scales is None:
                 self.no_scales = torch.zeros(1, dtype=torch.float32, device=layer.world.device)
@@ -134,7 +137,7 @@ class FusedLauncher:
         pool_x = self.scratch_rows(d, "pool_x", n_pool + BLOCK_M, H, ab)
         h = self.scratch_rows(d, "h", n_pool + BLOCK_M, I, ab)
         scale_rows = [self.scratch_rows(d, name, n_pool + BLOCK_M, cols // QUANT_BLOCK, torch.float32)
-                      for name, cols in (("pool_x_scale", H), ("h_scale", I))] if config.precision == "w8a8" else None
+                      for name, cols in (("pool_x_scale", H), ("h_scale", I))] if config.fp8 else None
         num_ctas = persistent_ctas(layer.num_sms, grid)
         # The two small int32 tables in one host->device copy (pinned, asynchronous); the row
         # records first, so they are 16-byte aligned (the kernel loads each with one vector load).
@@ -152,7 +155,7 @@ class FusedLauncher:
             layer.last_trace[d] = trace
         else:  # unused by the kernel
             trace = self.scratch_rows(d, "no_trace", 1, len(TRACE_FIELDS), torch.int64).view(1, 1, len(TRACE_FIELDS))
-        args = MegaMoEArguments(
+        args = arguments_class(config.precision)(
             mPeerX=buf.x.peer_table(d), mPeerCombine=buf.combine.peer_table(d), mPoolSrc=pool_src, mPoolWeight=pool_w,
             mPoolX=pool_x, mH=h, mW1=layer.w1[d], mW2=layer.w2[d], mRowRecord=records.view(-1, 4),
             mScheduleTable=sched_table, mCounters=buf.counters[d], mTrace=trace, mPlan=sizes,
@@ -268,12 +271,12 @@ class FusedLauncher:
             dev = layer.world.device
             f32 = dict(dtype=torch.float32, device=dev)
             scales = ((torch.empty(n_pad, H // QUANT_BLOCK, **f32), torch.empty(n_pad, I // QUANT_BLOCK, **f32))
-                      if config.precision == "w8a8" else None)
+                      if config.fp8 else None)
             self.device_scratch[d] = (torch.empty(n_pad, H, dtype=buf.x.dtype, device=dev),
                                       torch.empty(n_pad, I, dtype=buf.x.dtype, device=dev),
                                       torch.zeros(1, 1, len(TRACE_FIELDS), dtype=torch.int64, device=dev), scales)
         pool_x, h, no_trace, scales = self.device_scratch[d]
-        args = MegaMoEArguments(
+        args = arguments_class(config.precision)(
             mPeerX=buf.x.peer_table(d), mPeerCombine=buf.combine.peer_table(d), mPoolSrc=plans.pool_src[d],
             mPoolWeight=plans.pool_weight[d], mPoolX=pool_x, mH=h, mW1=layer.w1[d], mW2=layer.w2[d],
             mRowRecord=plans.row_record[d], mScheduleTable=plans.schedule_table[d], mCounters=buf.counters[d],

@@ -59,7 +59,8 @@ class Fp8ConsumerMixin:
         tCcC = thr.partition_C(cute.make_identity_tensor((BLOCK_M, BN)))
         mma_s = sm90_utils.make_tiled_mma(Float8E4M3FN, "K", "K", SLICE_N, atom_layout_mnk=(2, 1, 1))
         thr_s = mma_s.get_slice(tidx)
-        sB = [cute.local_tile(sm.sB, (SLICE_N, BK, S), (j, 0, 0)) for j in range(BN // SLICE_N)]
+        SB = cute.size(sm.sB, mode=[2])  # B's stages: the ring's, or W4A8's widened blocks
+        sB = [cute.local_tile(sm.sB, (SLICE_N, BK, SB), (j, 0, 0)) for j in range(BN // SLICE_N)]
         part, tCrA, tCrB0 = sm90_utils.partition_fragment_ABC(thr_s, (BLOCK_M, SLICE_N, BK), sm.sA, sB[0])
         tCrB = (tCrB0,) + tuple(thr_s.make_fragment_B(thr_s.partition_B(b)) for b in sB[1:])
         full = (mma_s, acc, tCrA, tCrB, tCcC, (part,))

@@ -99,7 +99,7 @@ class ProducerMixin:
                     rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1,
                                                a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n,
-                                               self.hidden // self.block_k, sm, self.stage_extras(ops, tile, True))
+                                               self.hidden // self.block_k, sm, self.stage_extras(ops, tile, True, sm))
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
                     if ok:
@@ -111,7 +111,7 @@ class ProducerMixin:
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2,
                                                a_row0, e * self.hidden + tile.n_block * self.block_n,
-                                               self.intermediate // self.block_k, sm, self.stage_extras(ops, tile, False))
+                                               self.intermediate // self.block_k, sm, self.stage_extras(ops, tile, False, sm))
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
         # Every load landed (the peer issues the same loads, also after a failed wait, but may sit
@@ -138,7 +138,7 @@ class ProducerMixin:
             cute.arch.fence_proxy("async.global")
         return rows_ok, ok
 
-    def stage_extras(self, ops, tile, l1: bool):
+    def stage_extras(self, ops, tile, l1: bool, sm):
         """What a precision loads into each ring stage besides A and B (W4A8: the shift words)."""
         return ()
 

@@ -102,6 +102,42 @@ def test_w8a8_device_launch_arguments():
         check_launch_arguments(Hq, Iq, MegaMoEArguments(**dev))
 
 
+def test_w4a8_launch_arguments(monkeypatch):
+    """W4A8 (H 512, I 256), host and device-side paths on the CPU: packed codes, the widened blocks'
+    scales and the shift words of quant_fp4.kernel_operands, E4M3 pool / h and FP32 scale scratch, in
+    the W4A8 signature (which a W8A8 check rejects). The fused layer stays refused until the GPU tests
+    lift the gate."""
+    from megamoe_interleave import kernel, quant, quant_fp4
+    from megamoe_interleave.arguments import MegaMoEArgumentsW4A8
+
+    P, k, Hq, Iq = 2, 2, 512, 256
+    config = MegaMoEConfig("interleaved", precision="w4a8")
+    with pytest.raises(ValueError, match="not passed the GPU tests"):
+        MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, Hq, Iq, k, 64, config, backend="fused")
+    monkeypatch.setattr(kernel, "UNVALIDATED", {})
+    g = torch.Generator().manual_seed(6)
+    w1 = (torch.randn(E, 2 * Iq, Hq, generator=g) / Hq ** 0.5).bfloat16()
+    w2 = (torch.randn(E, Hq, Iq, generator=g) / Iq ** 0.5).bfloat16()
+    moe = MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, Hq, Iq, k, 64, config, backend="fused")
+    moe.load_weights(w1, w2)
+    idx, w = _routing([40, 9], k, 0.1, seed=3)
+    moe.stage_inputs([torch.randn(t, Hq).bfloat16() for t in (40, 9)], idx, w)
+    names = [n for n, _, _ in tensor_argument_spec(Hq, Iq, "w4a8")]
+    plans = moe.launcher.device_plans(moe.config, *_stacked(moe))
+    el = E // P
+    for d in range(P):
+        want = quant_fp4.kernel_operands(*quant_fp4.quantize_weights(w1[d * el:(d + 1) * el], w2[d * el:(d + 1) * el]))
+        for args in (moe.launcher.device_launch_arguments(d, moe.config, plans), moe.launcher.launch_arguments(d)[1]):
+            assert isinstance(args, MegaMoEArgumentsW4A8)
+            check_launch_arguments(Hq, Iq, args, "w4a8")
+            t = dict(zip(names, args))
+            assert t["mPoolX"].dtype == t["mH"].dtype == quant.E4M3 and t["mW1"].dtype == torch.uint8
+            for name, w_ in zip(("mW1", "mW1Scale", "mW1Shift", "mW2", "mW2Scale", "mW2Shift"), want):
+                assert torch.equal(t[name], w_), name
+    with pytest.raises(TypeError):
+        check_launch_arguments(Hq, Iq, args, "w8a8")
+
+
 def test_call_preparation_poisons_and_flags_out_of_range_ids():
     """Poison on exactly the read slots (the padding row and the slots past T untouched),
     ERR_ROUTING into every rank's error word for a live out-of-range id and not for a stale one

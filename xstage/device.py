@@ -307,6 +307,28 @@ def store_shared_b16(address, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def load_shared_v4(address, *, loc=None, ip=None):
+    """``ld.shared.v4.b32`` of a 16-byte aligned shared-memory ``address`` (32-bit): four Int32. Kept
+    in program order (side effects), so it stays behind the waits that make its data valid."""
+    from cutlass._mlir.dialects import llvm
+
+    i32 = Int32.mlir_type
+    res = llvm.inline_asm(llvm.StructType.get_literal([i32] * 4), [Int32(address).ir_value(loc=loc, ip=ip)],
+                          "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", has_side_effects=True,
+                          loc=loc, ip=ip)
+    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def store_shared_v4(address, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.b32 [address], {w0..w3}`` at a 16-byte aligned shared-memory ``address`` (32-bit)."""
+    from cutlass._mlir.dialects import llvm
+
+    llvm.inline_asm(None, [Int32(v).ir_value(loc=loc, ip=ip) for v in (address, w0, w1, w2, w3)],
+                    "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def red_max_u64(address, value, *, loc=None, ip=None) -> None:
     """``red.relaxed.gpu.global.max.u64 [address], value`` (e.g. the latest of many threads'
     timestamps into one word)."""
