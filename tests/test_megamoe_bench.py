@@ -466,7 +466,8 @@ def test_main_on_a_cpu_stand_in(monkeypatch, tmp_path, capsys):
     assert all(m.poison_combine is False for m in timed)
 
 
-@pytest.mark.parametrize("script", ["bench_megamoe.py", "bench_megamoe_graph.py", "diag/megamoe_dispatch_cost.py", "diag/megamoe_energy.py",
+@pytest.mark.parametrize("script", ["bench_megamoe.py", "bench_megamoe_graph.py", "bench_megamoe_w4a8.py",
+                                    "diag/megamoe_dispatch_cost.py", "diag/megamoe_energy.py",
                                     "diag/megamoe_ncu_driver.py", "diag/megamoe_pm_phases.py",
                                     "diag/megamoe_trace_clock.py", "diag/megamoe_trace_timeline.py",
                                     "diag/profile_megamoe_api.py", "diag/wgmma_rate.py"])
@@ -722,3 +723,27 @@ def test_w8a8_bench_summary_and_rowwise_quantize():
     flops = 2.0 * 8192 * 6 * 3 * 4096 * 2048
     assert sus["fused_w8a8_tflops"] == pytest.approx(flops / 1000.0 / 1e6, abs=0.1)
     assert sus["fused_w8a8_of_dense"] == pytest.approx(flops / 1000.0 / 1e6 / 1400.0, abs=1e-3)
+
+
+def test_w4a8_bench_summary_and_report(tmp_path):
+    """The W4A8 bench's summary rows (each variant over the fused W4A8 kernel, the weight bytes' ratio)
+    and its report (summary.csv, w4a8.png) from a result file, without a GPU."""
+    import json
+
+    from lab.megamoe import w4a8_bench
+
+    def v(med):
+        return {"median_us": med, "baseline_median_us": 1000.0, "median_ratio": med / 1000.0, "n_matched": 6}
+
+    case = {"checks": {}, "weight_bytes": {"w4a8": 3.3e9, "w8a8": 6.5e9, "bf16": 13e9},
+            "paired": {"shape": "deepseek-v4-flash", "routing": "balanced", "world": "loopback", "P": 1,
+                       "tokens_per_rank": 1024, "variants": {"fused w8a8": v(1450.0), "fused bf16": v(2600.0),
+                                                            w4a8_bench.UNFUSED: v(4100.0)}}}
+    (row,) = w4a8_bench.summary_rows([case])
+    assert row["fused_w4a8_us"] == 1000.0 and row["fused_w8a8_over_w4a8"] == pytest.approx(1.45)
+    assert row["unfused_bf16_pipeline_fp4_dequantized_over_w4a8"] == pytest.approx(4.1)
+    assert row["w4a8_weight_bytes_over_w8a8"] == pytest.approx(3.3 / 6.5, abs=1e-4)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"cases": [case]}))
+    assert w4a8_bench.report([str(path)], str(tmp_path / "out")) == [row]
+    assert (tmp_path / "out" / "summary.csv").exists() and (tmp_path / "out" / "w4a8.png").exists()
