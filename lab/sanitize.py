@@ -9,7 +9,8 @@ kernel, against torch copies), megamoe_expert_wave / megamoe_interleaved (P = 2,
 E = 16, H = 1024, I = 512, top-4, 100 / 37 tokens, the default configuration),
 megamoe_w8a8_expert_wave / megamoe_w8a8_interleaved (that problem in W8A8, then P = 1, 200 tokens,
 top-2, H = 512, I = 256: the case whose empty pair-member tiles read scales past the pool, issue
-39), megamoe_plan (the device-side plan's kernel, equal to the torch plan, then one enqueue),
+39), megamoe_w4a8_expert_wave / megamoe_w4a8_interleaved (the W8A8 problems in W4A8, checked bit for
+bit against the W8A8 kernel on the widened weights), megamoe_plan (the device-side plan's kernel, equal to the torch plan, then one enqueue),
 megamoe_enqueue (one enqueue alone: the device plan, the fused kernel and the reduction, every
 kernel instrumented). Each
 case checks its output against a reference, so a run under the sanitizer is also a correctness run.
@@ -30,11 +31,13 @@ import threading
 import time
 
 CASES = ("calibration", "fa4_a2a", "fa4_a2a_copy", "megamoe_expert_wave", "megamoe_interleaved",
-         "megamoe_w8a8_expert_wave", "megamoe_w8a8_interleaved", "megamoe_plan", "megamoe_enqueue")
+         "megamoe_w8a8_expert_wave", "megamoe_w8a8_interleaved", "megamoe_w4a8_expert_wave",
+         "megamoe_w4a8_interleaved", "megamoe_plan", "megamoe_enqueue")
 TOOLS = ("memcheck", "racecheck")
 KERNEL_FILTER = {"calibration": "BurstKernel", "fa4_a2a": "FlashAttentionUlyssesSm90", "fa4_a2a_copy": "UlyssesA2ACopy",
                  "megamoe_expert_wave": "MegaMoESm90", "megamoe_interleaved": "MegaMoESm90",
                  "megamoe_w8a8_expert_wave": "MegaMoESm90", "megamoe_w8a8_interleaved": "MegaMoESm90",
+                 "megamoe_w4a8_expert_wave": "MegaMoESm90", "megamoe_w4a8_interleaved": "MegaMoESm90",
                  "megamoe_plan": "DevicePlanSm90", "megamoe_enqueue": None}  # None: every kernel
 
 
@@ -101,6 +104,7 @@ MEGAMOE_PROBLEMS = {
     # tile without rows, whose scale reads ran past the pool)
     "w8a8": [(2, 16, 1024, 512, 4, [100, 37], 256), (1, 16, 512, 256, 2, [200], 256)],
 }
+MEGAMOE_PROBLEMS["w4a8"] = MEGAMOE_PROBLEMS["w8a8"]
 PLAN_PROBLEM = (2, 16, 512, 256, 4, [64, 37], 64)  # skewed, 20 % masked
 PLAN_SCHEDULES = (("expert_wave", dict(experts_per_wave=2)), ("interleaved", dict(lead=2, balance_l2=True)))
 
@@ -113,8 +117,9 @@ SANITIZED_TIMEOUT_NS = 120_000_000_000
 
 
 def megamoe_layer(problem, precision, schedule, device):
-    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, kernel, make_world
 
+    kernel.UNVALIDATED = {}  # W4A8: these cases check it bit for bit against W8A8 (run_megamoe)
     P, E, H, I, k, _, T = problem
     timeout = dict(timeout_ns=SANITIZED_TIMEOUT_NS) if os.environ.get(SANITIZED_ENV) else {}
     return MegaMoE(make_world("loopback", world_size=P, device=device), E, H, I, k, T,
@@ -149,6 +154,13 @@ def run_megamoe(precision, schedule):
             refs = reference_moe_fp32(xs, idx, wts, w1, w2)
             err = max((y.float() - r).abs().max().item() for y, r in zip(ys, refs))
             assert err < 0.05, f"megamoe {schedule} {problem}: max error {err}"
+        elif precision == "w4a8":
+            from megamoe_interleave import quant_fp4
+
+            w8 = megamoe_layer(problem, "w8a8", schedule, "cuda")
+            w8.load_quantized_weights(*quant_fp4.widen_weights(*quant_fp4.quantize_weights(w1, w2)))
+            ys = [y.clone() for y in ys]
+            assert all(a.equal(b) for a, b in zip(ys, w8(xs, idx, wts))), f"megamoe w4a8 {schedule} {problem} != w8a8"
         else:
             err = relative_error(ys, reference_moe_w8a8(xs, idx, wts, *quant.quantize_weights(w1, w2)))
             assert err <= W8A8_KERNEL_REL_ERROR, f"megamoe w8a8 {schedule} {problem}: relative error {err}"
@@ -221,7 +233,10 @@ def compile_megamoe_cases(cases):
 
 def megamoe_precision_schedule(case):
     rest = case.removeprefix("megamoe_")
-    return ("w8a8", rest.removeprefix("w8a8_")) if rest.startswith("w8a8_") else ("bf16", rest)
+    for precision in ("w8a8", "w4a8"):
+        if rest.startswith(precision + "_"):
+            return precision, rest.removeprefix(precision + "_")
+    return "bf16", rest
 
 
 def run_case(case):

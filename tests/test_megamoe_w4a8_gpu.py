@@ -193,3 +193,17 @@ def test_w4a8_graph_replays_equal_eager_forward(P, schedule):
         if step % 10 == 0:
             _check(ys, xs, idxs, ws, fp4)
     layer.check()
+
+
+def test_w4a8_is_clean_under_memcheck(tmp_path):
+    """lab.sanitize's W4A8 case (the W8A8 problems, issue 39's included, each checked bit for bit
+    against W8A8 on the widened weights) under memcheck with the caching allocator off: no access
+    past a tensor, the packed ring, the shift words or the widened blocks."""
+    import shutil
+
+    from lab import sanitize
+
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer (CUDA toolkit) not found")
+    errors, _, log = sanitize.sanitize("megamoe_w4a8_interleaved", "memcheck", str(tmp_path), 600)
+    assert errors == 0, open(log).read()[-4000:]
