@@ -34,7 +34,7 @@ from xstage import device as xdev
 
 from .arguments import MegaMoEArgumentsW4A8
 from .config import BLOCK_K_FP8, BLOCK_M, WIDENED_BUFFERS
-from .fp4_widen import shift_factor, widen_e2m1x8
+from .fp4_widen import group_table, shift_factor, widen_e2m1x8
 from .kernel_sm90 import TmaOperands
 from .sm90_fp8 import MegaMoESm90W8A8
 
@@ -125,9 +125,9 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
     @cute.jit
     def widen_stage(self, sm, tidx, stage, buf):
         """B row ``tidx`` of ring stage ``stage``: per 32-group one 16-byte load of codes (64-byte
-        swizzle: chunk c at 16 (c ^ (row / 2 % 4))), its shift byte, four :func:`widen_e2m1x8` and two
-        16-byte stores of E4M3 (128-byte swizzle: chunk c at 16 (c ^ (row % 8)); both checked against
-        the layouts in tests/test_megamoe_w4a8_compile.py)."""
+        swizzle: chunk c at 16 (c ^ (row / 2 % 4))), its shift byte's :func:`group_table`, four
+        :func:`widen_e2m1x8` and two 16-byte stores of E4M3 (128-byte swizzle: chunk c at
+        16 (c ^ (row % 8)); both checked against the layouts in tests/test_megamoe_w4a8_compile.py)."""
         row = tidx
         word = sm.shifts[0, row, stage]
         src = Int32(sm.sB.iterator.toint()) + stage * (self.block_n * PACKED_K) + row * PACKED_K
@@ -136,10 +136,10 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
         swz_w = (row & 7) << 4
         for g in cutlass.range_constexpr(GROUPS):
             codes = xdev.load_shared_v4(src + ((16 * g) ^ swz_p))
-            factor = shift_factor((word << (24 - 8 * g)) >> 24)  # byte g, sign-extended
+            table = group_table(shift_factor((word << (24 - 8 * g)) >> 24))  # byte g, sign-extended
             out = []
             for w in cutlass.range_constexpr(4):
-                lo, hi = widen_e2m1x8(codes[w], factor)
+                lo, hi = widen_e2m1x8(codes[w], table)
                 out += [lo, hi]
             xdev.store_shared_v4(dst + ((32 * g) ^ swz_w), *out[:4])
             xdev.store_shared_v4(dst + ((32 * g + 16) ^ swz_w), *out[4:])

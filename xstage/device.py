@@ -285,14 +285,20 @@ def cvt_e4m3x4_f16x2(a, b, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def prmt(a, b, selector: int, *, loc=None, ip=None) -> Int32:
-    """``prmt.b32`` with a constant ``selector``: byte i of the result is byte ``selector``'s nibble i
-    of the eight bytes (``a`` bytes 0-3, ``b`` bytes 4-7). No side effects, so ptxas may schedule it."""
+def prmt(a, b, selector, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32``: byte i of the result is byte ``selector``'s nibble i of the eight bytes (``a`` bytes
+    0-3, ``b`` bytes 4-7; a nibble's bit 3 replicates that byte's sign instead). ``selector``: a Python
+    int (an immediate) or a 32-bit value (a register: its low 16 bits). No side effects, so ptxas may
+    schedule it."""
     from cutlass._mlir.dialects import llvm
 
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-                                 f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", has_side_effects=False, loc=loc,
-                                 ip=ip))
+    ops = [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)]
+    if isinstance(selector, int):
+        asm, constraints = f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r"
+    else:
+        asm, constraints = "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r"
+        ops.append(Int32(selector).ir_value(loc=loc, ip=ip))
+    return Int32(llvm.inline_asm(Int32.mlir_type, ops, asm, constraints, has_side_effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
 
-from megamoe_interleave.fp4_widen import shift_factor, widen_e2m1x8
+from megamoe_interleave.fp4_widen import group_table, shift_factor, widen_e2m1x8
 from xstage import device as xdev
 
 BLOCK_M, BLOCK_K = 128, 128  # one W8A8 tile's rows, one ring stage's K (one promotion block)
@@ -191,9 +191,9 @@ class WgmmaRateSm90:
             codes = cute.make_rmem_tensor((1, 4), Int32)
             codes.store(cute.local_tile(packed, (1, 4), (row, c)).load())
             d = (shifts[row] << (24 - 8 * c)) >> 24  # the row's shift byte c, sign-extended
-            factor = shift_factor(d)
+            table = group_table(shift_factor(d))
             for w in cutlass.range_constexpr(4):
-                lo, hi = widen_e2m1x8(codes[0, w], factor)
+                lo, hi = widen_e2m1x8(codes[0, w], table)
                 words[0, 2 * w] = lo
                 words[0, 2 * w + 1] = hi
             cute.local_tile(sB[None, None, s], (1, 32), (row, c)).store(out.load())
