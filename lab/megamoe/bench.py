@@ -125,6 +125,17 @@ def make_problem(shape, kind, P, tokens, strength=1.0):
     return (*make_weights(shape), *make_inputs(shape, kind, P, tokens, strength))
 
 
+def reference_weights(precision, w1, w2):
+    """The global weights the unfused reference pipeline should use for a layer of ``precision`` built
+    from ``w1`` / ``w2``: W4A8's dequantized FP4 weights in BF16 (its error against the BF16 weights is
+    the FP4 format's own, not the kernel's), else the weights themselves."""
+    if precision != "w4a8":
+        return w1, w2
+    from megamoe_interleave import quant_fp4
+
+    return tuple(t.bfloat16() for t in quant_fp4.dequantize_weights(*quant_fp4.quantize_weights(w1, w2)))
+
+
 def rank_weight_views(shape, P, w1, w2):
     """Each destination rank's slice of the global weights as the grouped GEMMs (and the
     unfused pipeline) take them: (w1_t, w2_t), lists of P views [E/P, H, 2I] and [E/P, I, H]."""
@@ -209,10 +220,10 @@ def build_moe(shape, P, tokens, config, w1, w2, *, world="loopback", poison_comb
                     shape.intermediate, shape.topk, tokens, config, backend="fused", poison_combine=poison_combine)
     if weight_cache is None or "w" not in weight_cache:
         moe.load_weights(w1, w2)
-        if weight_cache is not None:  # W8A8: the block scales too
-            weight_cache["w"] = (moe.w1, moe.w2, moe.w1_scales, moe.w2_scales)
+        if weight_cache is not None:  # W8A8: the block scales too; W4A8: its kernel operands
+            weight_cache["w"] = (moe.w1, moe.w2, moe.w1_scales, moe.w2_scales, moe.fp4_operands)
     else:
-        moe.w1, moe.w2, moe.w1_scales, moe.w2_scales = (copy.copy(w) for w in weight_cache["w"])
+        moe.w1, moe.w2, moe.w1_scales, moe.w2_scales, moe.fp4_operands = (copy.copy(w) for w in weight_cache["w"])
     return moe
 
 
@@ -229,15 +240,17 @@ def check_against(ys, refs, name):
             raise RuntimeError(f"{name}: rank {rank} max |fused - unfused| = {err:.4g} (output range {scale:.4g})")
 
 
-def check_w8a8_against(ys, refs, name):
-    """:func:`check_against` for a W8A8 output: every element finite, and per rank the relative
-    error against ``refs`` (the unfused BF16 pipeline) within the recipe's own bound
-    (reference.W8A8_FP32_REL_ERROR's upper end) plus the kernel's tolerance against its emulation
+def check_w8a8_against(ys, refs, name, precision="w8a8"):
+    """:func:`check_against` for an FP8 output: every element finite, and per rank the relative
+    error against ``refs`` (the unfused BF16 pipeline; W4A8: on the dequantized FP4 weights,
+    :func:`reference_weights`) within the recipe's own bound (reference.W8A8_FP32_REL_ERROR's or
+    W4A8_FP32_REL_ERROR's upper end) plus the kernel's tolerance against its emulation
     (W8A8_KERNEL_REL_ERROR): an elementwise bound on a BF16 reference would reject the recipe's
     E4M3 rounding itself."""
-    from megamoe_interleave.reference import W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, relative_error
+    from megamoe_interleave.reference import (W4A8_FP32_REL_ERROR, W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR,
+                                              relative_error)
 
-    bound = W8A8_FP32_REL_ERROR[1] + W8A8_KERNEL_REL_ERROR
+    bound = (W4A8_FP32_REL_ERROR if precision == "w4a8" else W8A8_FP32_REL_ERROR)[1] + W8A8_KERNEL_REL_ERROR
     for rank, (y, ref) in enumerate(zip(ys, refs)):
         if not torch.isfinite(y).all():
             raise RuntimeError(f"{name}: rank {rank} output has non-finite values")
@@ -254,7 +267,10 @@ def warmed_moe(shape, P, tokens, config, w1, w2, xs, idx, wts, *, world="loopbac
     moe = build_moe(shape, P, tokens, config, w1, w2, world=world, poison_combine=True, weight_cache=weight_cache)
     ys = moe.forward(xs, idx, wts)  # compile + warm-up, NaN-poisoned Combine slots
     if refs is not None:
-        (check_w8a8_against if moe.config.precision == "w8a8" else check_against)(ys, refs, name)
+        if moe.config.fp8:
+            check_w8a8_against(ys, refs, name, moe.config.precision)
+        else:
+            check_against(ys, refs, name)
     moe.poison_combine = False
     return moe
 

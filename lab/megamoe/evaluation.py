@@ -776,8 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--table2-P", type=int, default=None, help="default: the largest P measured per shape")
     ap.add_argument("--fig10-routing", default="skewed1", choices=tuple(ROUTINGS))
     ap.add_argument("--fig10-shapes", nargs="+", default=None, help="default: the first three shapes measured")
-    ap.add_argument("--precision", default="bf16", choices=("bf16", "w8a8"),
-                    help="the cells reported (a W8A8 report belongs in its own --out folder)")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "w8a8", "w4a8"),
+                    help="the cells reported (an FP8 report belongs in its own --out folder)")
     ap.add_argument("--recheck", nargs="+", default=(), metavar="JSON",
                     help="sweeps that re-measured some cells with more trials: their timing replaces the sweep's")
     ap.add_argument("--auto-measured", nargs="+", default=(), metavar="JSON",

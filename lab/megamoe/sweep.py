@@ -6,8 +6,9 @@ and the Burst-Gap model's predictions per cell. The command line is ``scripts/sw
 
 Cells (:func:`cell_grid`): shape (every :data:`~megamoe_interleave.shapes.SHAPES` entry with known
 dimensions) x routing (:data:`ROUTINGS`: balanced, skewed with Zipf strength 1 and 2) x tokens per
-rank (2048, 4096, 8192) x world (:data:`WORLDS`) x P (1, 8) x precision ("bf16", "w8a8": the
-fused FP8 kernel; its warm-up output is checked by relative error, :func:`bench.check_w8a8_against`). A cell whose estimated GPU memory (:func:`memory_estimate`) exceeds the budget
+rank (2048, 4096, 8192) x world (:data:`WORLDS`) x P (1, 8) x precision ("bf16", "w8a8" / "w4a8": the
+fused FP8 kernels; their warm-up output is checked by relative error, :func:`bench.check_w8a8_against`,
+W4A8's against the pipeline on its dequantized weights). A cell whose estimated GPU memory (:func:`memory_estimate`) exceeds the budget
 (~120 GB) is recorded as skipped with the reason.
 
 Worlds (single process, one GPU, P simulated ranks): ``loopback`` stores the Combine into device
@@ -84,8 +85,8 @@ ROUTINGS = {"balanced": ("balanced", None), "skewed1": ("skewed", 1.0), "skewed2
 TOKENS = (2048, 4096, 8192)
 WORLDS = ("loopback", "loopback+host")
 PS = (1, 8)
-PRECISIONS = ("bf16", "w8a8")
-DEFAULT_PRECISIONS = ("bf16",)  # the default grid; W8A8 cells join with --precision w8a8
+PRECISIONS = ("bf16", "w8a8", "w4a8")
+DEFAULT_PRECISIONS = ("bf16",)  # the default grid; W8A8 / W4A8 cells join with --precision
 # the platform profile of each world's remote path (None: no remote path, no prediction)
 PLATFORM_OF_WORLD = {w: profiles.PROFILE_OF_PLACEMENT[w] for w in ("loopback", "loopback+host")}
 NO_PREDICTION = ("loopback: the Combine stores go to device memory, no remote path -- the control; "
@@ -671,7 +672,9 @@ class GpuRunner:
         shape = get_shape(cell.shape)
         w1, w2 = self.weights(shape)
         xs, idx, wts = bench.make_inputs(shape, cell.kind, cell.P, cell.tokens, cell.strength or 1.0)
-        refs = unfused_pipeline(xs, idx, wts, *bench.rank_weight_views(shape, cell.P, w1, w2))
+        ref_w = bench.reference_weights(cell.precision, w1, w2)
+        refs = unfused_pipeline(xs, idx, wts, *bench.rank_weight_views(shape, cell.P, *ref_w))
+        del ref_w
         order = paired.rotated(list(SCHEDULES) + (["auto"] if self.with_auto else []), position)
         moes, cache = {}, {}
         for sched in order:
