@@ -518,6 +518,22 @@ def test_no_dispatch_copy_kernel_has_no_dispatch_copy(copy):
         assert nocopy.get(k, 0) < shipped[k], k
 
 
+def fp8_mainloop_sass(tool, cubin):
+    """The FP8 builds' SASS checks: FP8 WGMMAs only (QGMMA), at most one wait per four of them (not
+    serialized), both setmaxnreg kept, no local memory between the first and the last QGMMA. Returns
+    (SASS, its lines, the indices of its local-memory lines)."""
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = sass.splitlines()
+    qgmma = [i for i, line in enumerate(lines) if re.search(r"\bQGMMA\.64x(64|128)x32\.F32\.E4M3\.E4M3", line)]
+    waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert len(qgmma) >= 16 and not re.search(r"\bHGMMA\.", sass)
+    assert waits <= len(qgmma) // 4, f"{waits} WGMMA waits for {len(qgmma)} QGMMAs: serialized"
+    assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
+    local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
+    assert not [i for i in local if qgmma[0] < i < qgmma[-1]], "local memory access in the mainloops"
+    return sass, lines, local
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("turns", [False, True])
 @pytest.mark.parametrize("P", [1, 8])
@@ -551,15 +567,7 @@ def test_w8a8_builds_fp8_wgmma_pipelined(tmp_path, schedule, P, turns):
     turn_syncs = re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)
     turn_arrives = re.findall(r"bar\.arrive\s+%r\d+, 256;", ptx)
     assert (len(turn_syncs), len(turn_arrives), "bar.arrive 7, 256;" in ptx) == ((4, 4, True) if turns else (0, 0, False))
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = sass.splitlines()
-    qgmma = [i for i, line in enumerate(lines) if re.search(r"\bQGMMA\.64x(64|128)x32\.F32\.E4M3\.E4M3", line)]
-    waits = len(re.findall(r"WARPGROUP\.DEPBAR", sass))
-    assert len(qgmma) >= 16 and not re.search(r"\bHGMMA\.", sass)
-    assert waits <= len(qgmma) // 4, f"{waits} WGMMA waits for {len(qgmma)} QGMMAs: serialized"
-    assert len(re.findall(r"SETMAXREG", sass)) == 2, "ptxas dropped setmaxnreg"
-    local = [i for i, line in enumerate(lines) if re.search(r"\b(LDL|STL)\b", line)]
-    assert not [i for i in local if qgmma[0] < i < qgmma[-1]], "local memory access in the mainloops"
+    sass, lines, local = fp8_mainloop_sass(tool, cubin)
     # the weights' scales per lane, read by shuffle; at the 224 / 56 register split the consumers touch
     # no local memory (at 216 / 72 the tile loop's state was reloaded at every tile: 32-56 B of stack,
     # 5.8-7.6 % of the CTAs' time between tiles); the aux warps keep at most one spilled word pair

@@ -10,10 +10,9 @@ reference on the dequantized FP4 weights. Until these pass on an H200 the layer 
 import pytest
 import torch
 
-from megamoe_interleave.reference import (
-    W4A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR, reference_moe_fp32, reference_moe_w4a8, relative_error,
-)
-from test_megamoe_w8a8_gpu import E, _problem  # pytest puts tests/ on sys.path
+from megamoe_interleave.reference import W4A8_FP32_REL_ERROR, reference_moe_fp32, reference_moe_w4a8
+from test_megamoe_w8a8_gpu import CASES, E, _counts_routing, _problem  # pytest puts tests/ on sys.path
+from test_megamoe_w8a8_gpu import _check as check_fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -45,32 +44,15 @@ def _layers(P, k, schedule, hidden, inter, fp4):
 
 
 def _check(ys, xs, idx, w, fp4):
-    """Finite (poisoned Combine slots), within W8A8's kernel tolerance of the W4A8 emulation and
-    within the recipe's bound of fp32 on the dequantized FP4 weights."""
+    """W8A8's check (finite, poisoned slots; the kernel tolerance) against the W4A8 emulation and, with
+    W4A8's bound, fp32 on the dequantized FP4 weights."""
     from megamoe_interleave import quant_fp4
 
-    emulated = reference_moe_w4a8(xs, idx, w, *fp4)
-    fp32 = reference_moe_fp32(xs, idx, w, *quant_fp4.dequantize_weights(*fp4))
-    for y, emu, ref in zip(ys, emulated, fp32):
-        assert y.shape == emu.shape and y.dtype == torch.bfloat16
-        if y.numel() == 0:
-            continue
-        assert torch.isfinite(y.float()).all()
-        assert relative_error(y, emu) <= W8A8_KERNEL_REL_ERROR, relative_error(y, emu)
-        assert relative_error(y, ref) <= W4A8_FP32_REL_ERROR[1] + W8A8_KERNEL_REL_ERROR, relative_error(y, ref)
+    check_fp8(ys, reference_moe_w4a8(xs, idx, w, *fp4),
+              reference_moe_fp32(xs, idx, w, *quant_fp4.dequantize_weights(*fp4)), W4A8_FP32_REL_ERROR[1])
 
 
-CASES = [
-    # P, tokens per rank, top-k, routing, mask ratio, (H, I)
-    (1, [200], 2, "balanced", 0.0, (512, 256)),
-    (1, [150], 1, "skewed", 0.0, (1024, 512)),
-    (2, [100, 0], 1, "skewed", 0.0, (512, 256)),
-    (4, [65, 3, 130, 17], 6, "balanced", 0.2, (1024, 512)),
-    (8, [40, 1, 0, 77, 64, 5, 9, 120], 8, "skewed", 0.1, (512, 256)),
-]
-
-
-@pytest.mark.parametrize("P,tokens,k,kind,mask,dims", CASES)
+@pytest.mark.parametrize("P,tokens,k,kind,mask,dims", CASES)  # W8A8's
 def test_fused_w4a8_is_w8a8_on_the_widened_weights_bitwise(P, tokens, k, kind, mask, dims):
     from megamoe_interleave import quant_fp4
 
@@ -97,11 +79,7 @@ def test_fused_w4a8_zero_token_experts_half_tiles_and_wide_exponent_spreads():
     from megamoe_interleave import quant_fp4
 
     P, k, hidden, inter = 2, 2, 512, 256
-    counts = [0, 128, 1, 64, 65, 127, 0, 200, 3, 0, 70, 0, 129, 5, 0, 40]
-    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
-    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(3))]
-    tokens = ids.numel() // (P * k)
-    idx = list(ids[: P * tokens * k].view(P, tokens, k).cuda())
+    tokens, idx = _counts_routing(P, k, 3)
     w1, w2, xs, _, w = _problem(P, [tokens] * P, k, "balanced", 0.0, 5, hidden, inter)
     g = torch.Generator().manual_seed(8)
     spread = torch.exp2(torch.randint(-24, 14, (E, 2 * inter, hidden // 32), generator=g).float())
