@@ -171,7 +171,7 @@ def plan_arguments(schedule, options):
 
     P, E, H, I, k, tokens, T = PLAN_PROBLEM
     spec = schedule_of(schedule, **{n: v for n, v in options.items() if n != "experts_per_wave"})
-    return dict(experts_per_rank=E // P, block_m=128, schedule=spec, num_pairs=66, pairs_l1=2 * I // 256,
+    return dict(experts_per_rank=E // P, row_block=256, schedule=spec, num_pairs=66, pairs_l1=2 * I // 256,
                 pairs_l2=H // 256, hidden=H, intermediate=I, experts_per_wave=options.get("experts_per_wave"))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .int_ops import DIVMOD_SMALL_MAX
-from .row_grid import check_experts_per_wave, default_experts_per_wave, default_lead
+from .row_grid import check_experts_per_wave, default_experts_per_wave, default_lead, pool_rows_per_row
 from .scheduler import SCHEDULES, ExpertWaveSchedule, InterleavedSchedule, Schedule
 
 BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
@@ -48,10 +48,14 @@ TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid",
                 "rs_ns")
 
 
-def pair_tiles_per_row(n_cols: int, block_n: int) -> int:
-    """Pair tiles of one scheduler row over ``n_cols`` output columns: the CTA pair splits the
-    row along M, so both take the same N block."""
-    return n_cols // block_n
+PAIR_SPLITS = ("m", "n")
+
+
+def pair_tiles_per_row(n_cols: int, block_n: int, pair_split: str = "m") -> int:
+    """Pair tiles of one scheduler row over ``n_cols`` output columns: the CTA pair splits the row
+    along M, so both take the same N block, or (``pair_split="n"``) takes two N blocks."""
+    return n_cols // block_n if pair_split == "m" else n_cols // (2 * block_n)
+
 
 
 def bulk_piece_bytes(hidden: int, elem_bytes: int = 2) -> int:
@@ -143,6 +147,12 @@ class MegaMoEConfig:
     # promotion runs under the other's batch. Experimental: compiled and checked on a CPU, not yet
     # measured on a GPU (docs/moe-core.md section 5); it goes (or becomes the default) with that run.
     consumer_turns: bool = False
+    # How a CTA pair shares a scheduler row: "m", its 2 x 128 rows split along M with the weights (B)
+    # multicast; "n", 128 rows and two N blocks with the rows (A) multicast, so a pair whose expert
+    # has <= 128 rows computes no padding (docs/moe-core.md section 6). Experimental: "n" is
+    # compiled and checked on a CPU, not yet measured on a GPU; it goes (or becomes the small-batch
+    # default) with that run.
+    pair_split: str = "m"
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES + (AUTO,):
@@ -172,6 +182,8 @@ class MegaMoEConfig:
             raise ValueError(f"dispatch_window must be 0, or >= 1 with the bulk Dispatch, got {self.dispatch_window}")
         if self.timeout_ns <= 0:
             raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
+        if self.pair_split not in PAIR_SPLITS:
+            raise ValueError(f"pair_split must be one of {PAIR_SPLITS}, got {self.pair_split!r}")
         if self.consumer_turns and self.precision != "w8a8":
             raise ValueError(f"consumer_turns is a W8A8 mainloop option, got precision={self.precision!r}")
 
@@ -300,13 +312,15 @@ class MegaMoEConfig:
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window
         if window is None:
-            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n) + 1 if ew and copy == "bulk" else 0
+            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n, self.pair_split) + 1 \
+                if ew and copy == "bulk" else 0
         if window and copy != "bulk":
             raise ValueError("dispatch_window needs dispatch_copy='bulk'")
         out = dict(block_n=block_n, stages=stages, dispatch_copy=copy, dispatch_window=window)
         if ew:
             # l2_columns: an expert's L2 positions must stay in divmod_small's exact range
-            positions = (tokens * world_size // (2 * BLOCK_M) + 1) * pair_tiles_per_row(hidden, block_n)
+            positions = (tokens * world_size // pool_rows_per_row(BLOCK_M, self.pair_split == "m") + 1) \
+                * pair_tiles_per_row(hidden, block_n, self.pair_split)
             l2_columns = positions < DIVMOD_SMALL_MAX if self.l2_columns is None else self.l2_columns
             if l2_columns and positions >= DIVMOD_SMALL_MAX:
                 raise ValueError(f"l2_columns: up to {positions} L2 pair tiles per expert, the order handles "

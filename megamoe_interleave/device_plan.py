@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .row_grid import default_experts_per_wave, pool_rows_per_row
+from .config import BLOCK_M
+from .row_grid import default_experts_per_wave
 from .scheduler import Schedule
 
 
@@ -33,11 +34,11 @@ class PlanSizes:
     table: int
 
 
-def plan_sizes(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, block_m: int,
+def plan_sizes(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, row_block: int,
                schedule: Schedule, num_pairs: int, experts_per_wave: int | None = None) -> PlanSizes:
-    """Every slot of every source may route here; each local expert adds at most one partial row."""
+    """Every slot of every source may route here; each local expert adds at most one partial row
+    (``row_block``: pool rows per scheduler row, :func:`~.row_grid.pool_rows_per_row`)."""
     max_pool = world_size * max_tokens * topk
-    row_block = pool_rows_per_row(block_m, True)
     max_rows = -(-max_pool // row_block) + experts_per_rank
     if schedule.name == "expert_wave":
         epw = experts_per_wave or default_experts_per_wave(experts_per_rank)
@@ -90,13 +91,13 @@ def sorted_slots(topk_idx, num_tokens, num_experts: int):
 
 
 def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_tokens: torch.Tensor, *,
-                   experts_per_rank: int, block_m: int, schedule: Schedule, num_pairs: int, pairs_l1: int,
+                   experts_per_rank: int, row_block: int, schedule: Schedule, num_pairs: int, pairs_l1: int,
                    pairs_l2: int, hidden: int, intermediate: int,
                    experts_per_wave: int | None = None) -> DevicePlan:
     """Every destination rank's plan at once (each field with a leading [P] dim) from every
     source's routing: ``topk_idx`` / ``topk_weights`` [P, max_tokens, k] (the symmetric buffers;
-    -1 = masked pick), ``num_tokens`` [P] (device). Scheduler rows are 2 * block_m pool rows (the
-    CTA pair splits them along M).
+    -1 = masked pick), ``num_tokens`` [P] (device). Scheduler rows are ``row_block`` pool rows
+    (:func:`~.row_grid.pool_rows_per_row`: 2 * BLOCK_M where the CTA pair splits them along M).
 
     One stable sort of all slots by global expert id serves every rank: rank d's experts are
     consecutive ids, so its pool is one contiguous range of that order, in (source, token, pick)
@@ -105,7 +106,7 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
     P, T, k = topk_idx.shape
     el, dev = experts_per_rank, topk_idx.device
     E = P * el
-    sizes = plan_sizes(P, T, k, el, block_m=block_m, schedule=schedule, num_pairs=num_pairs,
+    sizes = plan_sizes(P, T, k, el, row_block=row_block, schedule=schedule, num_pairs=num_pairs,
                        experts_per_wave=experts_per_wave)
     i64 = dict(dtype=torch.int64, device=dev)
 
@@ -122,7 +123,6 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
     pool_weight = torch.where(in_pool, topk_weights.reshape(-1)[o].float(), 0.0)
 
     # Row records: ceil(count / row_block) rows per expert.
-    row_block = pool_rows_per_row(block_m, True)
     m_blocks = (counts + row_block - 1) // row_block
     row_ends = torch.cumsum(m_blocks, 1)
     num_rows = row_ends[:, -1] if el else torch.zeros(P, **i64)
@@ -141,7 +141,7 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
         starts = torch.where(firsts[None, :] > 0, row_ends[:, (firsts - 1).clamp(min=0, max=max(el - 1, 0))], 0)
         table = torch.cat([starts, num_rows[:, None], num_rows[:, None]], 1)
     elif schedule.balance_l2:
-        table = _balanced_l2_start(row_record, in_grid, num_rows, num_pairs, block_m, pairs_l1, pairs_l2, hidden,
+        table = _balanced_l2_start(row_record, in_grid, num_rows, num_pairs, row_block, pairs_l1, pairs_l2, hidden,
                                    intermediate)
     else:
         table = torch.zeros(P, 1, **i64)
@@ -150,14 +150,14 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
                       row_record.to(torch.int32), table.to(torch.int32), sizes)
 
 
-def _balanced_l2_start(row_record, in_grid, num_rows, G, block_m, pairs_l1, pairs_l2, hidden, intermediate):
+def _balanced_l2_start(row_record, in_grid, num_rows, G, row_block, pairs_l1, pairs_l2, hidden, intermediate):
     """row_grid.balanced_l2_start on the device, per rank: a pair tile costs K times its rows (64
     for a half tile, where the pair's fuller member holds <= 64 rows); the dearest L1 residue
     classes get the cheapest L2 classes."""
     P, dev = row_record.shape[0], row_record.device
-    left = row_record[..., 3] - row_record[..., 1] * pool_rows_per_row(block_m, True)
-    most = left.clamp(min=0, max=block_m)
-    cost = torch.where(in_grid, torch.where(most <= 64, 64.0, float(block_m)), 0.0).to(torch.float64)
+    left = row_record[..., 3] - row_record[..., 1] * row_block
+    most = left.clamp(min=0, max=BLOCK_M)
+    cost = torch.where(in_grid, torch.where(most <= 64, 64.0, float(BLOCK_M)), 0.0).to(torch.float64)
 
     def class_costs(pairs_per_row, k_dim):
         kk = torch.arange(cost.shape[1] * pairs_per_row, device=dev)

@@ -49,9 +49,9 @@ def kernel_sources():
     """The modules whose code is the fused kernels' program."""
     from xstage import device, pipeline
 
-    from . import activation, arguments, config, fp4_widen, int_ops, kernel_sm90, named_barrier, scheduler, \
-        sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop
+    from . import activation, arguments, config, fp4_widen, int_ops, kernel_sm90, named_barrier, row_grid, \
+        scheduler, sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop
 
     return (sys.modules[__name__], activation, arguments, config, fp4_widen, int_ops, kernel_sm90, named_barrier,
-            scheduler, sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop, device,
-            pipeline)
+            row_grid, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop,
+            device, pipeline)

@@ -41,6 +41,7 @@ from xstage import device as xdev
 
 from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, arguments_class, tensor_argument_spec
 from .config import BLOCK_K, BLOCK_M, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
+from .row_grid import pool_rows_per_row
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
@@ -177,9 +178,10 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         # (bounded by timeout_ns), so the ring bound is longer: a timed-out spin is reported alone
         self.ring_timeout_ns = 2 * self.timeout_ns
         self.dispatch_polls = max(1, self.timeout_ns // DISPATCH_POLL_NS)  # counted bound of a window wait
-        self.pool_rows_per_row = 2 * BLOCK_M
-        self.pairs_l1 = pair_tiles_per_row(2 * intermediate, self.block_n)
-        self.pairs_l2 = pair_tiles_per_row(hidden, self.block_n)
+        self.pair_splits_m = config.pair_split == "m"
+        self.pool_rows_per_row = pool_rows_per_row(BLOCK_M, self.pair_splits_m)
+        self.pairs_l1 = pair_tiles_per_row(2 * intermediate, self.block_n, config.pair_split)
+        self.pairs_l2 = pair_tiles_per_row(hidden, self.block_n, config.pair_split)
 
     @cute.jit
     def __call__(self, args, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32,
@@ -300,7 +302,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         ab_pipe = self.make_ab_pipeline(storage.ab_mbar.data_ptr())  # all threads (inits + CTA sync)
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(args.mRowRecord), wave_row_start=args.mScheduleTable,
-                       l2_start=args.mScheduleTable, pair_splits_m=True, row_block=self.pool_rows_per_row)
+                       l2_start=args.mScheduleTable, pair_splits_m=self.pair_splits_m,
+                       row_block=self.pool_rows_per_row)
         ctx = CtaContext(grid, cta, nctas, timeout, max_tokens)
         gm = args  # the roles read the global tensors by their argument names
         # Prologue: every thread copies this CTA's share of the rows the first tiles may read; the

@@ -26,7 +26,8 @@ from cutlass import Float32, Int32, Int64
 from quack.cute_dsl_utils import mlir_namedtuple
 
 from .device_plan import DevicePlan, plan_sizes, sorted_slots
-from .row_grid import default_experts_per_wave, pool_rows_per_row
+from .config import BLOCK_M
+from .row_grid import default_experts_per_wave
 from .scheduler import Schedule
 
 THREADS = 256
@@ -54,13 +55,13 @@ class DevicePlanSm90:
     the schedule and its table, the pair counts. ``mOrder`` int64 [N] (N = P * max_tokens * k),
     ``mCounts`` int64 [E + 1] (slots per global expert; E = sentinel), ``mWeight`` f32 [N]."""
 
-    def __init__(self, world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, block_m: int,
+    def __init__(self, world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, row_block: int,
                  schedule: Schedule, num_pairs: int, pairs_l1: int, pairs_l2: int, hidden: int, intermediate: int,
                  experts_per_wave: int | None = None):
         self.P, self.T, self.k, self.el = world_size, max_tokens, topk, experts_per_rank
-        self.sizes = plan_sizes(world_size, max_tokens, topk, experts_per_rank, block_m=block_m, schedule=schedule,
+        self.sizes = plan_sizes(world_size, max_tokens, topk, experts_per_rank, row_block=row_block, schedule=schedule,
                                 num_pairs=num_pairs, experts_per_wave=experts_per_wave)
-        self.block_m, self.row_block = block_m, pool_rows_per_row(block_m, True)
+        self.row_block = row_block
         self.expert_wave = schedule.name == "expert_wave"
         self.balanced = not self.expert_wave and schedule.balance_l2
         self.epw = (experts_per_wave or default_experts_per_wave(experts_per_rank)) if self.expert_wave else 1
@@ -184,8 +185,8 @@ class DevicePlanSm90:
                 rec_b = r - (s_row_end[lo] - (rec_c + rb - 1) // rb)
                 rec_t = s_tok_start[lo]
                 left = rec_c - rec_b * rb
-                most = cutlass.min(cutlass.max(left, Int32(0)), Int32(self.block_m))
-                cost = Int32(self.block_m)
+                most = cutlass.min(cutlass.max(left, Int32(0)), Int32(BLOCK_M))
+                cost = Int32(BLOCK_M)
                 if most <= 64:
                     cost = Int32(64)
             mRecord[d, r, 0] = rec_e
@@ -270,7 +271,7 @@ def compile_device_plan(plan: DevicePlanSm90, *, keep_ptx: bool = False):
     return compile_hopper(plan, args, fake_stream(), keep_ptx=keep_ptx)
 
 
-def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, block_m: int,
+def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, row_block: int,
                          schedule: Schedule, num_pairs: int, pairs_l1: int, pairs_l2: int, hidden: int,
                          intermediate: int, experts_per_wave: int | None = None):
     """(the plan of :class:`DevicePlanSm90`, its compiled kernel), compiled once per configuration
@@ -281,16 +282,16 @@ def compiled_device_plan(world_size: int, max_tokens: int, topk: int, experts_pe
 
     from . import device_plan, int_ops, row_grid, scheduler
 
-    spec = (world_size, max_tokens, topk, experts_per_rank, block_m, schedule, num_pairs, pairs_l1, pairs_l2, hidden,
+    spec = (world_size, max_tokens, topk, experts_per_rank, row_block, schedule, num_pairs, pairs_l1, pairs_l2, hidden,
             intermediate, experts_per_wave)
-    plan = DevicePlanSm90(world_size, max_tokens, topk, experts_per_rank, block_m=block_m, schedule=schedule,
+    plan = DevicePlanSm90(world_size, max_tokens, topk, experts_per_rank, row_block=row_block, schedule=schedule,
                           num_pairs=num_pairs, pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden,
                           intermediate=intermediate, experts_per_wave=experts_per_wave)
     return plan, cached(("DevicePlanSm90",) + spec, lambda: compile_device_plan(plan).fn,
                         sources=(sys.modules[__name__], device_plan, int_ops, row_grid, scheduler))
 
 
-def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_rank: int, block_m: int,
+def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_rank: int, row_block: int,
                           schedule: Schedule, num_pairs: int, pairs_l1: int, pairs_l2: int, hidden: int,
                           intermediate: int, experts_per_wave: int | None = None) -> DevicePlan:
     """:func:`~megamoe_interleave.device_plan.plan_all_ranks` (same arguments, same result) with
@@ -301,7 +302,7 @@ def plan_all_ranks_kernel(topk_idx, topk_weights, num_tokens, *, experts_per_ran
     P, T, k = topk_idx.shape
     el, dev = experts_per_rank, topk_idx.device
     _, counts, order = sorted_slots(topk_idx, num_tokens, P * el)
-    plan, fn = compiled_device_plan(P, T, k, el, block_m=block_m, schedule=schedule, num_pairs=num_pairs,
+    plan, fn = compiled_device_plan(P, T, k, el, row_block=row_block, schedule=schedule, num_pairs=num_pairs,
                                     pairs_l1=pairs_l1, pairs_l2=pairs_l2, hidden=hidden, intermediate=intermediate,
                                     experts_per_wave=experts_per_wave)
     s = plan.sizes

@@ -55,8 +55,8 @@ class ProducerMixin:
     def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
         """TMA atoms + coordinate tensors of the four GEMM operands, each a compact row-major 2-D
         view: L1 A = dispatched rows (n_pad, H), L1 B = every local expert's w1 rows (E_l * 2I, H),
-        L2 A = h (n_pad, I), L2 B = (E_l * H, I); B (shared by the pair) multicast. (B's columns
-        are its ring tile's: ``b_tile_k`` per ``block_k`` of K.)"""
+        L2 A = h (n_pad, I), L2 B = (E_l * H, I); the operand the pair shares multicast (B, or with
+        ``pair_split="n"`` A). (B's columns are its ring tile's: ``b_tile_k`` per ``block_k`` of K.)"""
         H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
         n_pad = cute.size(mPoolX, mode=[0])
         n_exp = cute.size(mW1, mode=[0])
@@ -70,7 +70,7 @@ class ProducerMixin:
         out = []
         for i, (t, shape, smem_layout, box) in enumerate(views):
             compact = cute.make_tensor(t.iterator, cute.make_layout(shape, stride=(shape[1], 1)))
-            mcast = i % 2 == 1
+            mcast = i % 2 == int(self.pair_splits_m)  # B (odd views) where the pair splits M
             atom, coords = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
                 compact, cute.slice_(smem_layout, (None, None, 0)), box, num_multicast=2 if mcast else 1)
@@ -97,8 +97,8 @@ class ProducerMixin:
                 a_row0 = tile.tok0 + tile.m_block * BLOCK_M
                 if tile.phase == PHASE_L1:
                     rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
-                    state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1,
-                                               a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n,
+                    state, ok = self.load_tile(ab_pipe, state, ok, gm, (ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1),
+                                               (a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n),
                                                self.hidden // self.block_k, sm, self.stage_extras(ops, tile, True, sm))
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
@@ -109,8 +109,8 @@ class ProducerMixin:
                                                self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
-                    state, ok = self.load_tile(ab_pipe, state, ok, gm, ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2,
-                                               a_row0, e * self.hidden + tile.n_block * self.block_n,
+                    state, ok = self.load_tile(ab_pipe, state, ok, gm, (ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2),
+                                               (a_row0, e * self.hidden + tile.n_block * self.block_n),
                                                self.intermediate // self.block_k, sm, self.stage_extras(ops, tile, False, sm))
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
@@ -143,24 +143,35 @@ class ProducerMixin:
         return ()
 
     @cute.jit
-    def load_tile(self, ab_pipe, state, ok: Boolean, gm, tma_a, mA, tma_b, mB, a_row0: Int32, b_row0: Int32,
-                  num_k: cutlass.Constexpr, sm, extras):
-        """TMA loads of a tile's K blocks: A rows [a_row0, +BM), B rows [b_row0, +BN) (our half of B
-        multicast into both CTAs' stage), and a precision's ``extras`` (:meth:`load_extras`). Returns
-        (state, ok)."""
+    def load_tile(self, ab_pipe, state, ok: Boolean, gm, atoms, rows, num_k: cutlass.Constexpr, sm, extras):
+        """TMA loads of a tile's K blocks (``atoms``: A's and B's TMA atom and coordinates): A rows
+        [a_row0, +BM), B rows [b_row0, +BN) (``rows``; our half of the shared operand multicast into
+        both CTAs' stage: B, or A with ``pair_split="n"``), and a precision's ``extras``
+        (:meth:`load_extras`). Returns (state, ok)."""
+        tma_a, mA, tma_b, mB = atoms
+        a_row0, b_row0 = rows
         gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (BLOCK_M, self.block_k), (0, None))
         gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, self.b_ring_k), (0, None))
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sm.sA, 0, 2),
+        a_rank, a_ctas, b_rank, b_ctas = 0, 1, rank, 2  # the multicast operand: each CTA loads its half
+        if const_expr(not self.pair_splits_m):
+            a_rank, a_ctas, b_rank, b_ctas = rank, 2, 0, 1
+        tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(a_ctas), cute.group_modes(sm.sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, rank, cute.make_layout(2), cute.group_modes(sm.sB, 0, 2),
+        tBsB, tBgB = cpasync.tma_partition(tma_b, b_rank, cute.make_layout(b_ctas), cute.group_modes(sm.sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))
         for kt in cutlass.range(num_k, unroll=1):
             ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
                                                   gm.mCounters.iterator + self.COUNTER_ERROR, self.drain_ns())
             bar = ab_pipe.producer_get_barrier(state)
-            cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
-            cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar, mcast_mask=cutlass.Int16(0b11))
+            if const_expr(self.pair_splits_m):
+                cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16(0b11))
+            else:
+                cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar,
+                          mcast_mask=cutlass.Int16(0b11))
+                cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar)
             if const_expr(len(extras) > 0):
                 self.load_extras(extras, sm, kt, state.index, bar)
             ab_pipe.producer_commit(state)

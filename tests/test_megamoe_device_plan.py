@@ -1,5 +1,5 @@
 """megamoe_interleave.device_plan against the host planner, exactly: 200 random routings (masked
-picks, zero-token experts, empty ranks, every destination rank, both schedules) on the CPU; on a
+picks, zero-token experts, empty ranks, every destination rank, both schedules, both pair splits) on the CPU; on a
 GPU the same plan once more under torch's sync debug mode (no host sync)."""
 import dataclasses
 
@@ -26,22 +26,23 @@ def _routing(g, P, T, k, E, mask, hot):
     return idx, torch.rand(P, T, k, generator=g)
 
 
-def _host_plan(idx, w, num_tokens, d, el, schedule, G, epw):
+def _host_plan(idx, w, num_tokens, d, el, schedule, G, epw, split_m=True):
     perm = permute_ranks([idx[s, : num_tokens[s]] for s in range(idx.shape[0])],
                          [w[s, : num_tokens[s]] for s in range(idx.shape[0])], [d], el)[d]
     grid = make_row_grid(perm.counts_host, block_m=BLOCK_M, n_blocks_l1=2 * INTER // 128, n_blocks_l2=HIDDEN // 128,
-                         experts_per_wave=epw, pair_splits_m=True)
+                         experts_per_wave=epw, pair_splits_m=split_m)
     if schedule.balance_l2:
         grid = dataclasses.replace(grid, l2_start=balanced_l2_start(grid, G, block_m=BLOCK_M, hidden=HIDDEN,
                                                                     intermediate=INTER))
     return perm, grid, schedule_table(schedule, grid)
 
 
-def _device_plan(idx, w, num_tokens, d, el, schedule, G, epw, device="cpu"):
+def _device_plan(idx, w, num_tokens, d, el, schedule, G, epw, device="cpu", split_m=True):
+    pairs = 1 if split_m else 2  # N blocks per pair tile
     return plan_on_device(idx.to(device), w.to(device), torch.tensor(num_tokens, device=device), d,
-                          experts_per_rank=el, block_m=BLOCK_M, schedule=schedule, num_pairs=G,
-                          pairs_l1=2 * INTER // 128, pairs_l2=HIDDEN // 128, hidden=HIDDEN, intermediate=INTER,
-                          experts_per_wave=epw)
+                          experts_per_rank=el, row_block=(2 if split_m else 1) * BLOCK_M, schedule=schedule,
+                          num_pairs=G, pairs_l1=2 * INTER // 128 // pairs, pairs_l2=HIDDEN // 128 // pairs,
+                          hidden=HIDDEN, intermediate=INTER, experts_per_wave=epw)
 
 
 def _check_equal(host, dev):
@@ -73,8 +74,9 @@ def test_the_device_plan_is_the_host_plan_for_200_random_routings():
         schedule = SCHEDULES[trial % 2]
         G = int(torch.randint(1, 66, (1,), generator=g))
         epw = [None, 1, 3][trial % 3]
-        host = _host_plan(idx, w, num_tokens, d, el, schedule, G, epw)
-        _check_equal(host, _device_plan(idx, w, num_tokens, d, el, schedule, G, epw))
+        split_m = trial % 3 != 2  # a third with the pair splitting N (128-row scheduler rows)
+        host = _host_plan(idx, w, num_tokens, d, el, schedule, G, epw, split_m)
+        _check_equal(host, _device_plan(idx, w, num_tokens, d, el, schedule, G, epw, split_m=split_m))
         perm = host[0]
         checked.add(("zero-token expert", 0 in perm.counts_host))
         checked.add(("masked", bool((idx < 0).any())))
@@ -85,9 +87,9 @@ def test_the_device_plan_is_the_host_plan_for_200_random_routings():
 
 
 def test_plan_sizes_bound_every_plan():
-    s = plan_sizes(8, 256, 6, 4, block_m=BLOCK_M, schedule=SCHEDULES[0], num_pairs=66)
+    s = plan_sizes(8, 256, 6, 4, row_block=2 * BLOCK_M, schedule=SCHEDULES[0], num_pairs=66)
     assert s.max_pool == 8 * 256 * 6 and s.max_rows == -(-s.max_pool // 256) + 4 and s.table == 4 // 1 + 2
-    assert plan_sizes(8, 256, 6, 4, block_m=BLOCK_M, schedule=SCHEDULES[1], num_pairs=66).table == 66
+    assert plan_sizes(8, 256, 6, 4, row_block=2 * BLOCK_M, schedule=SCHEDULES[1], num_pairs=66).table == 66
     # every slot to one expert: one expert's rows fill the bound's first term
     idx = torch.zeros(8, 256, 6, dtype=torch.int64)
     dev = _device_plan(idx, torch.ones(8, 256, 6), [256] * 8, 0, 4, SCHEDULES[1], 66, None)
@@ -104,7 +106,7 @@ def test_the_device_plan_needs_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        plan = plan_on_device(*dev_in, 3, experts_per_rank=8, block_m=BLOCK_M, schedule=SCHEDULES[1], num_pairs=66,
+        plan = plan_on_device(*dev_in, 3, experts_per_rank=8, row_block=2 * BLOCK_M, schedule=SCHEDULES[1], num_pairs=66,
                               pairs_l1=2 * INTER // 128, pairs_l2=HIDDEN // 128, hidden=HIDDEN, intermediate=INTER)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -15,7 +15,7 @@ HIDDEN, INTER = 512, 256
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=["expert_wave", "interleaved_balanced", "interleaved"])
 def test_the_plan_kernel_compiles_without_local_memory(schedule):
-    plan = DevicePlanSm90(8, 512, 6, 8, block_m=128, schedule=schedule, num_pairs=66, pairs_l1=4, pairs_l2=2,
+    plan = DevicePlanSm90(8, 512, 6, 8, row_block=256, schedule=schedule, num_pairs=66, pairs_l1=4, pairs_l2=2,
                           hidden=HIDDEN, intermediate=INTER)
     ptx = compile_device_plan(plan, keep_ptx=True).ptx
     assert ".local" not in ptx  # no spills or local arrays
@@ -25,10 +25,10 @@ def test_the_plan_kernel_compiles_without_local_memory(schedule):
 
 def test_the_plan_kernel_refuses_what_does_not_fit():
     with pytest.raises(ValueError, match="shared memory"):
-        DevicePlanSm90(8, 1 << 20, 8, 8, block_m=128, schedule=SCHEDULES[1], num_pairs=66, pairs_l1=4, pairs_l2=2,
+        DevicePlanSm90(8, 1 << 20, 8, 8, row_block=256, schedule=SCHEDULES[1], num_pairs=66, pairs_l1=4, pairs_l2=2,
                        hidden=HIDDEN, intermediate=INTER)
     with pytest.raises(ValueError, match="residue class"):
-        DevicePlanSm90(1, 64, 2, 8, block_m=128, schedule=SCHEDULES[1], num_pairs=300, pairs_l1=4, pairs_l2=2,
+        DevicePlanSm90(1, 64, 2, 8, row_block=256, schedule=SCHEDULES[1], num_pairs=300, pairs_l1=4, pairs_l2=2,
                        hidden=HIDDEN, intermediate=INTER)
 
 
@@ -52,8 +52,10 @@ def test_the_plan_kernel_equals_the_torch_plan_exactly():
         num_tokens = torch.randint(0, T + 1, (P,), generator=g)
         if trial % 7 == 0:
             num_tokens[0] = 0
-        kw = dict(experts_per_rank=el, block_m=128, schedule=SCHEDULES[trial % 3], num_pairs=[66, 5, 1][trial % 3],
-                  pairs_l1=4, pairs_l2=2, hidden=HIDDEN, intermediate=INTER,
+        split_m = (trial // 4) % 3 != 2  # a third: the pair splits N (128-row scheduler rows, half the pair tiles)
+        kw = dict(experts_per_rank=el, row_block=256 if split_m else 128, schedule=SCHEDULES[trial % 3],
+                  num_pairs=[66, 5, 1][trial % 3], pairs_l1=4 if split_m else 2, pairs_l2=2 if split_m else 1,
+                  hidden=HIDDEN, intermediate=INTER,
                   experts_per_wave=[None, 1, 2][(trial // 2) % 3])
         args = (idx.cuda(), w.cuda(), num_tokens.cuda())
         want, got = plan_all_ranks(*args, **kw), plan_all_ranks_kernel(*args, **kw)
