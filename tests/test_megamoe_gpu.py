@@ -298,6 +298,32 @@ def test_l2_columns_bitwise_equal():
         calls=3, check=several_rows)
 
 
+@pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
+def test_pair_split_n_gives_the_m_splits_bits(schedule):
+    """MegaMoEConfig(pair_split="n") (128-row scheduler rows, the pair takes two N blocks, A multicast)
+    runs every (m-block, n-block) tile as the M split does, so y is bitwise the same: experts of
+    several rows, half tiles and empty experts, masked picks, three calls each (counters reset); and
+    through the device-side plan (enqueue) too."""
+    P, k, hidden, inter = 2, 6, 512, 256
+    problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=81, hidden=hidden, inter=inter)
+
+    def n_split(moe):
+        grid = moe.planner.plan_rank(0)[1]
+        assert moe.config.pair_split == "n" and grid.row_block == BLOCK_M and not grid.pair_splits_m
+    variants = [lambda p=p: _make(P, k, schedule, block_n=128, hidden=hidden, inter=inter, pair_split=p)
+                for p in ("m", "n")]
+    _variants_bitwise_equal(problem, variants, calls=3, check=lambda moe: moe.config.pair_split == "m" or n_split(moe))
+    w1, w2, xs, idx, w = problem
+    ys = []
+    for make in variants:
+        moe = make()
+        moe.load_weights(w1, w2)
+        ys.append([y.clone() for y in moe.enqueue(xs, idx, w)])
+        moe.check()
+    for a, b in zip(*ys):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("hidden", [256, 7168])  # one bulk piece per row / two
 @pytest.mark.parametrize("num_sms", [8, 132])
 def test_dispatch_variants_bitwise_equal(hidden, num_sms):

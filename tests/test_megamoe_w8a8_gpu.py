@@ -30,8 +30,9 @@ def _make(P, k, schedule, hidden, inter, **config):
     from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
 
     config.setdefault("lead" if schedule == "interleaved" else "experts_per_wave", 2)
+    config.setdefault("precision", "w8a8")
     return MegaMoE(make_world("loopback", world_size=P, device="cuda"), E, hidden, inter, k, 256,
-                   MegaMoEConfig(schedule, precision="w8a8", **config), backend="fused")
+                   MegaMoEConfig(schedule, **config), backend="fused")
 
 
 def _check(ys, emulated, fp32, fp32_bound=W8A8_FP32_REL_ERROR[1]):
@@ -275,3 +276,22 @@ def test_consumer_turns_give_the_default_kernels_bits(schedule):
             assert torch.equal(a, b)
     _check(want, reference_moe_w8a8(xs, idx, w, *quant.quantize_weights(w1, w2)),
            reference_moe_fp32(xs, idx, w, w1, w2))
+
+
+@pytest.mark.parametrize("precision", ["w8a8", "w4a8"])
+def test_pair_split_n_gives_the_m_splits_bits_in_fp8(precision, monkeypatch):
+    """pair_split="n" in the FP8 kernels: the same tiles (h quantized per tile, scales per row and N
+    block), so y is the M split's bit for bit, full and half tiles, both schedules."""
+    from megamoe_interleave import kernel
+
+    monkeypatch.setattr(kernel, "UNVALIDATED", {})
+    P, k, hidden, inter = 2, 6, 1024, 512
+    w1, w2, xs, idx, w = _problem(P, [250, 77], k, "skewed", 0.1, 23, hidden, inter)
+    for schedule in ("expert_wave", "interleaved"):
+        ys = []
+        for split in ("m", "n"):
+            moe = _make(P, k, schedule, hidden, inter, precision=precision, pair_split=split)
+            moe.load_weights(w1, w2)
+            ys.append([y.clone() for y in moe.forward(xs, idx, w)])
+        for a, b in zip(*ys):
+            assert torch.equal(a, b), schedule

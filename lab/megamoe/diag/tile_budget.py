@@ -87,9 +87,10 @@ def summarize(recs, ideal: dict) -> dict:
 
 
 def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int, calls: int, out_dir: str,
-            consumer_turns: bool = False) -> dict:
+            options=None) -> dict:
     """Untraced, then traced: ``calls`` forwards each of a fused layer at loopback P (balanced routing),
-    the fused kernel's times of each, and :func:`summarize` of rank 0's trace of the last traced call."""
+    the fused kernel's times of each, and :func:`summarize` of rank 0's trace of the last traced call
+    (``options``: more MegaMoEConfig fields)."""
     import torch
 
     from lab.megamoe.bench import build_moe, make_problem
@@ -101,8 +102,8 @@ def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int,
     w1, w2, xs, idx, wts = make_problem(shape, "balanced", P, tokens)
     out = {}
     for trace in (False, True):
-        moe = build_moe(shape, P, tokens, MegaMoEConfig(schedule, precision=precision, trace=trace,
-                                                                  consumer_turns=consumer_turns), w1, w2)
+        moe = build_moe(shape, P, tokens, MegaMoEConfig(schedule, precision=precision, trace=trace, **(options or {})),
+                        w1, w2)
         us = []
         for _ in range(calls):
             moe.forward(xs, idx, wts)
@@ -137,6 +138,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=4, help="forwards per build (the first includes first-launch costs)")
     ap.add_argument("--shape", default="deepseek-v4-flash")
     ap.add_argument("--consumer-turns", action="store_true", help="MegaMoEConfig(consumer_turns=True) (W8A8)")
+    ap.add_argument("--pair-split", default="m", choices=["m", "n"], help="MegaMoEConfig(pair_split=...)")
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
     ap.add_argument("--trace", nargs="+", default=None, metavar="CSV",
                     help="summarize these trace CSVs instead of running (no GPU needed)")
@@ -164,7 +166,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     for P in ([] if args.trace else args.P):
         runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
-                                 args.consumer_turns)
+                                dict(consumer_turns=args.consumer_turns, pair_split=args.pair_split))
         print_row(P, runs[f"P{P}"])
     with open(os.path.join(args.out, "tile_budget.json"), "w") as f:
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args), "runs": runs,
