@@ -112,13 +112,14 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
         self.widen_stage(sm, tidx, state.index, buf)
         cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the WGMMAs' reads
         if const_expr(half):
-            self.b_free(True)
+            self.b_free()
         else:
             cute.arch.barrier(barrier_id=int(self.NamedBarrier.Widen), number_of_threads=self.num_mma_threads)
         return buf
 
     @cute.jit
-    def b_free(self, half: cutlass.Constexpr):
+    def b_free(self):
+        """The consumer warpgroup's own barrier (a half tile's warpgroup reads only its threads' rows)."""
         wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
         cute.arch.barrier(barrier_id=int(self.NamedBarrier.WidenWg0) + wg, number_of_threads=self.num_mma_threads // 2)
 

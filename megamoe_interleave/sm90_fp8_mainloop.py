@@ -198,7 +198,7 @@ class Fp8ConsumerMixin:
             kt = 2 * kp
             if kp > 0:
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
-            self.b_free(True)
+            self.b_free()
             b = self.b_ready(frags, state, 0, True)
             sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=b, wg_wait=-1)
             d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, kt + 1, one_block)
@@ -221,7 +221,7 @@ class Fp8ConsumerMixin:
         if const_expr(num_k % 2 == 1):  # the last block alone
             if const_expr(num_k > 1):
                 ok = ab_pipe.consumer_wait_bounded(state, ok, timeout, err)
-            self.b_free(True)
+            self.b_free()
             b = self.b_ready(frags, state, 0, True)
             sm90_utils.gemm_w_idx(mma, part, tCrA, tCrB, True, A_idx=state.index, B_idx=b, wg_wait=0)
             self.promote(acc, part, 0, c0, c1, c2, c3, l1)
@@ -234,7 +234,7 @@ class Fp8ConsumerMixin:
         the WGMMAs: its stage index (W4A8 widens it first, :class:`~.sm90_fp4.MegaMoESm90W4A8`)."""
         return state.index
 
-    def b_free(self, half: bool):
+    def b_free(self):
         """Before a half tile's K pair: the pair before it has no WGMMA in flight (W4A8: a barrier)."""
 
     @cute.jit
