@@ -70,11 +70,32 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
 
 
+CHUNK_ELEMENTS = 1 << 27  # weights per slice of the per-expert functions (their temporaries take ~20 B each)
+
+
+def _by_experts(fn):
+    """``fn`` applied to slices of its tensors along the leading (expert) dimension, the results
+    concatenated: the same values, with the temporaries of a slice (int64 indices, FP32 copies), not
+    of every expert at once (a DeepSeek-V4-Flash rank's 4.3 G weights would need ~90 GB)."""
+    def run(*tensors):
+        t = tensors[0]
+        per = max(1, CHUNK_ELEMENTS // max(1, t[0].numel())) if t.dim() == 3 else t.shape[0]
+        if t.dim() != 3 or per >= t.shape[0]:
+            return fn(*tensors)
+        parts = [fn(*(x[i:i + per] for x in tensors)) for i in range(0, t.shape[0], per)]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(p) for p in zip(*parts))
+        return torch.cat(parts)
+    run.__doc__, run.__name__ = fn.__doc__, fn.__name__
+    return run
+
+
 def _check_k(k: int) -> None:
     if k % QUANT_BLOCK:
         raise ValueError(f"K = {k} must be a multiple of {QUANT_BLOCK} (W4A8's widened 128 x 128 blocks)")
 
 
+@_by_experts
 def quantize_weight(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``w [..., N, K]`` -> (codes ``uint8 [..., N, K/2]``, UE8M0 scale bytes ``uint8 [..., N, K/32]``)."""
     _check_k(w.shape[-1])
@@ -92,6 +113,7 @@ def group_exponents(sf: torch.Tensor) -> torch.Tensor:
     return sf.to(torch.int32) - UE8M0_BIAS
 
 
+@_by_experts
 def dequantize(packed: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
     """FP32 ``value * 2^e`` of :func:`quantize_weight`'s output."""
     v = e2m1_values(unpack(packed))
@@ -112,6 +134,7 @@ def _block_shift(sf: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return d.reshape(e.shape), r
 
 
+@_by_experts
 def widen(packed: torch.Tensor, sf: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The W4A8 recipe's weights for the FP8 mainloop: (E4M3 ``q [..., N, K]``, FP32 block scales
     ``[..., N/128, K/128]`` = ``2^r``), ``q = e4m3(value * 2^(e - r))`` (exact where

@@ -188,3 +188,18 @@ def test_w4a8_misuse_fails_before_any_launch():
     with pytest.raises(ValueError, match="scales"):
         moe.load_quantized_weights(torch.zeros(8, 512, 256, dtype=torch.uint8), torch.zeros(8, 512, 16),
                                    torch.zeros(8, 512, 128, dtype=torch.uint8), torch.zeros(8, 512, 8, dtype=torch.uint8))
+
+
+def test_the_per_expert_functions_in_slices_give_the_same_bits(monkeypatch):
+    """quantize_weight, dequantize and widen run in slices of experts (bounded temporaries at
+    DeepSeek-V4-Flash size): with a slice of one expert, the same results as in one piece."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(5, 256, 256, generator=g)
+    whole = quant_fp4.quantize_weight(w)
+    deq, (q, s) = quant_fp4.dequantize(*whole), quant_fp4.widen(*whole)
+    monkeypatch.setattr(quant_fp4, "CHUNK_ELEMENTS", 256 * 256)
+    sliced = quant_fp4.quantize_weight(w)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+    assert torch.equal(quant_fp4.dequantize(*sliced), deq)
+    q1, s1 = quant_fp4.widen(*sliced)
+    assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s1, s)
