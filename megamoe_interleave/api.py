@@ -41,8 +41,8 @@ from . import inputs, quant, quant_fp4, reference, torch_backend
 from .config import AUTO, BLOCK_M, QUANT_BLOCK, MegaMoEConfig
 from .device_plan import plan_sizes
 from .host_plan import HostPlanner
-from .row_grid import pool_rows_per_row
 from .launcher import FusedLauncher
+from .row_grid import pool_rows_per_row
 from .shapes import MoEShape
 from .weights import transform_weights, untransform_w1  # noqa: F401  (re-exported: the layout is part of the API)
 from .workspace import COUNTER_ERROR, MegaMoEBuffer, counter_words
