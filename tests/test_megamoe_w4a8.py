@@ -173,6 +173,11 @@ def test_torch_backend_is_the_recipe_bit_for_bit_and_within_its_bound_of_fp32():
     assert all(torch.equal(moe2.w1[r], moe.w1[r]) and torch.equal(moe2.w1_scales[r], moe.w1_scales[r])
                for r in range(P))
     assert all(torch.equal(y, r) for y, r in zip(moe2(xs, idx, wts), ys))
+    # README: a W8A8 layer on widen_weights' E4M3 weights computes the W4A8 recipe, bit for bit
+    w8 = MegaMoE(make_world("loopback", world_size=P, device="cpu"), E, H, inter, k, 64,
+                 MegaMoEConfig(precision="w8a8"), backend="torch")
+    w8.load_quantized_weights(*quant_fp4.widen_weights(*fp4))
+    assert all(torch.equal(y, r) for y, r in zip(w8(xs, idx, wts), ys))
 
 
 def test_w4a8_misuse_fails_before_any_launch():
