@@ -96,7 +96,7 @@ def main(argv=None):
     ap.add_argument("--flags", action="append", metavar="NAME=FLAGS",
                     help="extra tile_budget options for one tree, e.g. turns=--consumer-turns or \"nsplit=--pair-split n\"")
     ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8"])
+    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8", "w4a8"])
     ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--calls", type=int, default=5)

@@ -21,7 +21,7 @@ import statistics
 from lab.megamoe.trace import TILE_PARTS, read_trace_records, write_trace
 
 # dense MMA FLOP per cycle and SM (H100 / H200: 1024 bf16 FMA per cycle and SM, twice that in FP8)
-FLOP_PER_CYCLE = {"bf16": 4096, "w8a8": 8192}
+FLOP_PER_CYCLE = {"bf16": 4096, "w8a8": 8192, "w4a8": 8192}  # W4A8: the FP8 WGMMA on widened weights
 
 
 def ideal_mainloop_cycles(shape, precision: str, block_n: int = 256, block_m: int = 128) -> dict:
@@ -132,7 +132,8 @@ def print_row(P: int, r: dict) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, nargs="+", default=[8, 1])
-    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8"])
+    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8", "w4a8"],
+                    help="w4a8 times its fused kernel before its GPU tests have passed (kernel.UNVALIDATED lifted)")
     ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--calls", type=int, default=4, help="forwards per build (the first includes first-launch costs)")
@@ -164,6 +165,10 @@ def main(argv=None):
         if not torch.cuda.is_available():
             ap.error("running the kernel needs a CUDA GPU (Hopper); --trace summarizes CSVs anywhere")
     os.makedirs(args.out, exist_ok=True)
+    if args.precision == "w4a8":
+        from megamoe_interleave import kernel
+
+        kernel.UNVALIDATED = {}  # a diagnostic of time, not of results (tests/test_megamoe_w4a8_gpu.py checks those)
     for P in ([] if args.trace else args.P):
         runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
                                 dict(consumer_turns=args.consumer_turns, pair_split=args.pair_split))
