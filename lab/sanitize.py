@@ -10,10 +10,10 @@ E = 16, H = 1024, I = 512, top-4, 100 / 37 tokens, the default configuration),
 megamoe_w8a8_expert_wave / megamoe_w8a8_interleaved (that problem in W8A8, then P = 1, 200 tokens,
 top-2, H = 512, I = 256: the case whose empty pair-member tiles read scales past the pool, issue
 39), megamoe_w4a8_expert_wave / megamoe_w4a8_interleaved (the W8A8 problems in W4A8, checked bit for
-bit against the W8A8 kernel on the widened weights), megamoe_plan (the device-side plan's kernel, equal to the torch plan, then one enqueue),
-megamoe_enqueue (one enqueue alone: the device plan, the fused kernel and the reduction, every
-kernel instrumented). Each
-case checks its output against a reference, so a run under the sanitizer is also a correctness run.
+bit against the W8A8 kernel on the widened weights), megamoe_plan (the device-side plan's kernel, equal
+to the torch plan, then one enqueue), megamoe_enqueue (one enqueue alone: the device plan, the fused
+kernel and the reduction, every kernel instrumented). Each case checks its output against a reference,
+so a run under the sanitizer is also a correctness run.
 
 The children run with PyTorch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): every
 tensor is then its own allocation, so memcheck sees a read past a tensor's end, which inside a

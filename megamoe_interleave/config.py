@@ -57,7 +57,6 @@ def pair_tiles_per_row(n_cols: int, block_n: int, pair_split: str = "m") -> int:
     return n_cols // block_n if pair_split == "m" else n_cols // (2 * block_n)
 
 
-
 def bulk_piece_bytes(hidden: int, elem_bytes: int = 2) -> int:
     """Bytes per bounce buffer of the bulk Dispatch: a dispatched row (``elem_bytes`` H bytes: 2
     bf16, 1 E4M3) in the fewest equal pieces of at most BULK_PIECE_BYTES, each a multiple of 16

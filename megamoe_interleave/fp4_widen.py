@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import struct
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
