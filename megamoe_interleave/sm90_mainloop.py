@@ -111,7 +111,8 @@ class ProducerMixin:
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
                     state, ok = self.load_tile(ab_pipe, state, ok, gm, (ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2),
                                                (a_row0, e * self.hidden + tile.n_block * self.block_n),
-                                               self.intermediate // self.block_k, sm, self.stage_extras(ops, tile, False, sm))
+                                               self.intermediate // self.block_k, sm,
+                                               self.stage_extras(ops, tile, False, sm))
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
         # Every load landed (the peer issues the same loads, also after a failed wait, but may sit

@@ -106,8 +106,9 @@ def test_the_device_plan_needs_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        plan = plan_on_device(*dev_in, 3, experts_per_rank=8, row_block=2 * BLOCK_M, schedule=SCHEDULES[1], num_pairs=66,
-                              pairs_l1=2 * INTER // 128, pairs_l2=HIDDEN // 128, hidden=HIDDEN, intermediate=INTER)
+        plan = plan_on_device(*dev_in, 3, experts_per_rank=8, row_block=2 * BLOCK_M, schedule=SCHEDULES[1],
+                              num_pairs=66, pairs_l1=2 * INTER // 128, pairs_l2=HIDDEN // 128, hidden=HIDDEN,
+                              intermediate=INTER)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _check_equal(_host_plan(*args), plan)

@@ -109,10 +109,11 @@ def test_kernel_operands_widen_to_the_recipe_bit_for_bit():
     spreads past the exact 14 (rounded groups) and past the clamp at -20 (zeros)."""
     g = torch.Generator().manual_seed(5)
     E, H, inter = 2, 256, 256
-    w1 = torch.randn(E, 2 * inter, H, generator=g) * torch.exp2(torch.randint(-24, 14, (E, 2 * inter, H // 32),
-                                                                             generator=g).float()).repeat_interleave(32, -1)
-    w2 = torch.randn(E, H, inter, generator=g) * torch.exp2(torch.randint(-12, 4, (E, H, inter // 32),
-                                                                         generator=g).float()).repeat_interleave(32, -1)
+    def spread(lo, hi, shape):  # a power of two per 32-group
+        return torch.exp2(torch.randint(lo, hi, shape, generator=g).float()).repeat_interleave(32, -1)
+
+    w1 = torch.randn(E, 2 * inter, H, generator=g) * spread(-24, 14, (E, 2 * inter, H // 32))
+    w2 = torch.randn(E, H, inter, generator=g) * spread(-12, 4, (E, H, inter // 32))
     fp4 = quant_fp4.quantize_weights(w1, w2)
     d1, _ = quant_fp4._block_shift(untransform_w1(fp4[1]))
     assert quant_fp4.inexact_groups(fp4[1]) > 0 and int(d1.min()) < -20

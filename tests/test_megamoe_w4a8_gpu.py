@@ -108,7 +108,8 @@ def test_fused_w4a8_takes_a_deepgemm_fp4_checkpoint_bit_for_bit():
     w1 = torch.cat([w1[:, :inter], 16 * w1[:, inter:]], dim=1)
     p1, s1 = quant_fp4.quantize_weight(w1)
     p2, s2 = quant_fp4.quantize_weight(w2)
-    ckpt = (p1.view(torch.int8), s1.contiguous().view(torch.int32), p2.view(torch.int8), s2.contiguous().view(torch.int32))
+    ckpt = (p1.view(torch.int8), s1.contiguous().view(torch.int32), p2.view(torch.int8),
+            s2.contiguous().view(torch.int32))
     moe = _make(P, k, "interleaved", hidden, inter)
     moe.load_quantized_weights(*quant_fp4.from_deepgemm_layout(*ckpt))
     ys = [y.clone() for y in moe.forward(xs, idx, w)]
