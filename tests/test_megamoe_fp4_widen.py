@@ -145,3 +145,105 @@ def test_the_device_widening_gives_the_recipes_bits():
     fn(codes.cuda(), d.cuda(), out)
     want = _emulate(nibbles.to(torch.uint8), d[:, None].expand(-1, 8))
     assert torch.equal(out.cpu().view(torch.uint8).view(words, 8), want)
+
+
+def _stage_kernel():
+    """MegaMoESm90W4A8.widen_stage in a kernel of its own (256 threads, one CTA): codes [256, 64] uint8 and
+    shift words [256] int32 are written into the kernel's packed-stage and shift layouts through cute's
+    own (swizzled) indexing, widened into block ``buf`` of the widened layout by the kernel's code (its
+    hand-made swizzled addresses), and read back through cute's indexing: [256, 128] E4M3 bytes."""
+    import dataclasses
+
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float8E4M3FN, Int32, Uint8
+    from cutlass.utils import LayoutEnum
+    from quack import sm90_utils
+
+    from megamoe_interleave.config import MegaMoEConfig
+    from megamoe_interleave.shapes import get_shape
+    from megamoe_interleave.sm90_fp4 import MegaMoESm90W4A8
+
+    shape = get_shape("deepseek-v4-flash")
+    fp4 = MegaMoESm90W4A8(shape.hidden, shape.intermediate,
+                          MegaMoEConfig(precision="w4a8").resolve(shape, 1, 512, 132))
+
+    @dataclasses.dataclass(frozen=True)
+    class Views:
+        sB: object
+        sW: object
+        shifts: object
+
+    class WidenStage:
+        @cute.jit
+        def __call__(self, mCodes: cute.Tensor, mShift: cute.Tensor, mOut: cute.Tensor, buf: Int32, stream):
+            self.kernel(mCodes, mShift, mOut, buf).launch(grid=[1, 1, 1], block=[256, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mCodes: cute.Tensor, mShift: cute.Tensor, mOut: cute.Tensor, buf: Int32):
+            tidx, _, _ = cute.arch.thread_idx()
+            t = Int32(tidx)
+            packed = sm90_utils.make_smem_layout(Uint8, LayoutEnum.ROW_MAJOR, (256, 64), stage=fp4.stages)
+            wide = sm90_utils.make_smem_layout(Float8E4M3FN, LayoutEnum.ROW_MAJOR, (256, 128), stage=2)
+
+            @cute.struct
+            class Storage:
+                sB: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(packed)], 1024]
+                sW: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(wide)], 1024]
+                shifts: cute.struct.Align[cute.struct.MemRange[Int32, 256 * fp4.stages], 128]
+
+            st = cutlass.utils.SmemAllocator().allocate(Storage)
+            views = Views(st.sB.get_tensor(packed.outer, swizzle=packed.inner),
+                          st.sW.get_tensor(wide.outer, swizzle=wide.inner), st.shifts.get_tensor(fp4.shift_layout()))
+            stage = fp4.stages - 1  # the last ring stage: its offset counts too
+            for j in cutlass.range_constexpr(64):
+                views.sB[t, j, stage] = mCodes[t, j]
+            views.shifts[0, t, stage] = mShift[t]
+            cute.arch.sync_threads()
+            fp4.widen_stage(views, t, Int32(stage), buf)
+            cute.arch.sync_threads()
+            out = cute.recast_tensor(views.sW, Uint8)
+            for j in cutlass.range_constexpr(128):
+                mOut[t, j] = out[t, j, buf]
+
+    return WidenStage()
+
+
+def _compile_stage(**kw):
+    from cutlass import Int32, Uint8
+
+    from xstage.cute_compile import compile_hopper, fake_stream, fake_tensor
+
+    return compile_hopper(_stage_kernel(), fake_tensor(Uint8, (256, 64), stride=(64, 1)),
+                          fake_tensor(Int32, (256,), stride=(1,)), fake_tensor(Uint8, (256, 128), stride=(128, 1)),
+                          Int32(0), fake_stream(), **kw)
+
+
+@pytest.mark.compile
+def test_the_kernels_stage_widening_compiles_alone():
+    """The stage widening of the W4A8 kernel (its own code, not a copy) in a one-CTA test kernel."""
+    ptx = _compile_stage(keep_ptx=True).ptx
+    # the widening's own (inline, "op {" with a space; the compiler's vector accesses have a tab)
+    assert ptx.count("ld.shared.v4.b32 {") == 4 and ptx.count("st.shared.v4.b32 [") == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("buf", [0, 1])
+def test_the_kernels_stage_widening_gives_the_recipes_bits(buf):
+    """Random codes (every nibble) and per-row shift bytes from -20 to 6 through the kernel's
+    widen_stage: the E4M3 block read back through cute's own swizzled indexing is quant_fp4.widen's,
+    row by row (the packed stage's and the widened block's swizzles, the shift byte order, the tables)."""
+    from megamoe_interleave.fp4_widen import MIN_SHIFT
+    from xstage.cute_compile import cached
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    g = torch.Generator().manual_seed(3 + buf)
+    nibbles = torch.randint(0, 16, (256, 128), generator=g, dtype=torch.uint8)
+    d = torch.randint(MIN_SHIFT, quant_fp4.WIDEN_MAX_SHIFT + 1, (256, 4), generator=g, dtype=torch.int32)
+    words = quant_fp4.shift_words(d[None])[0]  # [1, 256]: one K block
+    out = torch.full((256, 128), 0x7F, dtype=torch.uint8, device="cuda")
+    fn = cached(("WidenStage-test",), lambda: _compile_stage().fn)
+    fn(quant_fp4.pack(nibbles).cuda(), words[0].cuda(), out, buf)
+    want = _emulate(nibbles, d.repeat_interleave(quant_fp4.SCALE_GROUP, dim=-1))
+    assert torch.equal(out.cpu(), want)
