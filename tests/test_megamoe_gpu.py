@@ -307,12 +307,12 @@ def test_pair_split_n_gives_the_m_splits_bits(schedule):
     P, k, hidden, inter = 2, 6, 512, 256
     problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=81, hidden=hidden, inter=inter)
 
-    def n_split(moe):
-        grid = moe.planner.plan_rank(0)[1]
-        assert moe.config.pair_split == "n" and grid.row_block == BLOCK_M and not grid.pair_splits_m
+    def row_layout(moe):  # the variant runs the layout it asks for
+        grid, split_m = moe.planner.plan_rank(0)[1], moe.config.pair_split == "m"
+        assert grid.pair_splits_m == split_m and grid.row_block == (2 if split_m else 1) * BLOCK_M
     variants = [lambda p=p: _make(P, k, schedule, block_n=128, hidden=hidden, inter=inter, pair_split=p)
                 for p in ("m", "n")]
-    _variants_bitwise_equal(problem, variants, calls=3, check=lambda moe: moe.config.pair_split == "m" or n_split(moe))
+    _variants_bitwise_equal(problem, variants, calls=3, check=row_layout)
     w1, w2, xs, idx, w = problem
     ys = []
     for make in variants:
