@@ -13,6 +13,7 @@ import torch
 from megamoe_interleave.reference import W4A8_FP32_REL_ERROR, reference_moe_fp32, reference_moe_w4a8
 from test_megamoe_w8a8_gpu import CASES, E, _counts_routing, _problem  # pytest puts tests/ on sys.path
 from test_megamoe_w8a8_gpu import _check as check_fp8
+from test_megamoe_w8a8_gpu import replays_equal_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -153,7 +154,6 @@ def test_w4a8_graph_replays_equal_eager_forward(P, schedule):
     """W4A8 as one CUDA graph (input staging, device-side plan, kernels, reduction): 20 replays with
     fresh tokens and routing each give eager forward's y bit for bit; no device error."""
     from megamoe_interleave import quant_fp4
-    from test_megamoe_graph import _fresh_inputs
 
     k, hidden, inter = 4, 512, 256
     w1, w2, _, _, _ = _problem(P, [1] * P, k, "balanced", 0.0, 21, hidden, inter)
@@ -163,15 +163,7 @@ def test_w4a8_graph_replays_equal_eager_forward(P, schedule):
     moe = _make(P, k, schedule, hidden, inter)
     moe.load_quantized_weights(*fp4)
     layer = moe.capture([200, 37][:P])
-    g = torch.Generator().manual_seed(4)
-    for step in range(20):
-        xs, idxs, ws = (list(v) for v in zip(*_fresh_inputs(g, layer, k, step)))
-        ys = [y.clone() for y in layer.replay()]
-        for r, (a, b) in enumerate(zip(ys, eager.forward(xs, idxs, ws))):
-            assert torch.equal(a, b), f"step {step}, rank {r}: replay != eager forward"
-        if step % 10 == 0:
-            _check(ys, xs, idxs, ws, fp4)
-    layer.check()
+    replays_equal_eager(layer, eager, k, 20, lambda ys, xs, idxs, ws: _check(ys, xs, idxs, ws, fp4))
 
 
 def test_w4a8_is_clean_under_memcheck(tmp_path):

@@ -182,7 +182,6 @@ def test_w8a8_graph_replays_equal_eager_forward(P, schedule):
     experts on some) give eager forward's y bit for bit; every 10th within the emulation's
     tolerance; no device error."""
     from megamoe_interleave import quant
-    from test_megamoe_graph import _fresh_inputs  # pytest puts tests/ on sys.path
 
     k, hidden, inter = 4, 512, 256
     w1, w2, _, _, _ = _problem(P, [1] * P, k, "balanced", 0.0, 21, hidden, inter)
@@ -192,15 +191,24 @@ def test_w8a8_graph_replays_equal_eager_forward(P, schedule):
     moe = _make(P, k, schedule, hidden, inter)
     moe.load_weights(w1, w2)
     layer = moe.capture([200, 37, 256, 129][:P])
+    replays_equal_eager(layer, eager, k, 30, lambda ys, xs, idxs, ws: _check(
+        ys, reference_moe_w8a8(xs, idxs, ws, *wq), reference_moe_fp32(xs, idxs, ws, w1, w2)))
+
+
+def replays_equal_eager(layer, eager, k, steps, check):
+    """``steps`` replays of the captured ``layer`` with fresh tokens and routing each
+    (test_megamoe_graph._fresh_inputs): each y bit for bit ``eager``'s forward, every 10th also
+    ``check(ys, xs, idxs, ws)``; then no device error."""
+    from test_megamoe_graph import _fresh_inputs  # pytest puts tests/ on sys.path
+
     g = torch.Generator().manual_seed(4)
-    for step in range(30):
+    for step in range(steps):
         xs, idxs, ws = (list(v) for v in zip(*_fresh_inputs(g, layer, k, step)))
         ys = [y.clone() for y in layer.replay()]
         for r, (a, b) in enumerate(zip(ys, eager.forward(xs, idxs, ws))):
             assert torch.equal(a, b), f"step {step}, rank {r}: replay != eager forward"
         if step % 10 == 0:
-            emulated = reference_moe_w8a8(xs, idxs, ws, *wq)
-            _check(ys, emulated, reference_moe_fp32(xs, idxs, ws, w1, w2))
+            check(ys, xs, idxs, ws)
     layer.check()
 
 
