@@ -117,9 +117,8 @@ SANITIZED_TIMEOUT_NS = 120_000_000_000
 
 
 def megamoe_layer(problem, precision, schedule, device):
-    from megamoe_interleave import MegaMoE, MegaMoEConfig, kernel, make_world
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
 
-    kernel.UNVALIDATED = {}  # W4A8: these cases check it bit for bit against W8A8 (run_megamoe)
     P, E, H, I, k, _, T = problem
     timeout = dict(timeout_ns=SANITIZED_TIMEOUT_NS) if os.environ.get(SANITIZED_ENV) else {}
     return MegaMoE(make_world("loopback", world_size=P, device=device), E, H, I, k, T,

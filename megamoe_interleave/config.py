@@ -142,16 +142,10 @@ class MegaMoEConfig:
     trace: bool = False  # per-tile timelines into MegaMoE.last_trace (TRACE_FIELDS)
     timeout_ns: int = 2_000_000_000  # bound of every device-side wait (then an error word, not a hang)
     precision: str = "bf16"  # "bf16", "w8a8" or "w4a8" (see the class docstring)
-    # W8A8 full tiles: the two consumer warpgroups take turns issuing their WGMMA batches, so one's
-    # promotion runs under the other's batch. Experimental: compiled and checked on a CPU, not yet
-    # measured on a GPU (docs/moe-core.md section 5); it goes (or becomes the default) with that run.
-    consumer_turns: bool = False
     # How a CTA pair shares a scheduler row: "m", its 2 x 128 rows split along M with the weights (B)
     # multicast; "n", 128 rows and two N blocks with the rows (A) multicast, so a pair whose expert
-    # has <= 128 rows computes no padding (docs/moe-core.md section 6). Experimental: "n" is
-    # compiled and checked on a CPU, not yet measured on a GPU; it goes (or becomes the small-batch
-    # default) with that run.
-    pair_split: str = "m"
+    # has <= 128 rows computes no padding (docs/moe-core.md section 6). None: resolve's choice.
+    pair_split: Optional[str] = None
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES + (AUTO,):
@@ -181,10 +175,8 @@ class MegaMoEConfig:
             raise ValueError(f"dispatch_window must be 0, or >= 1 with the bulk Dispatch, got {self.dispatch_window}")
         if self.timeout_ns <= 0:
             raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
-        if self.pair_split not in PAIR_SPLITS:
+        if self.pair_split is not None and self.pair_split not in PAIR_SPLITS:
             raise ValueError(f"pair_split must be one of {PAIR_SPLITS}, got {self.pair_split!r}")
-        if self.consumer_turns and self.precision != "w8a8":
-            raise ValueError(f"consumer_turns is a W8A8 mainloop option, got precision={self.precision!r}")
 
     def choose_schedule(self, shape, world_size: int, max_tokens: int, num_sms: int, platform, expert_rows=None):
         """``schedule="auto"``: (this config with the schedule the model picks, the
@@ -224,7 +216,7 @@ class MegaMoEConfig:
 
     @property
     def resolved(self) -> bool:
-        return None not in (self.block_n, self.stages, self.dispatch_copy, self.dispatch_window) and (
+        return None not in (self.block_n, self.stages, self.dispatch_copy, self.dispatch_window, self.pair_split) and (
             self.lead is not None if self.schedule == "interleaved" else self.l2_columns is not None)
 
     def schedule_spec(self) -> Schedule:
@@ -263,6 +255,9 @@ class MegaMoEConfig:
           5..14 beat W = 0 (window/).
         * l2_columns: on for expert_wave wherever the order's positions fit int_ops.divmod_small
           (0.1-0.3 % faster than the row order on three hosts, l2_columns/ in results/h200/megamoe/archive/README.md).
+        * pair_split: "n" at up to BLOCK_M rows per local expert (balanced routing), else "m": at 512
+          tokens per rank (12 rows per expert, P = 1) the N split's kernel took 0.81x the M split's time
+          in W8A8 and 0.89x in BF16 (ab_trees, same host); above 128 rows it is not measured.
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
 
         precision="w8a8" (and "w4a8") also needs H and I to be multiples of QUANT_BLOCK (the 1x128 activation
@@ -294,9 +289,10 @@ class MegaMoEConfig:
                              f"H={hidden}, I={inter}")
         if hidden % (2 * block_n) or (2 * inter) % (2 * block_n):
             raise ValueError(f"H={hidden} and 2I={2 * inter} must be multiples of 2*block_n={2 * block_n}")
+        rows_per_expert = world_size * tokens * topk / experts
+        split = self.pair_split or ("n" if rows_per_expert <= BLOCK_M else "m")
         stages = self.stages
         if stages is None:
-            rows_per_expert = world_size * tokens * topk / experts
             deep = rows_per_expert < DEEP_RING_MAX_ROWS and self.precision != "w4a8"
             stages = 3 if block_n == 256 and not deep else 4
         copy = self.dispatch_copy
@@ -311,15 +307,15 @@ class MegaMoEConfig:
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window
         if window is None:
-            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n, self.pair_split) + 1 \
+            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n, split) + 1 \
                 if ew and copy == "bulk" else 0
         if window and copy != "bulk":
             raise ValueError("dispatch_window needs dispatch_copy='bulk'")
-        out = dict(block_n=block_n, stages=stages, dispatch_copy=copy, dispatch_window=window)
+        out = dict(block_n=block_n, stages=stages, dispatch_copy=copy, dispatch_window=window, pair_split=split)
         if ew:
             # l2_columns: an expert's L2 positions must stay in divmod_small's exact range
-            positions = (tokens * world_size // pool_rows_per_row(BLOCK_M, self.pair_split == "m") + 1) \
-                * pair_tiles_per_row(hidden, block_n, self.pair_split)
+            positions = (tokens * world_size // pool_rows_per_row(BLOCK_M, split == "m") + 1) \
+                * pair_tiles_per_row(hidden, block_n, split)
             l2_columns = positions < DIVMOD_SMALL_MAX if self.l2_columns is None else self.l2_columns
             if l2_columns and positions >= DIVMOD_SMALL_MAX:
                 raise ValueError(f"l2_columns: up to {positions} L2 pair tiles per expert, the order handles "

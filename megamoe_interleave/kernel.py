@@ -11,9 +11,6 @@ from .sm90_fp4 import MegaMoESm90W4A8
 from .sm90_fp8 import MegaMoESm90W8A8
 
 KERNELS = {cls.precision: cls for cls in (MegaMoESm90, MegaMoESm90W8A8, MegaMoESm90W4A8)}
-# Compiled (CI checks their programs) but not yet through the GPU tests: MegaMoE refuses them, the
-# GPU tests lift this (tests/test_megamoe_w4a8_gpu.py).
-UNVALIDATED = {"w4a8": "its fused kernel compiles but has not passed the GPU tests yet (docs/w4a8.md)"}
 
 
 def kernel_class(precision: str) -> type:
@@ -21,14 +18,6 @@ def kernel_class(precision: str) -> type:
         raise ValueError(f"no fused kernel for precision {precision!r} yet (fused: {sorted(KERNELS)}); "
                          "backend='torch' runs every precision")
     return KERNELS[precision]
-
-
-def require_validated(precision: str) -> None:
-    """ValueError for a precision whose fused kernel the layer does not run yet."""
-    kernel_class(precision)
-    if precision in UNVALIDATED:
-        raise ValueError(f"no fused kernel for precision {precision!r} yet: {UNVALIDATED[precision]}; "
-                         "backend='torch' runs every precision")
 
 
 def make_kernel(hidden: int, intermediate: int, config: MegaMoEConfig) -> MegaMoESm90:

@@ -9,8 +9,6 @@ class NamedBarrier(enum.IntEnum):
     Epilogue = 4  # the epilogue warps among themselves
     Dispatch = 5  # the warps copying Dispatch rows among themselves
     Consumers = 6  # W8A8 half tiles: the two consumer warpgroups exchange their rows' h amax
-    ConsumerTurn0 = 7  # W8A8 consumer_turns: warpgroup 0 may issue its next batch
-    ConsumerTurn1 = 8  # ... warpgroup 1 may
-    Widen = 9  # W4A8 full tiles: both consumer warpgroups have widened their B rows
-    WidenWg0 = 10  # W4A8 half tiles: consumer warpgroup 0 among itself
-    WidenWg1 = 11  # ... warpgroup 1
+    Widen = 7  # W4A8 full tiles: both consumer warpgroups have widened their B rows
+    WidenWg0 = 8  # W4A8 half tiles: consumer warpgroup 0 among itself
+    WidenWg1 = 9  # ... warpgroup 1

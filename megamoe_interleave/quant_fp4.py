@@ -190,10 +190,14 @@ def kernel_operands(w1_p, w1_sf, w2_p, w2_sf):
             w2_p, torch.exp2(r2.float()), shift_words(d2))
 
 
-def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf):
-    """FP32 global weights in the natural layout (``w1`` gate then up rows) of the kernel-layout
-    FP4 weights: what :func:`~megamoe_interleave.reference.reference_moe_fp32` takes."""
-    return untransform_w1(dequantize(w1_p, w1_sf)), dequantize(w2_p, w2_sf)
+def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf, dtype=torch.float32):
+    """Global weights (FP32, exact; or ``dtype``) in the natural layout (``w1`` gate then up rows) of
+    the kernel-layout FP4 weights: what :func:`~megamoe_interleave.reference.reference_moe_fp32`
+    takes. Expert by expert slice, so only the result is held in ``dtype`` (a rank's FP32 w1 at
+    DeepSeek-V4-Flash is 17 GB)."""
+    w1 = _by_experts(lambda p, sf: untransform_w1(dequantize(p, sf)).to(dtype))
+    w2 = _by_experts(lambda p, sf: dequantize(p, sf).to(dtype))
+    return w1(w1_p, w1_sf), w2(w2_p, w2_sf)
 
 
 def from_deepgemm_layout(w1_p, w1_sf, w2_p, w2_sf):

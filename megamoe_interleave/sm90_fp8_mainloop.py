@@ -134,9 +134,7 @@ class Fp8ConsumerMixin:
             # one 128-column batch per weight scale block, each promoted after wait 0
             p = part[0]
             for j in cutlass.range_constexpr(len(tCrB)):
-                self.take_turn()
                 sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=b, wg_wait=-1)
-                self.pass_turn()
                 if const_expr(j == 0):
                     d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
                     na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
@@ -149,32 +147,6 @@ class Fp8ConsumerMixin:
             state.advance()
             c0, c1, c2, c3 = d0, d1, d2, d3
         return state, t1, ok
-
-    @cute.jit
-    def consumers_start(self):
-        """``consumer_turns``: warpgroup 1 hands warpgroup 0 the first turn. From then on each full
-        tile batch of one warpgroup waits for the other's previous batch to be issued (FA4's warp
-        scheduler barriers), so the two alternate and one promotes while the other's WGMMAs run.
-        Both walk the same tiles with two batches per K block of a full tile and none elsewhere, so
-        the turns stay paired; one arrive is left pending at the end."""
-        if const_expr(self.config.consumer_turns):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 == 1:
-                cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.ConsumerTurn0),
-                                         number_of_threads=self.num_mma_threads)
-
-    @cute.jit
-    def take_turn(self):
-        if const_expr(self.config.consumer_turns):
-            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-            cute.arch.barrier(barrier_id=int(self.NamedBarrier.ConsumerTurn0) + wg,
-                              number_of_threads=self.num_mma_threads)
-
-    @cute.jit
-    def pass_turn(self):
-        if const_expr(self.config.consumer_turns):
-            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-            cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.ConsumerTurn1) - wg,
-                                     number_of_threads=self.num_mma_threads)
 
     @cute.jit
     def half_k_pairs(self, ab_pipe, state, ok: Boolean, timeout, err, frags, num_k: cutlass.Constexpr, rows, weights,

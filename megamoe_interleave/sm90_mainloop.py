@@ -190,7 +190,6 @@ class ConsumerMixin:
         the epilogue warps store it. The next tile's schedule step (its row-record load) is issued
         one tile ahead, so its latency does not sit between tiles."""
         frags = self.consumer_fragments(tiled_mma, tidx, sm)
-        self.consumers_start()
         g, r, G, c0, c1 = self.schedule_start(ctx)
         state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
         ok = Boolean(True)
@@ -233,9 +232,6 @@ class ConsumerMixin:
             c0, c1 = n0, n1
             cur = tile_fields(ahead)
             n0, n1 = Int32(nxt[0]), Int32(nxt[1])
-
-    def consumers_start(self):
-        """A precision's setup of the consumer warpgroups before their first tile (bf16: none)."""
 
     def consumer_fragments(self, tiled_mma, tidx, sm):
         """This thread's WGMMA fragments ``(full, half)``, each (tiled_mma, acc, tCrA, tCrB, tCcC):

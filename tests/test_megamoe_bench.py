@@ -659,16 +659,16 @@ def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path)
             import json, os, sys
             out = sys.argv[sys.argv.index("--out") + 1]
             os.makedirs(out, exist_ok=True)
-            open({str(log)!r}, "a").write({name!r} + " " + os.getcwd() + " " + str("--consumer-turns" in sys.argv) + "\\n")
+            open({str(log)!r}, "a").write({name!r} + " " + os.getcwd() + " " + str("--pair-split" in sys.argv) + "\\n")
             ps = sys.argv[sys.argv.index("--P") + 1:]
             runs = {{"P" + p: {{"kernel_us": [999.0, {us} * int(p), {us} * int(p) + 2, {us} * int(p) - 2],
                               "L1": {{"mainloop_cycles_p50": 5}}, "L2": {{}}}} for p in ps}}
             json.dump({{"runs": runs}}, open(os.path.join(out, "tile_budget.json"), "w"))
         """))
     with pytest.raises(ValueError):
-        ab_trees.parse_flags(["other=--consumer-turns"], ["base", "new"])
+        ab_trees.parse_flags(["other=--pair-split n"], ["base", "new"])
     ab_trees.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}", "--P", "1", "8",
-                   "--rounds", "2", "--flags", "new=--consumer-turns", "--out", str(tmp_path / "out")])
+                   "--rounds", "2", "--flags", "new=--pair-split n", "--out", str(tmp_path / "out")])
     order = [line.split() for line in log.read_text().splitlines()]
     assert [n for n, _, _ in order] == ["base", "new", "new", "base"]
     assert all(cwd == str(tmp_path / n) and flag == str(n == "new") for n, cwd, flag in order)

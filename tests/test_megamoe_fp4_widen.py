@@ -202,7 +202,10 @@ def _stage_kernel():
             cute.arch.sync_threads()
             fp4.widen_stage(views, t, Int32(stage), buf)
             cute.arch.sync_threads()
-            out = cute.recast_tensor(views.sW, Uint8)
+            # the widened block's bytes through its swizzled layout viewed as uint8, as the kernel views its
+            # ring's B (cute.recast_tensor of the E4M3 view disagreed from row 1 on, where the 128-byte swizzle
+            # starts, on an H200 while the fused kernel's WGMMAs read the widened weights bit for bit)
+            out = st.sW.get_tensor(wide.outer, swizzle=wide.inner, dtype=Uint8)
             for j in cutlass.range_constexpr(128):
                 mOut[t, j] = out[t, j, buf]
 

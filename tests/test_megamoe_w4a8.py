@@ -183,8 +183,8 @@ def test_torch_backend_is_the_recipe_bit_for_bit_and_within_its_bound_of_fp32():
 
 def test_w4a8_misuse_fails_before_any_launch():
     world = make_world("loopback", world_size=1, device="cpu")
-    with pytest.raises(ValueError, match="no fused kernel for precision 'w4a8'"):
-        MegaMoE(world, 8, 512, 256, 2, 16, MegaMoEConfig(precision="w4a8"), backend="fused", num_sms=132)
+    with pytest.raises(ValueError, match="block_n=256"):
+        MegaMoE(world, 8, 768, 384, 2, 16, MegaMoEConfig(precision="w4a8"), backend="fused", num_sms=132)
     with pytest.raises(ValueError, match="multiples of 128"):
         MegaMoE(world, 8, 192, 256, 2, 16, MegaMoEConfig(precision="w4a8"), backend="torch")
     moe = MegaMoE(world, 8, 512, 256, 2, 16, MegaMoEConfig(precision="w4a8"), backend="torch")

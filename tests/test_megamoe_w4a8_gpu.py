@@ -4,8 +4,7 @@ The W4A8 recipe is W8A8's on the widened weights (quant_fp4.widen_weights), and 
 exactly, so the strongest check is bitwise: the W4A8 layer's y equals the W8A8 layer's on those
 widened weights, for every routing, both schedules, graph replays and repeated calls. Each case is
 also held against the recipe's emulation (reference_moe_w4a8, W8A8's kernel tolerance) and the fp32
-reference on the dequantized FP4 weights. Until these pass on an H200 the layer refuses
-``precision="w4a8"`` with the fused backend (kernel.UNVALIDATED); this module lifts that gate.
+reference on the dequantized FP4 weights.
 """
 import pytest
 import torch
@@ -16,13 +15,6 @@ from test_megamoe_w8a8_gpu import _check as check_fp8
 from test_megamoe_w8a8_gpu import replays_equal_eager
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _fused_w4a8(monkeypatch):
-    from megamoe_interleave import kernel
-
-    monkeypatch.setattr(kernel, "UNVALIDATED", {})
 
 
 def _make(P, k, schedule, hidden, inter, precision="w4a8", **config):

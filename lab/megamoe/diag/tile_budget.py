@@ -132,14 +132,12 @@ def print_row(P: int, r: dict) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, nargs="+", default=[8, 1])
-    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8", "w4a8"],
-                    help="w4a8 times its fused kernel before its GPU tests have passed (kernel.UNVALIDATED lifted)")
+    ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8", "w4a8"])
     ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--calls", type=int, default=4, help="forwards per build (the first includes first-launch costs)")
     ap.add_argument("--shape", default="deepseek-v4-flash")
-    ap.add_argument("--consumer-turns", action="store_true", help="MegaMoEConfig(consumer_turns=True) (W8A8)")
-    ap.add_argument("--pair-split", default="m", choices=["m", "n"], help="MegaMoEConfig(pair_split=...)")
+    ap.add_argument("--pair-split", default=None, choices=["m", "n"], help="MegaMoEConfig(pair_split=...); default: resolved")
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
     ap.add_argument("--trace", nargs="+", default=None, metavar="CSV",
                     help="summarize these trace CSVs instead of running (no GPU needed)")
@@ -165,13 +163,9 @@ def main(argv=None):
         if not torch.cuda.is_available():
             ap.error("running the kernel needs a CUDA GPU (Hopper); --trace summarizes CSVs anywhere")
     os.makedirs(args.out, exist_ok=True)
-    if args.precision == "w4a8":
-        from megamoe_interleave import kernel
-
-        kernel.UNVALIDATED = {}  # a diagnostic of time, not of results (tests/test_megamoe_w4a8_gpu.py checks those)
     for P in ([] if args.trace else args.P):
         runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
-                                dict(consumer_turns=args.consumer_turns, pair_split=args.pair_split))
+                                dict(pair_split=args.pair_split))
         print_row(P, runs[f"P{P}"])
     with open(os.path.join(args.out, "tile_budget.json"), "w") as f:
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args), "runs": runs,
