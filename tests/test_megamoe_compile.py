@@ -14,8 +14,10 @@ DSV4 = get_shape("deepseek-v4-flash")
 
 
 def resolved(schedule="interleaved", *, block_n=256, stages=3, dispatch_copy="lsu", dispatch_window=0, **kw):
-    """A resolved config given field by field (interleaved: lead 3; expert_wave: row-order L2)."""
+    """A resolved config given field by field (interleaved: lead 3; expert_wave: row-order L2; the pair
+    splitting M)."""
     kw.setdefault("lead" if schedule == "interleaved" else "l2_columns", 3 if schedule == "interleaved" else False)
+    kw.setdefault("pair_split", "m")
     return MegaMoEConfig(schedule, block_n=block_n, stages=stages, dispatch_copy=dispatch_copy,
                          dispatch_window=dispatch_window, **kw)
 
@@ -90,6 +92,8 @@ def test_config_rejects_what_cannot_run():
         MegaMoEConfig(stages=1)
     with pytest.raises(ValueError, match="dispatch_copy"):
         MegaMoEConfig(dispatch_copy="tma")
+    with pytest.raises(ValueError, match="widen_ahead is a W4A8 option"):
+        MegaMoEConfig(precision="w8a8", widen_ahead=True)
     with pytest.raises(ValueError, match="pair_split must be one of"):
         MegaMoEConfig(pair_split="k")
     with pytest.raises(ValueError, match="dispatch_window"):
