@@ -100,9 +100,9 @@ def test_w4a8_builds_widen_into_pipelined_fp8_wgmma(tmp_path, schedule, P, ahead
 
 @pytest.mark.compile
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("trace", [False, True])
-def test_w4a8_kernel_compiles(schedule, trace):
+@pytest.mark.parametrize("trace,ahead", [(False, False), (True, False), (True, True)])
+def test_w4a8_kernel_compiles(schedule, trace, ahead):
     """The smallest W4A8 tiles (H 512, I 256: two L1 and two L2 pair tiles per row, 4 and 2 K blocks),
-    with and without the per-tile trace."""
-    config = MegaMoEConfig(schedule, precision="w4a8", trace=trace).resolve(DSV4, 1, 256, 132)
+    with and without the per-tile trace, and with ``widen_ahead``."""
+    config = MegaMoEConfig(schedule, precision="w4a8", trace=trace, widen_ahead=ahead).resolve(DSV4, 1, 256, 132)
     assert _compile(512, 256, config) is not None
