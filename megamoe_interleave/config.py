@@ -147,7 +147,7 @@ class MegaMoEConfig:
     # has <= 128 rows computes no padding (docs/moe-core.md section 6). None: resolve's choice.
     pair_split: Optional[str] = None
     # W4A8 full tiles: widen K block k + 1 while block k's first WGMMA batch runs, instead of before block
-    # k + 1's (docs/w4a8.md, the last section). Experimental, off: compiled and checked on a CPU, not yet
+    # k + 1's (docs/w4a8.md, "The kernel as built"). Experimental, off: compiled and checked on a CPU, not yet
     # measured on a GPU; it goes (or becomes the default) with that run.
     widen_ahead: bool = False
 
