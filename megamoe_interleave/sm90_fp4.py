@@ -53,6 +53,13 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
     precision = "w4a8"
     b_dtype, b_tile_k, widened_buffers = Uint8, PACKED_K, WIDENED_BUFFERS
 
+    def __init__(self, hidden: int, intermediate: int, config):
+        super().__init__(hidden, intermediate, config)
+        if config.widen_ahead:
+            # the widening under a batch in flight: at 224 / 56 the consumers spilled 40 B around each
+            # tile (cu13); 128 x 40 + 256 x 232 = 64512, and the aux warps touch no local memory at 40
+            self.aux_warpgroup_regs, self.mma_warpgroup_regs = 40, 232
+
     def stage_tx_bytes(self) -> int:
         return self.block_k * BLOCK_M * self.ab_bytes + self.block_n * (PACKED_K + 4)
 
