@@ -145,7 +145,7 @@ def test_fused_w4a8_100_repeated_calls(schedule):
 def test_widen_ahead_gives_the_default_builds_bits(schedule):
     """MegaMoEConfig(widen_ahead=True) only moves where a full tile widens its next K block (under the
     block before's first batch), so y is the default W4A8 build's bit for bit: skewed routing (full
-    and half tiles, 2 to 8 K blocks per tile), 20 calls in a row."""
+    and half tiles; 8 K blocks per L1 tile, 4 per L2 tile), 20 calls in a row."""
     from megamoe_interleave import quant_fp4
 
     P, k, hidden, inter = 2, 6, 1024, 512
