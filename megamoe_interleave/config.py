@@ -146,10 +146,6 @@ class MegaMoEConfig:
     # multicast; "n", 128 rows and two N blocks with the rows (A) multicast, so a pair whose expert
     # has <= 128 rows computes no padding (docs/moe-core.md section 6). None: resolve's choice.
     pair_split: Optional[str] = None
-    # W4A8 full tiles: widen K block k + 1 while block k's first WGMMA batch runs, instead of before block
-    # k + 1's (docs/w4a8.md, "The kernel as built"). Experimental, off: compiled and checked on a CPU, not yet
-    # measured on a GPU; it goes (or becomes the default) with that run.
-    widen_ahead: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES + (AUTO,):
@@ -181,8 +177,6 @@ class MegaMoEConfig:
             raise ValueError(f"timeout_ns must be > 0, got {self.timeout_ns}")
         if self.pair_split is not None and self.pair_split not in PAIR_SPLITS:
             raise ValueError(f"pair_split must be one of {PAIR_SPLITS}, got {self.pair_split!r}")
-        if self.widen_ahead and self.precision != "w4a8":
-            raise ValueError(f"widen_ahead is a W4A8 option, got precision={self.precision!r}")
 
     def choose_schedule(self, shape, world_size: int, max_tokens: int, num_sms: int, platform, expert_rows=None):
         """``schedule="auto"``: (this config with the schedule the model picks, the

@@ -15,8 +15,8 @@ Warp roles (384 threads; one class, roles as mixins in the style of quack's ``Ge
 
 The two CTAs of a scheduler pair form a 2-CTA cluster. They split the row's 2 x 128 rows along M and
 multicast the shared B tile (the expert's weights: read once from DRAM), or (``pair_split="n"``,
-experts of <= 128 rows) take two N blocks of one 128-row block and multicast A. An L2 tile waits for its
-row's L1 tiles through ``l2_full[row]`` release/acquire counters, an L1 tile for its rows through
+experts of <= 128 rows) take two N blocks of one 128-row block and multicast A. An L2 tile waits
+for its row's L1 tiles through ``l2_full[row]`` release/acquire counters, an L1 tile for its rows through
 ``x_ready[row]``. Every wait is bounded: a timeout sets the error word and the host raises
 ``DeviceError`` instead of hanging. Deadlock freedom: :mod:`.scheduler` (the ring waits are
 between the roles of one cluster, which walk identical tile sequences).

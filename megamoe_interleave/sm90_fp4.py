@@ -53,13 +53,6 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
     precision = "w4a8"
     b_dtype, b_tile_k, widened_buffers = Uint8, PACKED_K, WIDENED_BUFFERS
 
-    def __init__(self, hidden: int, intermediate: int, config):
-        super().__init__(hidden, intermediate, config)
-        if config.widen_ahead:
-            # the widening under a batch in flight: at 224 / 56 the consumers spilled 40 B around each
-            # tile (cu13); 128 x 40 + 256 x 232 = 64512, and the aux warps touch no local memory at 40
-            self.aux_warpgroup_regs, self.mma_warpgroup_regs = 40, 232
-
     def stage_tx_bytes(self) -> int:
         return self.block_k * BLOCK_M * self.ab_bytes + self.block_n * (PACKED_K + 4)
 
@@ -113,45 +106,16 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
 
     @cute.jit
     def b_ready(self, frags, state, kt, half: cutlass.Constexpr):
-        """Widen ring stage ``state`` into block ``kt % 2``, fence, meet (module docstring); returns the block.
-        With ``widen_ahead`` a full tile widens only its first block here (:meth:`b_ahead` the others)."""
+        """Widen ring stage ``state`` into block ``kt % 2``, fence, meet (module docstring); returns the block."""
         sm, tidx = frags[6]
         buf = kt % 2
-        if const_expr(self.config.widen_ahead and not half):
-            if kt == 0:
-                self.widen_stage(sm, tidx, state.index, buf)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.b_done()
+        self.widen_stage(sm, tidx, state.index, buf)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the WGMMAs' reads
+        if const_expr(half):
+            self.b_free()
         else:
-            self.widen_stage(sm, tidx, state.index, buf)
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the WGMMAs' reads
-            if const_expr(half):
-                self.b_free()
-            else:
-                self.b_done(True)
-        return buf
-
-    @cute.jit
-    def b_ahead(self, ab_pipe, state, ok, wait, frags, kt, num_k):
-        """``widen_ahead``: while block kt's first batch runs, wait for ring stage kt + 1 and widen it into
-        the other block. Its last readers, block kt - 1's WGMMAs, finished in both warpgroups before the
-        barrier that ended block kt - 1 (:meth:`b_done`)."""
-        if const_expr(self.config.widen_ahead):
-            if kt + 1 < num_k:
-                sm, tidx = frags[6]
-                ahead = state.clone()
-                ahead.advance()
-                ok = ab_pipe.consumer_wait_bounded(ahead, ok, *wait)
-                self.widen_stage(sm, tidx, ahead.index, (kt + 1) % 2)
-                cute.arch.fence_proxy("async.shared", space="cta")
-        return ok
-
-    @cute.jit
-    def b_done(self, always: cutlass.Constexpr = False):
-        """Both consumer warpgroups have widened their rows (and, with ``widen_ahead`` at a K block's end,
-        waited for the block's WGMMAs)."""
-        if const_expr(always or self.config.widen_ahead):
             cute.arch.barrier(barrier_id=int(self.NamedBarrier.Widen), number_of_threads=self.num_mma_threads)
+        return buf
 
     @cute.jit
     def b_free(self):

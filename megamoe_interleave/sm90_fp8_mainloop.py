@@ -138,13 +138,11 @@ class Fp8ConsumerMixin:
                 if const_expr(j == 0):
                     d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
                     na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 2, num_k - 1))
-                    ok = self.b_ahead(ab_pipe, state, ok, (timeout, err), frags, kt, num_k)
                 warpgroup.wait_group(0)
                 if const_expr(l1 or j == 0):
                     self.promote(acc, p, j * cute.size(p), c0, c1, c2, c3, l1)
                 else:
                     self.promote(acc, p, j * cute.size(p), c2, c3, c2, c3, False)
-            self.b_done()
             ab_pipe.consumer_release(state)
             state.advance()
             c0, c1, c2, c3 = d0, d1, d2, d3
@@ -210,14 +208,6 @@ class Fp8ConsumerMixin:
 
     def b_free(self):
         """Before a half tile's K pair: the pair before it has no WGMMA in flight (W4A8: a barrier)."""
-
-    def b_ahead(self, ab_pipe, state, ok, wait, frags, kt, num_k):
-        """A full tile's block ``kt`` + 1 prepared while block ``kt``'s first batch runs (W4A8 with
-        ``widen_ahead``); returns ``ok``."""
-        return ok
-
-    def b_done(self):
-        """The end of a full tile's K block (W4A8 with ``widen_ahead``: the block ahead is ready)."""
 
     @cute.jit
     def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, one_block: cutlass.Constexpr):

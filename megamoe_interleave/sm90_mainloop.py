@@ -5,9 +5,9 @@ tiles guarded by full/empty mbarriers (quack ``PipelineTmaAsync`` with bounded w
 The ring's waits are bounded (:class:`xstage.pipeline.BoundedPipelineTmaAsync`). The CTA pair of a
 scheduler row (a 2-CTA cluster) splits the row along M: both CTAs need the same B tile (the expert's
 weights), so each loads half of it and multicasts it into both CTAs' stage; A (each CTA's own rows)
-is a plain TMA load. With ``pair_split="n"`` the roles of A and B swap. Consumers release a stage on both CTAs' empty
-barriers. After the mainloop the consumers stage the tile's bf16 output (L1: SwiGLU x routing
-weight in registers) for the epilogue warps and go on with the next tile.
+is a plain TMA load. With ``pair_split="n"`` the roles of A and B swap. Consumers release a stage
+on both CTAs' empty barriers. After the mainloop the consumers stage the tile's bf16 output (L1:
+SwiGLU x routing weight in registers) for the epilogue warps and go on with the next tile.
 """
 from __future__ import annotations
 

@@ -92,8 +92,6 @@ def test_config_rejects_what_cannot_run():
         MegaMoEConfig(stages=1)
     with pytest.raises(ValueError, match="dispatch_copy"):
         MegaMoEConfig(dispatch_copy="tma")
-    with pytest.raises(ValueError, match="widen_ahead is a W4A8 option"):
-        MegaMoEConfig(precision="w8a8", widen_ahead=True)
     with pytest.raises(ValueError, match="pair_split must be one of"):
         MegaMoEConfig(pair_split="k")
     with pytest.raises(ValueError, match="dispatch_window"):

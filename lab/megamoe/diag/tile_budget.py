@@ -139,7 +139,6 @@ def main(argv=None):
     ap.add_argument("--shape", default="deepseek-v4-flash")
     ap.add_argument("--pair-split", default=None, choices=["m", "n"],
                     help="MegaMoEConfig(pair_split=...); default: resolve's choice")
-    ap.add_argument("--widen-ahead", action="store_true", help="MegaMoEConfig(widen_ahead=True) (W4A8)")
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
     ap.add_argument("--trace", nargs="+", default=None, metavar="CSV",
                     help="summarize these trace CSVs instead of running (no GPU needed)")
@@ -167,7 +166,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     for P in ([] if args.trace else args.P):
         runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
-                                dict(pair_split=args.pair_split, widen_ahead=args.widen_ahead))
+                                dict(pair_split=args.pair_split))
         print_row(P, runs[f"P{P}"])
     with open(os.path.join(args.out, "tile_budget.json"), "w") as f:
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args), "runs": runs,
