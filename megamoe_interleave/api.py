@@ -42,7 +42,6 @@ from .config import AUTO, BLOCK_M, QUANT_BLOCK, MegaMoEConfig
 from .device_plan import plan_sizes
 from .host_plan import HostPlanner
 from .launcher import FusedLauncher
-from .row_grid import pool_rows_per_row
 from .shapes import MoEShape
 from .weights import transform_weights, untransform_w1  # noqa: F401  (re-exported: the layout is part of the API)
 from .workspace import COUNTER_ERROR, MegaMoEBuffer, counter_words
@@ -116,7 +115,7 @@ class MegaMoE:
         # sizes; its worst-case scheduler rows also size the counter workspace of both paths.
         self.device_ctas = max(2, num_sms - num_sms % 2)
         sizes = {s: plan_sizes(P, max_tokens_per_rank, topk, self.experts_per_rank,
-                               row_block=pool_rows_per_row(BLOCK_M, c.pair_split == "m"),
+                               row_block=c.row_block,
                                schedule=c.schedule_spec(), num_pairs=self.device_ctas // 2,
                                experts_per_wave=c.experts_per_wave) for s, c in self.configs.items()}
         self.device_plan_sizes = sizes[self.config.schedule]

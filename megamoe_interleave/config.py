@@ -228,6 +228,16 @@ class MegaMoEConfig:
         return ExpertWaveSchedule(l2_columns=bool(self.l2_columns))
 
     @property
+    def pair_splits_m(self) -> bool:
+        """A resolved config's CTA pair splits its scheduler row along M (``pair_split="m"``)."""
+        return self.pair_split == "m"
+
+    @property
+    def row_block(self) -> int:
+        """Pool rows per scheduler row of a resolved config (:func:`.row_grid.pool_rows_per_row`)."""
+        return pool_rows_per_row(BLOCK_M, self.pair_splits_m)
+
+    @property
     def fp8(self) -> bool:
         """E4M3 activations and the FP8 mainloop (W8A8, and W4A8 on its widened weights)."""
         return self.precision in FP8_PRECISIONS

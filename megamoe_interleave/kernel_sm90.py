@@ -42,7 +42,6 @@ from xstage import device as xdev
 
 from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, arguments_class, tensor_argument_spec
 from .config import BLOCK_K, BLOCK_M, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
-from .row_grid import pool_rows_per_row
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
@@ -179,8 +178,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         # (bounded by timeout_ns), so the ring bound is longer: a timed-out spin is reported alone
         self.ring_timeout_ns = 2 * self.timeout_ns
         self.dispatch_polls = max(1, self.timeout_ns // DISPATCH_POLL_NS)  # counted bound of a window wait
-        self.pair_splits_m = config.pair_split == "m"
-        self.pool_rows_per_row = pool_rows_per_row(BLOCK_M, self.pair_splits_m)
+        self.pair_splits_m, self.pool_rows_per_row = config.pair_splits_m, config.row_block
         self.pairs_l1 = pair_tiles_per_row(2 * intermediate, self.block_n, config.pair_split)
         self.pairs_l2 = pair_tiles_per_row(hidden, self.block_n, config.pair_split)
 

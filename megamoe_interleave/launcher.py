@@ -20,7 +20,7 @@ from .arguments import MegaMoEArguments, arguments_class, check_launch_arguments
 from .config import BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, pair_tiles_per_row
 from .device_plan import DevicePlan, plan_all_ranks
 from .host_plan import HostPlan, persistent_ctas
-from .row_grid import pool_rows_per_row, schedule_table
+from .row_grid import schedule_table
 from .workspace import COUNTER_BARRIER, COUNTER_ERROR, counter_words
 from xstage.world import single_process
 
@@ -65,7 +65,7 @@ class FusedLauncher:
     def device_plan_options(self, config: MegaMoEConfig) -> dict:
         layer = self.layer
         split = config.pair_split
-        return dict(experts_per_rank=layer.experts_per_rank, row_block=pool_rows_per_row(BLOCK_M, split == "m"),
+        return dict(experts_per_rank=layer.experts_per_rank, row_block=config.row_block,
                     schedule=config.schedule_spec(), num_pairs=layer.device_ctas // 2,
                     pairs_l1=pair_tiles_per_row(2 * layer.intermediate, config.block_n, split),
                     pairs_l2=pair_tiles_per_row(layer.hidden, config.block_n, split), hidden=layer.hidden,
