@@ -85,7 +85,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--schedule", nargs="+", default=["interleaved"], choices=["interleaved", "expert_wave"])
-    ap.add_argument("--precision", nargs="+", default=["w8a8"], choices=["bf16", "w8a8"])
+    ap.add_argument("--precision", nargs="+", default=["w8a8"], choices=["bf16", "w8a8", "w4a8"])
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank the build is resolved for")
     ap.add_argument("--out", default=None, help="directory for megamoe_sass.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -93,7 +94,7 @@ def main(argv=None):
     for precision in args.precision:
         for schedule in args.schedule:
             for P in args.P:
-                r = build_report(P, schedule, precision)
+                r = build_report(P, schedule, precision, args.tokens)
                 if r is None:
                     raise SystemExit("no cuobjdump (CUDA toolkit or triton)")
                 reports.append(r)
