@@ -125,7 +125,7 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
 
     @cute.jit
     def widen_stage(self, sm, tidx, stage, buf):
-        """B row ``tidx`` of ring stage ``stage``: per 32-group a 16-byte load of codes (64-byte
+        """B row ``tidx`` of ring stage ``stage``: per 32-group one 16-byte load of codes (64-byte
         swizzle: chunk c at 16 (c ^ (row / 2 % 4))), its shift byte's :func:`group_table`, four
         :func:`widen_e2m1x8` and two 16-byte stores of E4M3 (128-byte swizzle: chunk c at
         16 (c ^ (row % 8)); both checked against the layouts in tests/test_megamoe_w4a8_compile.py)."""
@@ -135,18 +135,12 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
         dst = Int32(sm.sW.iterator.toint()) + buf * (self.block_n * BLOCK_K_FP8) + row * BLOCK_K_FP8
         swz_p = ((row >> 1) & 3) << 4
         swz_w = (row & 7) << 4
-        # Group g + 1's load before group g's stores: the shared accesses are ordered asm, so a load
-        # issued after a store would add its round trip to every group (all four ahead spill: 24 B)
-        codes = [xdev.load_shared_v4(src + ((16 * g) ^ swz_p)) if g == 0 else None for g in range(GROUPS)]
         for g in cutlass.range_constexpr(GROUPS):
-            if const_expr(g + 1 < GROUPS):
-                codes[g + 1] = xdev.load_shared_v4(src + ((16 * (g + 1)) ^ swz_p))
+            codes = xdev.load_shared_v4(src + ((16 * g) ^ swz_p))
             table = group_table(shift_factor((word << (24 - 8 * g)) >> 24))  # byte g, sign-extended
             out = []
             for w in cutlass.range_constexpr(4):
-                lo, hi = widen_e2m1x8(codes[g][w], table)
+                lo, hi = widen_e2m1x8(codes[w], table)
                 out += [lo, hi]
-            # (dst + c) ^ swz_w = dst + (c ^ swz_w): the widened blocks are 1024-byte aligned (128-byte
-            # swizzle). Written so, the offsets are not hoisted out of the K loop as eight live registers
-            xdev.store_shared_v4((dst + 32 * g) ^ swz_w, *out[:4])
-            xdev.store_shared_v4((dst + 32 * g + 16) ^ swz_w, *out[4:])
+            xdev.store_shared_v4(dst + ((32 * g) ^ swz_w), *out[:4])
+            xdev.store_shared_v4(dst + ((32 * g + 16) ^ swz_w), *out[4:])
