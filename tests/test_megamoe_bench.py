@@ -634,6 +634,10 @@ def test_graph_report_sets_w8a8_cases_against_the_streaming_floor(tmp_path):
     assert row["stream_read_GBps"] == pytest.approx(4000.0) and row["stream_bound_us"] == pytest.approx(1600.0)
     assert row["replay_over_stream_bound"] == pytest.approx(2200.0 / 1600.0, abs=1e-4)
     assert (tmp_path / "stream_floor.png").exists() or not _has_matplotlib()
+    # a run's CSV of summary rows stands in for its JSON (one that did not come back from the GPU host)
+    (again,) = graph_bench.report([tmp_path / "summary.csv"], tmp_path / "from_csv")
+    assert again["replay_over_stream_bound"] == row["replay_over_stream_bound"] and again["P"] == 1
+    assert again["precision"] == "w8a8" and again["stream_bound_us"] == pytest.approx(1600.0)
 
 
 def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path):
