@@ -22,6 +22,8 @@ def test_quantizers_round_trip_within_e4m3():
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 3)
     back = (q.float().view(2, 2, 128, 3, 128) * s.view(2, 2, 1, 3, 1)).view_as(w)
     assert ((back - w).norm() / w.norm()) < 0.04  # E4M3: 3 mantissa bits
+    q1, s1 = deepgemm.block_quantize(w, experts_per_pass=1)  # the passes change nothing
+    assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s1, s)
     x = torch.randn(5, 256, generator=g)
     q, s = deepgemm.token_quantize(x)
     assert s.shape == (5, 2) and ((q.float().view(5, 2, 128) * s[:, :, None]).view_as(x) - x).norm() / x.norm() < 0.04
@@ -57,7 +59,51 @@ def test_megamoe_fork_absent_or_upstream_is_one_line(monkeypatch, capsys):
 def test_rows_per_expert_counts_every_live_pick():
     shape = type("S", (), dict(num_experts=8))()
     idx = [torch.tensor([[0, 5], [5, -1]]), torch.tensor([[7, 1]])]
-    assert demo._rows_per_expert(shape, 2, idx) == [[1, 1, 0, 0], [0, 2, 0, 1]]
+    assert deepgemm.rows_per_expert(shape, 2, idx) == [[1, 1, 0, 0], [0, 2, 0, 1]]
+
+
+def _fake_deep_gemm(broken: bool):
+    """A stand-in ``deep_gemm`` module on the CPU: the grouped GEMM dequantizes both operands (128 x 128
+    weight blocks, 1 x 128 activation groups) and multiplies in fp32; ``broken`` writes zeros."""
+    import types
+
+    def gemm(a, b, d, m_indices, disable_ue8m0_cast=True):
+        (x_q, x_s), (w_q, w_s) = a, b
+        M, K = x_q.shape
+        x = (x_q.float().view(M, K // 128, 128) * x_s[:, :, None]).view(M, K)
+        for row in range(M):
+            e = int(m_indices[row])
+            if e < 0 or broken:
+                d[row] = 0
+                continue
+            N = w_q.shape[1]
+            w = (w_q[e].float().view(N // 128, 128, K // 128, 128) * w_s[e][:, None, :, None]).view(N, K)
+            d[row] = (x[row] @ w.t()).to(d.dtype)
+
+    return types.SimpleNamespace(__version__="fake", get_mk_alignment_for_contiguous_layout=lambda: 128,
+                                 get_mn_major_tma_aligned_tensor=lambda t: t, m_grouped_fp8_gemm_nt_contiguous=gemm)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_deepgemm_paired_variant_checks_the_build_before_it_is_timed(monkeypatch, broken):
+    """The benches' DeepGEMM variant: a callable over every rank's two GEMMs when DeepGEMM's L1 of rank 0's
+    first expert is within 1 % of fp32, left out (None, with the check in the note) when it is not."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "deep_gemm", _fake_deep_gemm(broken))
+    shape = type("S", (), dict(num_experts=4, hidden=256, intermediate=128))()
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(4, 256, 256, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(4, 256, 128, generator=g).to(torch.bfloat16)
+    idx = [torch.tensor([[0, 1], [0, 3], [2, -1]])]
+    run, note = deepgemm.paired_variant(shape, 1, w1, w2, idx)
+    assert note["deepgemm"] == "DeepGEMM fake"
+    err = note["check"]["relative_error_l1_expert0"]
+    if broken:
+        assert run is None and err > 0.5
+    else:
+        assert run is not None and err < 0.01
+        run()
 
 
 def _result():
@@ -89,3 +135,37 @@ def test_the_models_prediction_is_eq_11_over_the_whole_kernel():
     il, ew = model.kernel_rate_bounds(2e-3, 1e-3, 52.6e9 * 2e-3, 52.6e9)  # V / R = 2 ms
     assert il == pytest.approx(3e-3) and ew == pytest.approx(4e-3)
     assert demo.L1_FLOP_SHARE == pytest.approx(2 / 3)
+
+
+def test_deepgemm_bundle_is_unpacked_once_and_imported(tmp_path, monkeypatch):
+    """XSTAGE_DEEPGEMM_BUNDLE: the package archive unpacked to root/dgu and imported from there, its
+    compiled kernels to root/dgcache_u (DG_JIT_CACHE_DIR); a bundle without the archive is one line."""
+    import io
+    import sys
+    import tarfile
+
+    def tar_xz(path, files):
+        with tarfile.open(path, "w:xz") as t:
+            for name, text in files.items():
+                data = text.encode()
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+
+    bundle, root = tmp_path / "bundle", tmp_path / "root"
+    bundle.mkdir(), root.mkdir()
+    tar_xz(bundle / "dgu.tar.xz", {"deep_gemm/__init__.py": "__version__ = 'bundled'\n"
+                                                            "def m_grouped_fp8_gemm_nt_contiguous(*a, **k): pass\n"})
+    tar_xz(bundle / "jit_cache_h200.tar.xz", {"dgcache_u/cache/k/kernel.cubin": "x"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "deep_gemm", raising=False)
+    monkeypatch.delenv("DG_JIT_CACHE_DIR", raising=False)
+    assert deepgemm.use_bundle(str(bundle), root=str(root))
+    assert (root / "dgu" / "deep_gemm" / "__init__.py").exists() and (root / "dgcache_u" / "cache" / "k").is_dir()
+    import os
+    assert os.environ["DG_JIT_CACHE_DIR"] == str(root / "dgcache_u") and sys.path[0] == str(root / "dgu")
+    import deep_gemm
+    assert deep_gemm.__version__ == "bundled"
+    monkeypatch.setenv("XSTAGE_DEEPGEMM_BUNDLE", str(tmp_path))
+    dg, why = deepgemm.load()
+    assert dg is None and "has no dgu.tar.xz" in why

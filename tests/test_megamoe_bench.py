@@ -625,7 +625,8 @@ def test_graph_report_sets_w8a8_cases_against_the_streaming_floor(tmp_path):
     case = {"paired": {"shape": "deepseek-v4-flash", "routing": "balanced", "world": "loopback", "P": 1,
                        "tokens_per_rank": 256, "precision": "w8a8",
                        "variants": {"graph replay": v(2200.0), "scaled_grouped_mm x2 only": v(2500.0),
-                                    "unfused torch pipeline": v(6000.0), "streaming read": v(read_us)}},
+                                    "unfused torch pipeline": v(6000.0), "streaming read": v(read_us),
+                                    "DeepGEMM fp8 GEMMs x2 only": v(1760.0)}},
             "eager_us": {"eager enqueue": 3000.0, "eager forward": 4000.0, "enqueue host": 2500.0},
             "replay_kernels": [["kernel_cutlass_MegaMoESm90W8A8_x", 1, 1990.0]], "weight_bytes": 6.4e9,
             "checks": {"replay_blocking_calls": []}}
@@ -633,6 +634,8 @@ def test_graph_report_sets_w8a8_cases_against_the_streaming_floor(tmp_path):
     assert row["precision"] == "w8a8" and row["grouped_mm_us"] == 2500.0
     assert row["stream_read_GBps"] == pytest.approx(4000.0) and row["stream_bound_us"] == pytest.approx(1600.0)
     assert row["replay_over_stream_bound"] == pytest.approx(2200.0 / 1600.0, abs=1e-4)
+    assert row["replay_over_deepgemm"] == pytest.approx(1.25) and row["kernels_over_deepgemm"] == pytest.approx(
+        2000.0 / 1760.0, abs=1e-4)
     assert (tmp_path / "stream_floor.png").exists() or not _has_matplotlib()
     # a run's CSV of summary rows stands in for its JSON (one that did not come back from the GPU host)
     (again,) = graph_bench.report([tmp_path / "summary.csv"], tmp_path / "from_csv")
@@ -734,7 +737,7 @@ def test_w4a8_bench_summary_and_report(tmp_path):
     and its report (summary.csv, w4a8.png) from a result file, without a GPU."""
     import json
 
-    from lab.megamoe import w4a8_bench
+    from lab.megamoe import deepgemm, w4a8_bench
 
     def v(med):
         return {"median_us": med, "baseline_median_us": 1000.0, "median_ratio": med / 1000.0, "n_matched": 6}
@@ -742,9 +745,11 @@ def test_w4a8_bench_summary_and_report(tmp_path):
     case = {"checks": {}, "weight_bytes": {"w4a8": 3.3e9, "w8a8": 6.5e9, "bf16": 13e9},
             "paired": {"shape": "deepseek-v4-flash", "routing": "balanced", "world": "loopback", "P": 1,
                        "tokens_per_rank": 1024, "variants": {"fused w8a8": v(1450.0), "fused bf16": v(2600.0),
-                                                            w4a8_bench.UNFUSED: v(4100.0)}}}
+                                                            w4a8_bench.UNFUSED: v(4100.0),
+                                                            deepgemm.VARIANT: v(1300.0)}}}
     (row,) = w4a8_bench.summary_rows([case])
     assert row["fused_w4a8_us"] == 1000.0 and row["fused_w8a8_over_w4a8"] == pytest.approx(1.45)
+    assert row["DeepGEMM_fp8_GEMMs_x2_only_over_w4a8"] == pytest.approx(1.3)
     assert row["unfused_bf16_pipeline_fp4_dequantized_over_w4a8"] == pytest.approx(4.1)
     assert row["w4a8_weight_bytes_over_w8a8"] == pytest.approx(3.3 / 6.5, abs=1e-4)
     path = tmp_path / "r.json"

@@ -3,9 +3,9 @@ Linear-1 and Linear-2 of its routed rows with ``deep_gemm.m_grouped_fp8_gemm_nt_
 1x128 activation / 128x128 weight recipe our W8A8 uses), nothing else (no Dispatch, SwiGLU, h
 quantization, Combine or reduction) -- the GEMMs a user would run instead of the fused layer.
 
-External: DeepGEMM is imported only when it is on ``PYTHONPATH`` (how to build and carry it:
-docs/gpu.md, "DeepGEMM, the FP8 baseline"); :func:`load` says in one line why not otherwise. Never a
-dependency of the library.
+External: DeepGEMM is imported only when it is on ``PYTHONPATH`` or in the bundle that
+``XSTAGE_DEEPGEMM_BUNDLE`` names (how to build and carry it: docs/gpu.md, "DeepGEMM, the FP8
+baseline"); :func:`load` says in one line why not otherwise. Never a dependency of the library.
 
 Layout (DeepGEMM's contiguous M-grouped layout): each local expert's rows padded to
 ``get_mk_alignment_for_contiguous_layout()`` (128), ``m_indices[row]`` = expert or -1 on padding
@@ -13,16 +13,50 @@ rows; activation scales made TMA-aligned MN-major once, outside the timed call.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tarfile
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
+VARIANT = "DeepGEMM fp8 GEMMs x2 only"  # the paired variant's name in the benches
+
+
+def use_bundle(bundle: str, root: str = "/tmp") -> bool:
+    """Put the DeepGEMM of ``bundle`` (a folder with ../shared/peers/deepgemm's ``dgu.tar.xz`` and, if
+    there, ``jit_cache_h200.tar.xz``: its compiled kernels) on ``sys.path``, unpacked once to
+    ``root/dgu`` and ``root/dgcache_u``; its JIT finds the CUDA toolkit through ``nvcc``. False
+    without the package archive."""
+    package = os.path.join(bundle, "dgu.tar.xz")
+    if not os.path.isfile(package):
+        return False
+    dest, cache = os.path.join(root, "dgu"), os.path.join(root, "dgcache_u")
+    if not os.path.isdir(os.path.join(dest, "deep_gemm")):
+        with tarfile.open(package) as t:
+            t.extractall(dest, filter="tar")
+    kernels = os.path.join(bundle, "jit_cache_h200.tar.xz")
+    if os.path.isfile(kernels) and not os.path.isdir(cache):
+        with tarfile.open(kernels) as t:
+            t.extractall(root, filter="tar")
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    os.environ.setdefault("DG_JIT_CACHE_DIR", cache)
+    if dest not in sys.path:
+        sys.path.insert(0, dest)
+    return True
 
 
 def load() -> Tuple[Optional[object], str]:
-    """(the ``deep_gemm`` module, "") or (None, why it cannot be used here)."""
+    """(the ``deep_gemm`` module, "") or (None, why it cannot be used here); first from
+    ``XSTAGE_DEEPGEMM_BUNDLE`` (:func:`use_bundle`) where it is set."""
+    bundle = os.environ.get("XSTAGE_DEEPGEMM_BUNDLE")
+    if bundle and not use_bundle(bundle):
+        return None, f"XSTAGE_DEEPGEMM_BUNDLE={bundle} has no dgu.tar.xz (../shared/peers/deepgemm; docs/gpu.md)"
     try:
         import deep_gemm
     except Exception as e:  # not installed, or built for another torch / CUDA
@@ -30,6 +64,31 @@ def load() -> Tuple[Optional[object], str]:
     if not hasattr(deep_gemm, "m_grouped_fp8_gemm_nt_contiguous"):
         return None, f"this DeepGEMM ({getattr(deep_gemm, '__version__', '?')}) has no m_grouped_fp8_gemm_nt_contiguous"
     return deep_gemm, ""
+
+
+def rows_per_expert(shape, P: int, idx) -> list:
+    """Rows per local expert of every destination rank (the routed picks of every source rank's
+    ``idx``; -1 = masked)."""
+    el = shape.num_experts // P
+    picks = torch.cat([i.flatten() for i in idx])
+    counts = torch.bincount(picks[picks >= 0], minlength=shape.num_experts).tolist()
+    return [counts[d * el:(d + 1) * el] for d in range(P)]
+
+
+def paired_variant(shape, P: int, w1: torch.Tensor, w2: torch.Tensor, idx) -> Tuple[Optional[Callable], dict]:
+    """For a bench's paired trials: (the two GEMMs of every rank as a callable, or None, and a note:
+    ``{"deepgemm": version or why not, "check": ...}``). The check is :func:`grouped_gemms`' error of
+    rank 0's first expert against fp32; above 1 % the variant is left out (a broken build)."""
+    dg, why = load()
+    if dg is None:
+        print(why, flush=True)
+        return None, {"deepgemm": why}
+    run, check = grouped_gemms(dg, shape, P, w1, w2, rows_per_expert(shape, P, idx))
+    note = {"deepgemm": f"DeepGEMM {getattr(dg, '__version__', '?')}", "check": check}
+    if check.get("relative_error_l1_expert0", 0.0) >= 0.01:
+        print(f"DeepGEMM left out: its L1 is {check['relative_error_l1_expert0']:.4f} from fp32", flush=True)
+        return None, note
+    return run, note
 
 
 def contiguous_rows(counts: Sequence[int], align: int) -> Tuple[torch.Tensor, int]:
@@ -44,12 +103,19 @@ def contiguous_rows(counts: Sequence[int], align: int) -> Tuple[torch.Tensor, in
     return m_indices, int(m_indices.numel())
 
 
-def block_quantize(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> (E4M3 [E, N, K], FP32 scales [E, N/128, K/128]): one scale per 128 x 128 block."""
+def block_quantize(w: torch.Tensor, experts_per_pass: int = 16) -> Tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (E4M3 [E, N, K], FP32 scales [E, N/128, K/128]): one scale per 128 x 128 block
+    (``experts_per_pass`` experts' FP32 copies at a time: 256 experts' w1 at once would be 17 GB)."""
     E, N, K = w.shape
-    blocks = w.float().view(E, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
-    s = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-4) / 448.0
-    return (blocks / s).to(E4M3).view(E, N, K), s.view(E, N // BLOCK, K // BLOCK)
+    q = torch.empty(E, N, K, dtype=E4M3, device=w.device)
+    scales = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w.device)
+    for e0 in range(0, E, experts_per_pass):
+        part = w[e0:e0 + experts_per_pass]
+        blocks = part.float().view(part.shape[0], N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        s = blocks.abs().amax(dim=(2, 4), keepdim=True).clamp(min=1e-4) / 448.0
+        q[e0:e0 + experts_per_pass] = (blocks / s).to(E4M3).view(part.shape[0], N, K)
+        scales[e0:e0 + experts_per_pass] = s.view(part.shape[0], N // BLOCK, K // BLOCK)
+    return q, scales
 
 
 def token_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

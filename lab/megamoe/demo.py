@@ -81,7 +81,7 @@ def layers_against_gemms(*, P: int = 1, tokens: int = 8192, trials: int = 11, co
     dg, why = deepgemm.load()
     out["deepgemm"] = why or f"DeepGEMM {getattr(dg, '__version__', '?')}"
     if dg is not None:
-        run, check = deepgemm.grouped_gemms(dg, shape, P, w1, w2, _rows_per_expert(shape, P, idx))
+        run, check = deepgemm.grouped_gemms(dg, shape, P, w1, w2, deepgemm.rows_per_expert(shape, P, idx))
         out["checks"]["deepgemm"] = dict(check, ok=check.get("relative_error_l1_expert0", 0.0) < 0.01)
         fns["DeepGEMM fp8 GEMMs"] = bench.event_timed(run)
     samples, clocks = bench.paired_trials(fns, trials, cooldown_s)
@@ -213,16 +213,6 @@ def plot(moe: dict, path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
-
-
-def _rows_per_expert(shape, P: int, idx):
-    """Rows per local expert of every destination rank (the routed picks of every source)."""
-    import torch
-
-    el = shape.num_experts // P
-    picks = torch.cat([i.flatten() for i in idx])
-    counts = torch.bincount(picks[picks >= 0], minlength=shape.num_experts).tolist()
-    return [counts[d * el:(d + 1) * el] for d in range(P)]
 
 
 def rerun_time(moe):

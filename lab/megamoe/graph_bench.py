@@ -13,6 +13,8 @@ baseline "fused kernels"):
 * ``grouped_mm x2 only`` / ``unfused torch pipeline``: as in :mod:`lab.megamoe.bench` (with
   ``--precision w8a8`` the GEMMs are torch's rowwise FP8 ``_scaled_grouped_mm``,
   :func:`lab.megamoe.w8a8_bench.fp8_grouped_gemms`);
+* ``DeepGEMM fp8 GEMMs x2 only`` (``--precision w8a8``, where DeepGEMM imports): its two SM90 FP8
+  grouped GEMMs of every rank, the same 1x128 / 128x128 recipe (:mod:`lab.megamoe.deepgemm`);
 * ``streaming read``: ``torch.sum`` over a 4 GiB tensor, the plain read bandwidth this GPU reaches
   in the same trials. The expert weights' bytes over it is the layer's floor where the weights
   dominate the traffic (small batches): ``replay_over_stream_bound``.
@@ -32,6 +34,7 @@ import os
 import torch
 
 from lab import bench, timing
+from lab.megamoe import deepgemm
 from lab.megamoe.bench import add_output_arguments, report_or_gpu_run, add_problem_arguments, problem_cases, build_moe, check_against, check_w8a8_against, grouped_gemms, kernel_time_call, make_problem
 from lab.megamoe.w8a8_bench import fp8_grouped_gemms, fp8_rank_weights
 from megamoe_interleave.config import MegaMoEConfig
@@ -120,6 +123,11 @@ def run_case(shape, kind, P, tokens, args) -> dict:
            GEMMS[args.precision]: bench.event_timed(gemms_only),
            "unfused torch pipeline": bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t)),
            "streaming read": bench.event_timed(streaming_read())}
+    dg_note = {}
+    if args.precision == "w8a8":
+        dg_run, dg_note = deepgemm.paired_variant(shape, P, w1, w2, idx)
+        if dg_run is not None:
+            fns[deepgemm.VARIANT] = bench.event_timed(dg_run)
     fns[BASELINE]()  # warm-up of the rerun path
     samples, clocks = bench.paired_trials(fns, args.trials, args.cooldown_s)
     case = dict(shape=shape.name, routing=kind, world=args.world, P=P, tokens_per_rank=tokens,
@@ -137,7 +145,7 @@ def run_case(shape, kind, P, tokens, args) -> dict:
           f"{eager_us['eager forward']:.1f} us; replay runtime calls: {calls}; kernels: {prof['kernels'][:8]}",
           flush=True)
     return dict(paired=paired_row, eager_us=eager_us, replay_runtime_calls=calls, replay_kernels=prof["kernels"],
-                replay_span_us=prof["span_us"], weight_bytes=expert_weight_bytes(moe),
+                replay_span_us=prof["span_us"], weight_bytes=expert_weight_bytes(moe), deepgemm=dg_note,
                 checks=dict(replay_equals_forward_bitwise=bitwise, replay_blocking_calls=blocking,
                             device_ctas=moe.device_ctas))
 
@@ -165,6 +173,10 @@ def summary_rows(results) -> list:
         if med["graph replay"] and med.get(gemms):
             row["replay_over_grouped_mm"] = round(med["graph replay"] / med[gemms], 4)
             row["replay_over_unfused"] = round(med["graph replay"] / med["unfused torch pipeline"], 4)
+        if med["graph replay"] and med.get(deepgemm.VARIANT):
+            row.update(deepgemm_us=med[deepgemm.VARIANT],
+                       replay_over_deepgemm=round(med["graph replay"] / med[deepgemm.VARIANT], 4),
+                       kernels_over_deepgemm=round(v["graph replay"]["baseline_median_us"] / med[deepgemm.VARIANT], 4))
         if med["graph replay"] and med.get("streaming read") and res.get("weight_bytes"):
             gbps = STREAM_BYTES / med["streaming read"] / 1e3
             bound_us = res["weight_bytes"] / gbps / 1e3
@@ -225,9 +237,11 @@ def report(json_paths, out_dir) -> list:
     if rows:
         series = [("fused kernels", "fused_kernels_us"), ("graph replay (layer)", "graph_replay_us"),
                   ("grouped_mm x2 only", "grouped_mm_us"), ("unfused torch pipeline", "unfused_us")]
+        if any(r.get("deepgemm_us") for r in rows):
+            series.insert(3, ("DeepGEMM FP8 GEMMs x2 only", "deepgemm_us"))
         bench.ratio_bars(os.path.join(out_dir, "graph_layer.png"),
                          [f"P={r['P']}\nT={r['tokens_per_rank']}" for r in rows],
-                         [(name, [r[key] / r["fused_kernels_us"] for r in rows]) for name, key in series],
+                         [(name, [(r.get(key) or 0) / r["fused_kernels_us"] for r in rows]) for name, key in series],
                          ylabel="time / fused kernels (paired medians)", ticks=[1, 1.1, 1.25, 1.5, 2, 3, 5, 8],
                          title="MegaMoE layer as one CUDA-graph replay, DeepSeek-V4-Flash, loopback, H200",
                          ref=(1.03, "fused kernels + 3 %", "--"))

@@ -9,7 +9,9 @@ baseline "fused w4a8"):
   (``MegaMoE.rerun``'s ``last_kernel_us``), the interleaved schedule unless ``--schedule``;
 * ``unfused bf16 pipeline, fp4 dequantized``: the FP4 weights dequantized to BF16 once, then the
   unfused torch pipeline (permute, grouped GEMM, SwiGLU x weight, grouped GEMM, scatter, top-k
-  reduction): vLLM's route on Hopper.
+  reduction): vLLM's route on Hopper;
+* ``DeepGEMM fp8 GEMMs x2 only``, where DeepGEMM imports: its two SM90 FP8 grouped GEMMs of every
+  rank on the same BF16 weights (:mod:`lab.megamoe.deepgemm`).
 
 Before timing, the W4A8 layer's y must equal the W8A8 layer's on the widened weights
 (:func:`quant_fp4.widen_weights`) bit for bit, and be within W4A8_FP32_REL_ERROR's upper bound
@@ -23,6 +25,7 @@ import os
 import torch
 
 from lab import bench
+from lab.megamoe import deepgemm
 from lab.megamoe.bench import (add_output_arguments, add_problem_arguments, build_moe, kernel_time_call, make_problem,
                                problem_cases, rank_weight_views, report_or_gpu_run)
 from megamoe_interleave import quant_fp4
@@ -73,11 +76,14 @@ def run_case(shape, kind, P, tokens, args) -> dict:
         fns[f"fused {prec}"] = kernel_time_call(moe, rerun=True)
         fns[f"fused {prec}"]()
     fns[UNFUSED] = bench.event_timed(lambda: unfused_pipeline(xs, idx, wts, w1_t, w2_t))
+    dg_run, dg_note = deepgemm.paired_variant(shape, P, w1, w2, idx)
+    if dg_run is not None:
+        fns[deepgemm.VARIANT] = bench.event_timed(dg_run)
     samples, clocks = bench.paired_trials(fns, args.trials, 0.0)
     row = dict(shape=shape.name, routing=kind, world="loopback", P=P, tokens_per_rank=tokens,
                **bench.paired_verdicts(samples, clocks, BASELINE, args.clock_tol_mhz))
     bench.print_paired(row, label=f"{shape.name}, P={P}, T={tokens}")
-    return dict(checks=checks, weight_bytes={p: weight_bytes(m) for p, m in moes.items()}, paired=row)
+    return dict(checks=checks, weight_bytes={p: weight_bytes(m) for p, m in moes.items()}, paired=row, deepgemm=dg_note)
 
 
 def summary_rows(results) -> list:
@@ -113,6 +119,8 @@ def report(json_paths, out_dir) -> list:
     bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
     series = [("fused W8A8", "fused_w8a8_over_w4a8"), ("fused BF16", "fused_bf16_over_w4a8"),
               ("unfused BF16, FP4 dequantized", "unfused_bf16_pipeline_fp4_dequantized_over_w4a8")]
+    if any(r.get("DeepGEMM_fp8_GEMMs_x2_only_over_w4a8") for r in rows):
+        series.append(("DeepGEMM FP8 GEMMs", "DeepGEMM_fp8_GEMMs_x2_only_over_w4a8"))
     bench.ratio_bars(os.path.join(out_dir, "w4a8.png"), [f"P={r['P']} T={r['tokens_per_rank']}" for r in rows],
                      [(name, [r.get(key) or 0 for r in rows]) for name, key in series],
                      ylabel="time / fused W4A8 (paired medians)", ticks=[0.9, 1, 1.2, 1.4, 2, 3, 5],
