@@ -47,13 +47,34 @@ def test_megamoe_fork_absent_or_upstream_is_one_line(monkeypatch, capsys):
     assert (dg is None) == bool(why) and "\n" not in why
     monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(__version__="2.6.1"))
     dg, why = megamoe_fork.load()
-    assert dg is None and "not the SM90 Mega MoE fork: no fp8_mega_moe" in why
+    assert dg is None and "not the fp8 SM90 Mega MoE fork: no fp8_mega_moe" in why
+    dg, why = megamoe_fork.load("nvfp4")
+    assert dg is None and "not the nvfp4 SM90 Mega MoE fork: no nvfp4_mega_moe" in why
+    nvfp4 = types.SimpleNamespace(**{name: None for name in megamoe_fork.FORKS["nvfp4"]})
+    monkeypatch.setitem(sys.modules, "deep_gemm", nvfp4)
+    assert megamoe_fork.load("nvfp4") == (nvfp4, "") and megamoe_fork.load("fp8")[0] is None
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             megamoe_fork.main(["--tokens", "64"])
         assert "needs a Hopper GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         megamoe_fork.main(["--trials", "2"])
+    with pytest.raises(SystemExit):
+        megamoe_fork.main(["--fork", "int4"])
+
+
+def test_megamoe_fork_checks():
+    """The forks' checks: FP8 within the W8A8 recipe's fp32 bound plus the kernel tolerance; NVFP4 within
+    FORK_OVER_OURS_FP4 times our W4A8's error against fp32 on the same tokens."""
+    from lab.megamoe import megamoe_fork
+    from megamoe_interleave.reference import W8A8_FP32_REL_ERROR, W8A8_KERNEL_REL_ERROR
+
+    fp8_bound = W8A8_FP32_REL_ERROR[1] + W8A8_KERNEL_REL_ERROR
+    assert megamoe_fork.check_fork("fp8", fp8_bound * 0.99, {})["ok"]
+    assert not megamoe_fork.check_fork("fp8", fp8_bound * 1.01, {})["ok"]
+    ours = {"ours w4a8": {"vs_fp32": 0.2}}
+    assert megamoe_fork.check_fork("nvfp4", 0.24, ours)["ok"]
+    assert not megamoe_fork.check_fork("nvfp4", 0.26, ours)["ok"]
 
 
 def test_rows_per_expert_counts_every_live_pick():
