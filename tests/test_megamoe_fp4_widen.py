@@ -148,20 +148,19 @@ def test_the_device_widening_gives_the_recipes_bits():
 
 
 def _stage_kernel():
-    """MegaMoESm90W4A8.widen_stage in a kernel of its own (256 threads, one CTA, the group tables built by its
-    precision_prologue): codes [256, 64] uint8 and shift words [256] int32 are written into the kernel's packed-stage and shift layouts through cute's
+    """MegaMoESm90W4A8.widen_stage in a kernel of its own (256 threads, one CTA): codes [256, 64] uint8 and
+    shift words [256] int32 are written into the kernel's packed-stage and shift layouts through cute's
     own (swizzled) indexing, widened into block ``buf`` of the widened layout by the kernel's code (its
     hand-made swizzled addresses), and read back through cute's indexing: [256, 128] E4M3 bytes."""
     import dataclasses
 
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float8E4M3FN, Int32, Int64, Uint8
+    from cutlass import Float8E4M3FN, Int32, Uint8
     from cutlass.utils import LayoutEnum
     from quack import sm90_utils
 
     from megamoe_interleave.config import MegaMoEConfig
-    from megamoe_interleave.fp4_widen import TABLES
     from megamoe_interleave.shapes import get_shape
     from megamoe_interleave.sm90_fp4 import MegaMoESm90W4A8
 
@@ -174,7 +173,6 @@ def _stage_kernel():
         sB: object
         sW: object
         shifts: object
-        tables: object
 
     class WidenStage:
         @cute.jit
@@ -193,13 +191,10 @@ def _stage_kernel():
                 sB: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(packed)], 1024]
                 sW: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(wide)], 1024]
                 shifts: cute.struct.Align[cute.struct.MemRange[Int32, 256 * fp4.stages], 128]
-                tables: cute.struct.Align[cute.struct.MemRange[Int64, TABLES], 8]
 
             st = cutlass.utils.SmemAllocator().allocate(Storage)
             views = Views(st.sB.get_tensor(packed.outer, swizzle=packed.inner),
-                          st.sW.get_tensor(wide.outer, swizzle=wide.inner), st.shifts.get_tensor(fp4.shift_layout()),
-                          st.tables.get_tensor(cute.make_layout(TABLES)))
-            fp4.precision_prologue(views, t)  # the group tables, as the kernel builds them
+                          st.sW.get_tensor(wide.outer, swizzle=wide.inner), st.shifts.get_tensor(fp4.shift_layout()))
             stage = fp4.stages - 1  # the last ring stage: its offset counts too
             for j in cutlass.range_constexpr(64):
                 views.sB[t, j, stage] = mCodes[t, j]

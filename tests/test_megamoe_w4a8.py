@@ -209,12 +209,3 @@ def test_the_per_expert_functions_in_slices_give_the_same_bits(monkeypatch):
     assert torch.equal(quant_fp4.dequantize(*sliced), deq)
     q1, s1 = quant_fp4.widen(*sliced)
     assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s1, s)
-
-
-def test_the_kernels_table_count_covers_every_shift():
-    """One group table per shift the host writes (quant_fp4.shift_words clamps at MIN_SHIFT, the recipe's
-    largest shift is WIDEN_MAX_SHIFT), and the shared-memory plan holds them."""
-    from megamoe_interleave import config, fp4_widen
-
-    assert fp4_widen.TABLES == config.WIDEN_TABLES == quant_fp4.WIDEN_MAX_SHIFT - fp4_widen.MIN_SHIFT + 1
-    assert fp4_widen.MAX_SHIFT == quant_fp4.WIDEN_MAX_SHIFT
