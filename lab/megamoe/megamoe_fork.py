@@ -74,8 +74,12 @@ def fused_layer(dg, shape, w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, 
     else:
         from deep_gemm.quantization_nvfp4 import quantize_to_nvfp4
 
+        def nvfp4(w, per=32):  # by expert slices: the quantizer's FP32 copy of all of w1 would be 17 GB
+            parts = [quantize_to_nvfp4(w[e:e + per], group_size=16) for e in range(0, w.shape[0], per)]
+            return tuple(torch.cat(p) for p in zip(*parts))
+
         block_n = dg.choose_nvfp4_block_n_for_mega_moe_sm90(T, k, E, I)
-        l1, l2 = transform(quantize_to_nvfp4(w1, group_size=16), quantize_to_nvfp4(w2, group_size=16), block_n=block_n)
+        l1, l2 = transform(nvfp4(w1), nvfp4(w2), block_n=block_n)
     buffer = symm_buffer(one_rank_group(), E, T, k, H, I)
     x_q, x_s = quant.quantize_act(x)
     idx = topk_idx.to(buffer.topk_idx.dtype)
