@@ -27,8 +27,8 @@ VARIANT = "DeepGEMM fp8 GEMMs x2 only"  # the paired variant's name in the bench
 
 
 def use_bundle(bundle: str, root: str = "/tmp") -> bool:
-    """Put the DeepGEMM of ``bundle`` (a folder with ../shared/peers/deepgemm's ``dgu.tar.xz`` and, if
-    there, ``jit_cache_h200.tar.xz``: its compiled kernels) on ``sys.path``, unpacked once to
+    """Put the DeepGEMM of ``bundle`` (a folder with the baseline bundle's ``dgu.tar.xz`` and, if there,
+    ``jit_cache_h200.tar.xz``: its compiled kernels; docs/gpu.md) on ``sys.path``, unpacked once to
     ``root/dgu`` and ``root/dgcache_u``; its JIT finds the CUDA toolkit through ``nvcc``. False
     without the package archive."""
     package = os.path.join(bundle, "dgu.tar.xz")
@@ -56,7 +56,7 @@ def load() -> Tuple[Optional[object], str]:
     ``XSTAGE_DEEPGEMM_BUNDLE`` (:func:`use_bundle`) where it is set."""
     bundle = os.environ.get("XSTAGE_DEEPGEMM_BUNDLE")
     if bundle and not use_bundle(bundle):
-        return None, f"XSTAGE_DEEPGEMM_BUNDLE={bundle} has no dgu.tar.xz (../shared/peers/deepgemm; docs/gpu.md)"
+        return None, f"XSTAGE_DEEPGEMM_BUNDLE={bundle} has no dgu.tar.xz (the DeepGEMM bundle: docs/gpu.md)"
     try:
         import deep_gemm
     except Exception as e:  # not installed, or built for another torch / CUDA
