@@ -173,6 +173,23 @@ def write_csv(path, rows: Sequence[Mapping]) -> Optional[Path]:
     return path
 
 
+def read_csv(path) -> list:
+    """The rows of a :func:`write_csv` file as dicts, each cell an int or float where it is one, else its
+    text (None for an empty cell)."""
+    def cell(text: str):
+        if text == "":
+            return None
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return text
+
+    with open(path, newline="") as f:
+        return [{k: cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
 def write_json(path, payload: dict, extra: Optional[dict] = None) -> Path:
     """``payload`` as indented JSON with ``{"provenance": ...}`` (:func:`xstage.provenance.write_json`)."""
     return Path(provenance.write_json(path, payload, extra))

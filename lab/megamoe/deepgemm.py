@@ -21,6 +21,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from lab.megamoe.routing import expert_load
+
 E4M3 = torch.float8_e4m3fn
 BLOCK = 128
 VARIANT = "DeepGEMM fp8 GEMMs x2 only"  # the paired variant's name in the benches
@@ -70,8 +72,7 @@ def rows_per_expert(shape, P: int, idx) -> list:
     """Rows per local expert of every destination rank (the routed picks of every source rank's
     ``idx``; -1 = masked)."""
     el = shape.num_experts // P
-    picks = torch.cat([i.flatten() for i in idx])
-    counts = torch.bincount(picks[picks >= 0], minlength=shape.num_experts).tolist()
+    counts = expert_load(torch.cat([i.flatten() for i in idx]), shape.num_experts).tolist()
     return [counts[d * el:(d + 1) * el] for d in range(P)]
 
 

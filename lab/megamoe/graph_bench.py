@@ -203,34 +203,21 @@ def kernel_shares(res) -> dict:
                 replay_over_fused_in_replay=round(replay / fused, 4) if replay and fused else None)
 
 
-def _number(text: str):
-    """A CSV cell as an int or float where it is one, else the text (None for an empty cell)."""
-    if text == "":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def report(json_paths, out_dir) -> list:
     """Summary rows (:func:`summary_rows` + :func:`kernel_shares`) of the cases in ``json_paths``
     (this bench's result files; a run's ``.csv`` of summary rows stands in for a JSON that did not come
     back, without the kernel shares), as ``out_dir/summary.csv``, ``out_dir/graph_layer.png`` (layer time
     per case against the fused kernels and the baselines) and, for cases with the streaming read,
     ``out_dir/stream_floor.png`` (layer and kernels over the weights' streaming floor); returns the rows."""
-    import csv
     import json
 
     cases, rows = [], []
     for path in json_paths:
+        if str(path).endswith(".csv"):
+            rows += bench.read_csv(path)
+            continue
         with open(path) as f:
-            if str(path).endswith(".csv"):
-                rows += [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
-            else:
-                cases += [c for c in json.load(f)["cases"] if c["paired"]["variants"]["graph replay"]["n_matched"]]
+            cases += [c for c in json.load(f)["cases"] if c["paired"]["variants"]["graph replay"]["n_matched"]]
     rows += [dict(row, **kernel_shares(res)) for row, res in zip(summary_rows(cases), cases)]
     rows.sort(key=lambda r: (r["P"], r["tokens_per_rank"]))
     bench.write_csv(os.path.join(out_dir, "summary.csv"), rows)
