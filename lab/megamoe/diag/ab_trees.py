@@ -94,7 +94,7 @@ def main(argv=None):
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
                     help="a source tree to build and time (the first is the baseline)")
     ap.add_argument("--flags", action="append", metavar="NAME=FLAGS",
-                    help='extra tile_budget options for one tree, e.g. turns=--consumer-turns or "n=--pair-split n"')
+                    help='extra tile_budget options for one tree, e.g. "n=--pair-split n"')
     ap.add_argument("--P", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8", "w4a8"])
     ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
