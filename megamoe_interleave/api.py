@@ -123,6 +123,7 @@ class MegaMoE:
                                     num_counters=counter_words(max(z.max_rows for z in sizes.values())),
                                     precision=self.config.precision)
         self.poison_combine = poison_combine
+        self.inputs_staged = False  # by forward (stage_inputs); rerun() re-plans from them when needed
         self.planner, self.launcher = HostPlanner(self), FusedLauncher(self)
         self.last_trace = {}  # rank -> int64 [num_ctas, max_tiles, len(TRACE_FIELDS)] (config.trace)
         self.last_kernel_us = None  # device time of the last fused call (all local ranks)
@@ -222,12 +223,12 @@ class MegaMoE:
 
     def rerun(self) -> List[torch.Tensor]:
         """The fused kernels and the top-k reduction again, on the inputs the last ``forward``
-        staged, with its plan (no input copies, no host planning, no Combine poison): the device
-        work of one call, for benchmarks that measure it. Returns y per local rank, equal to that
-        ``forward``'s."""
+        staged, with its plan (no input copies, no host planning unless :meth:`set_trace` changed the
+        config since, no Combine poison): the device work of one call, for benchmarks that measure it.
+        Returns y per local rank, equal to that ``forward``'s."""
         if self.backend != "fused":
             raise ValueError("rerun() repeats the fused kernels: backend='fused' only")
-        if self.planner.cached is None:
+        if not self.inputs_staged:
             raise RuntimeError("rerun() needs a forward() first")
         return self._run_fused()
 
@@ -260,12 +261,14 @@ class MegaMoE:
         worlds stream order suffices, so it is deferred to just before the launch (:meth:`flush_poison`)."""
         inputs.check_inputs(self, xs, idxs, ws, x_scales)
         self.planner.invalidate()  # the buffers change: any plan is stale
+        self.inputs_staged = False
         staged_idx = inputs.copy_inputs(self, xs, idxs, ws, x_scales)
         for b in reference.routing_bounds(staged_idx):  # expert ids in range: one read for every rank
             reference.check_expert_range(b, self.num_experts)
         for r, xr in zip(self.world.local_ranks, xs):
             self.buffer.num_tokens[r] = xr.shape[0]
         self._poison_pending = self.poison_combine
+        self.inputs_staged = True
         if not single_process(self.world):
             self.flush_poison()
             # Sources must have published x (and everyone poisoned) before any rank pulls
@@ -334,6 +337,7 @@ class MegaMoE:
         for r, T in zip(self.world.local_ranks, counts):
             self.buffer.num_tokens[r] = T
         self.planner.invalidate()  # the host plan (forward / rerun) no longer matches the buffers
+        self.inputs_staged = False
         return self.launcher.enqueue(self.config, counts)
 
     def capture(self, num_tokens, *, warmup: int = 1):

@@ -268,6 +268,26 @@ def test_rerun_needs_the_fused_backend_and_a_forward():
         moe.rerun()
 
 
+def test_rerun_after_set_trace_replans_the_staged_inputs():
+    """set_trace drops the host plan (it holds the config); rerun() then plans the staged inputs
+    again rather than asking for a forward (the sweep's traced calls; the guard broke every sweep cell
+    on the H200 on 2026-12-04). On CPU the call stops at the launch."""
+    world = make_world("loopback", world_size=1, device="cpu")
+    moe = MegaMoE(world, num_experts=4, hidden=128, intermediate=64, topk=2, max_tokens_per_rank=16,
+                  backend="fused")
+    moe.load_weights((torch.randn(4, 128, 128) / 16).to(torch.bfloat16),
+                     (torch.randn(4, 128, 64) / 16).to(torch.bfloat16))
+    x = torch.randn(8, 128).to(torch.bfloat16)
+    idx = torch.randint(0, 4, (8, 2), dtype=torch.int32)
+    w = torch.rand(8, 2)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        moe.forward([x], [idx], [w])
+    for trace in (True, False):
+        moe.set_trace(trace)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            moe.rerun()
+
+
 def test_dispatched_rows_is_the_kernels_pool():
     """MegaMoE.dispatched_rows(d) is the leading [n_pool, H] of the pool tensor the kernel gets
     (mPoolX), only once a launch planned it; gather_rows fills row i with x[src rank][src token]

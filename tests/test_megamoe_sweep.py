@@ -699,6 +699,11 @@ def test_sweep_dry_run_plans_without_a_gpu(capsys, tmp_path):
     assert "estimated GPU time" in text and not out.exists()
 
 
+def test_sweep_out_must_be_a_file_not_a_folder(tmp_path):
+    with pytest.raises(SystemExit, match="is a folder"):
+        S.main(["--dry-run", "--out", str(tmp_path)])
+
+
 @pytest.mark.parametrize("script", ["sweep_megamoe.py", "megamoe_xstage_report.py"])
 def test_command_lines_start_with_help(script):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]]

@@ -822,6 +822,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.trials < 1 or args.trace_trials < 0:
         sys.exit("--trials must be >= 1 and --trace-trials >= 0")
+    if os.path.isdir(args.out):
+        sys.exit(f"--out names the sweep's JSON file, and {args.out} is a folder (e.g. {args.out}/sweep.json)")
     cells = grid_from_args(args)
     describe(cells, args)
     if args.dry_run:
