@@ -196,9 +196,9 @@ class MegaMoE:
         dev = self.world.device
         self.w1[r], self.w1_scales[r] = w1_q.to(dev).contiguous(), w1_s.to(dev).contiguous()
         self.w2[r], self.w2_scales[r] = w2_q.to(dev).contiguous(), w2_s.to(dev).contiguous()
-        if self.config.precision == "w4a8" and self.backend == "fused":
-            _, s1, sh1, _, s2, sh2 = quant_fp4.kernel_operands(self.w1[r], self.w1_scales[r], self.w2[r],
-                                                               self.w2_scales[r])
+        if self.config.precision == "w4a8" and self.backend == "fused":  # w1 / w2: the kernel's (braided) codes
+            self.w1[r], s1, sh1, self.w2[r], s2, sh2 = quant_fp4.kernel_operands(self.w1[r], self.w1_scales[r],
+                                                                                 self.w2[r], self.w2_scales[r])
             self.fp4_operands[r] = dict(mW1Scale=s1, mW1Shift=sh1, mW2Scale=s2, mW2Shift=sh2)
 
     # -- forward -----------------------------------------------------------

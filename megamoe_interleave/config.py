@@ -34,6 +34,7 @@ DEEP_RING_MAX_ROWS = 512  # 4 ring stages below this many rows per local expert,
 # W4A8: E4M3 B blocks the consumers widen the ring's packed stages into (two: docs/w4a8.md, the
 # kernel step by step); with them 3 ring stages fit, 4 do not
 WIDENED_BUFFERS = 2
+WIDEN_TABLES = 27  # W4A8: fp4_widen.TABLES, one 8-byte group table per shift d in [-20, 6]
 
 # Per-tile trace row (trace=True), both sides of the staging boundary (paper Section 5.2.3).
 # Written by consumer thread 0: key = phase<<40 | row<<16 | n_block; %globaltimer (ns) at tile
@@ -99,6 +100,8 @@ def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str, *, pre
         ring = stages * (BLOCK_K_FP8 * BLOCK_M + block_n * (BLOCK_K_FP8 // 2 + 4)) \
             + WIDENED_BUFFERS * block_n * BLOCK_K_FP8
     other = 16 * stages + 12 * BLOCK_M  # ring mbarriers, row weights + Combine addresses
+    if precision == "w4a8":
+        other += 8 * WIDEN_TABLES  # the group tables of every shift
     if fp8:
         other += 4 * BLOCK_M + 4 * 2 * 64
     if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers

@@ -8,8 +8,9 @@ Per 32-group, :func:`group_table` builds the group's lookup table: the eight E2M
 and rounded to nearest even below, for every d down to :data:`MIN_SHIFT` (the products are FP16
 normals or subnormals, all exact). Per word of eight nibbles, :func:`widen_e2m1x8` looks the
 magnitudes up with ``prmt`` (a nibble's three magnitude bits select one of the table's eight bytes)
-and ORs each nibble's sign into bit 7 of its byte (E4M3's rounding is symmetric, so the sign commutes
-with it): nine instructions per eight weights, against 29 for an FP16 multiply pair per weight pair.
+and ORs each weight's sign into bit 7 of its byte (E4M3's rounding is symmetric, so the sign commutes
+with it; the host braids the signs so that a mask places them): seven instructions per eight weights,
+against 29 for an FP16 multiply pair per weight pair.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from cutlass import Int32
 from xstage.device import cvt_e4m3x4_f16x2, mul_f16x2, prmt
 
 MIN_SHIFT = -20  # the smallest d with 2^(7 + d) a normal FP16: the recipe's inexact groups, down to here
+MAX_SHIFT = 6  # the largest d: r = the block's largest group exponent - 6 (docs/w4a8.md)
+TABLES = MAX_SHIFT - MIN_SHIFT + 1  # group tables, one per shift: the kernel's lookup of them (8 bytes each)
 SIGN_BYTES = 0x80808080 - (1 << 32)  # bit 7 of every byte, as an int32
 
 
@@ -50,15 +53,12 @@ def group_table(factor: Int32):
 
 @cute.jit
 def widen_e2m1x8(codes: Int32, table):
-    """Eight E2M1 nibbles (``codes``: nibble i at bits 4i..4i+3, K order) as eight E4M3 bytes (two words,
-    byte i = nibble i), ``table`` = :func:`group_table` of their group."""
+    """Eight E2M1 weights (``codes``: weight i's magnitude bits at bits 4i..4i+2, K order, the signs braided
+    as :data:`~.quant_fp4.SIGN_SOURCE` says) as eight E4M3 bytes (two words, byte i = weight i),
+    ``table`` = :func:`group_table` of their group. Seven instructions: weights 0-3's signs already sit at
+    bit 7 of the codes' bytes, weights 4-7's at bit 3."""
     t_lo, t_hi = table
     mags = codes & 0x77777777
-    lo = prmt(t_lo, t_hi, mags)  # nibbles 0-3 (prmt reads the selector's low 16 bits)
+    lo = prmt(t_lo, t_hi, mags)  # weights 0-3 (prmt reads the selector's low 16 bits)
     hi = prmt(t_lo, t_hi, mags >> 16)
-    # The signs to bit 7 of their bytes: odd nibbles' already sit at bit 7 of the codes' bytes, even
-    # ones' at bit 7 of (codes << 4)'s; nibbles 2j, 2j + 1 are byte j of those.
-    c4 = codes << 4
-    s_lo = prmt(c4, codes, 0x5140)
-    s_hi = prmt(c4, codes, 0x7362)
-    return lo | (s_lo & SIGN_BYTES), hi | (s_hi & SIGN_BYTES)
+    return lo | (codes & SIGN_BYTES), hi | ((codes << 4) & SIGN_BYTES)

@@ -46,6 +46,7 @@ from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
 from . import workspace
+from .fp4_widen import TABLES as WIDEN_TABLES
 from .named_barrier import NamedBarrier
 from .sm90_mainloop import ConsumerMixin, ProducerMixin
 
@@ -87,6 +88,7 @@ class SharedTensors:
     amax_x: Any  # W8A8 half tiles: (2 warpgroups x 64 rows) partial h amax
     sW: Any = None  # W4A8: the widened E4M3 B blocks (sm90_fp4)
     shifts: Any = None  # W4A8: each ring stage's shift words
+    tables: Any = None  # W4A8: the group table of every shift
 
 
 # The host-built arguments become a JIT argument here, where the DSL is imported (arguments.py).
@@ -222,7 +224,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         if self.widened_buffers:
             fields.update(sW=cute.struct.Align[cute.struct.MemRange[ab, self.widened_buffers * self.block_n
                                                                     * self.block_k], 1024],
-                          shifts=cute.struct.Align[cute.struct.MemRange[Int32, self.stages * self.block_n], 128])
+                          shifts=cute.struct.Align[cute.struct.MemRange[Int32, self.stages * self.block_n], 128],
+                          tables=cute.struct.Align[cute.struct.MemRange[Int64, WIDEN_TABLES], 8])
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def tma_operands(self, args):
@@ -292,6 +295,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
             row_scale=storage.row_scale.get_tensor(cute.make_layout(self.row_scale_words)),
             amax_x=storage.amax_x.get_tensor(cute.make_layout(self.amax_words)))
         sm = self.precision_shared_tensors(sm, storage, mma)
+        self.precision_prologue(sm, tidx)  # before the CTA sync below
         if const_expr(self.trace):
             if tidx == 0:
                 cute.make_tensor(sm.stamp_word, cute.make_layout(1))[0] = Int32(1)  # before the CTA sync below
@@ -326,6 +330,9 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
     def precision_shared_tensors(self, sm, storage, mma):
         """A precision's own views of shared memory (W4A8: the packed ring, the widened blocks)."""
         return sm
+
+    def precision_prologue(self, sm, tidx):
+        """A precision's shared-memory setup before the roles start (W4A8: the group tables)."""
 
     def producer_warp(self, tidx):
         return tidx // 32 == self.num_mma_threads // 32

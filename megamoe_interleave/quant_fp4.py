@@ -71,6 +71,10 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_ELEMENTS = 1 << 27  # weights per slice of the per-expert functions (their temporaries take ~20 B each)
+# The fused kernel's sign layout per 32-bit word of eight nibbles (K order): nibble j keeps weight j's magnitude
+# bits, and its bit 3 holds the sign of weight SIGN_SOURCE[j]. So weights 0-3's signs sit at bit 7 of the word's
+# bytes and weights 4-7's at bit 3, where one mask (and a shift by 4) puts them on the E4M3 bytes (fp4_widen).
+SIGN_SOURCE = (4, 0, 5, 1, 6, 2, 7, 3)
 
 
 def _by_experts(fn):
@@ -166,6 +170,25 @@ def widen_weights(w1_p, w1_sf, w2_p, w2_sf):
     return (interleave_w1(w1_q), quant.kernel_w1_scales(w1_s), *widen(w2_p, w2_sf))
 
 
+def braid_signs(packed: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``uint8 [..., K/2]`` (K a multiple of 8) -> the kernel's codes: magnitudes in place, each
+    word's signs moved as :data:`SIGN_SOURCE` says (a lossless permutation of bits; :func:`unbraid_signs`)."""
+    return _by_experts(lambda p: _move_signs(p, SIGN_SOURCE))(packed)
+
+
+def unbraid_signs(braided: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`braid_signs`."""
+    inverse = tuple(SIGN_SOURCE.index(i) for i in range(8))
+    return _by_experts(lambda p: _move_signs(p, inverse))(braided)
+
+
+def _move_signs(packed: torch.Tensor, source) -> torch.Tensor:
+    nib = unpack(packed)
+    words = nib.reshape(*nib.shape[:-1], -1, 8)
+    signs = words[..., list(source)] & 8
+    return pack(((words & 7) | signs).reshape(nib.shape))
+
+
 def shift_words(d: torch.Tensor) -> torch.Tensor:
     """Per-group shifts ``d [..., N, K/32]`` -> the kernel's shift words ``int32 [..., K/128, N]``: a
     row's four shifts of one K block, group g in byte g, clamped below at ``fp4_widen.MIN_SHIFT``
@@ -180,14 +203,14 @@ def shift_words(d: torch.Tensor) -> torch.Tensor:
 
 def kernel_operands(w1_p, w1_sf, w2_p, w2_sf):
     """The fused W4A8 kernel's weight operands from the kernel-layout FP4 weights: ``(w1 codes, w1
-    block scales, w1 shift words, w2 codes, w2 block scales, w2 shift words)``. The codes are kept as
-    they are; the block scales ``2^r`` are :func:`widen_weights`' (w1 in ``quant.kernel_w1_scales``
-    order), the shift words are ``d = e - r`` of each row and 32-group (:func:`shift_words`), so the
-    kernel's widening is :func:`widen` bit for bit."""
+    block scales, w1 shift words, w2 codes, w2 block scales, w2 shift words)``. The codes with their
+    signs braided (:func:`braid_signs`); the block scales ``2^r`` are :func:`widen_weights`' (w1 in
+    ``quant.kernel_w1_scales`` order), the shift words are ``d = e - r`` of each row and 32-group
+    (:func:`shift_words`), so the kernel's widening is :func:`widen` bit for bit."""
     d1, r1 = _block_shift(untransform_w1(w1_sf))
     d2, r2 = _block_shift(w2_sf)
-    return (w1_p, quant.kernel_w1_scales(torch.exp2(r1.float())), shift_words(interleave_w1(d1)),
-            w2_p, torch.exp2(r2.float()), shift_words(d2))
+    return (braid_signs(w1_p), quant.kernel_w1_scales(torch.exp2(r1.float())), shift_words(interleave_w1(d1)),
+            braid_signs(w2_p), torch.exp2(r2.float()), shift_words(d2))
 
 
 def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf, dtype=torch.float32):

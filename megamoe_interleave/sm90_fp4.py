@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float8E4M3FN, Int32, Uint8, const_expr
+from cutlass import Float8E4M3FN, Int32, Int64, Uint8, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
@@ -34,7 +34,7 @@ from xstage import device as xdev
 
 from .arguments import MegaMoEArgumentsW4A8
 from .config import BLOCK_K_FP8, BLOCK_M, WIDENED_BUFFERS
-from .fp4_widen import group_table, shift_factor, widen_e2m1x8
+from .fp4_widen import MIN_SHIFT, TABLES, group_table, shift_factor, widen_e2m1x8
 from .kernel_sm90 import TmaOperands
 from .sm90_fp8 import MegaMoESm90W8A8
 
@@ -91,12 +91,21 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
         cute.copy(tma_s, tSgS[None, kt], tSsS[None, stage], tma_bar_ptr=bar)
 
     def precision_shared_tensors(self, sm, storage, mma):
-        """The ring's B as packed codes, the widened blocks, the stages' shift words."""
+        """The ring's B as packed codes, the widened blocks, the stages' shift words, the group tables."""
         sW = sm90_utils.make_smem_layout(Float8E4M3FN, LayoutEnum.ROW_MAJOR, (self.block_n, self.block_k),
                                          stage=self.widened_buffers)
         return dataclasses.replace(sm, sB=storage.sB.get_tensor(mma.sB.outer, swizzle=mma.sB.inner, dtype=Uint8),
                                    sW=storage.sW.get_tensor(sW.outer, swizzle=sW.inner),
-                                   shifts=storage.shifts.get_tensor(self.shift_layout()))
+                                   shifts=storage.shifts.get_tensor(self.shift_layout()),
+                                   tables=storage.tables.get_tensor(cute.make_layout(TABLES)))
+
+    @cute.jit
+    def precision_prologue(self, sm, tidx):
+        """Thread i < TABLES builds shift MIN_SHIFT + i's :func:`group_table` once per CTA: a widening then
+        looks its four groups' tables up (one 8-byte load each) instead of building them (~15 instructions)."""
+        if tidx < TABLES:
+            lo, hi = group_table(shift_factor(tidx + MIN_SHIFT))
+            sm.tables[tidx] = (Int64(hi) << 32) | (Int64(lo) & 0xFFFFFFFF)
 
     # -- consumers: widen, then W8A8's mainloop on the widened block
     def consumer_fragments(self, tiled_mma, tidx, sm):
@@ -137,7 +146,8 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
         swz_w = (row & 7) << 4
         for g in cutlass.range_constexpr(GROUPS):
             codes = xdev.load_shared_v4(src + ((16 * g) ^ swz_p))
-            table = group_table(shift_factor((word << (24 - 8 * g)) >> 24))  # byte g, sign-extended
+            t = sm.tables[((word << (24 - 8 * g)) >> 24) - MIN_SHIFT]  # byte g, sign-extended: its shift's table
+            table = (Int32(t), Int32(t >> 32))
             out = []
             for w in cutlass.range_constexpr(4):
                 lo, hi = widen_e2m1x8(codes[w], table)

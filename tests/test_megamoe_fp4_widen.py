@@ -51,13 +51,14 @@ def _compile(**kw):
 
 
 @pytest.mark.compile
-def test_widening_is_a_table_per_group_and_nine_instructions_per_word(tmp_path):
+def test_widening_is_a_table_per_group_and_seven_instructions_per_word(tmp_path):
     """Per group: 4 mul.rn.f16x2 and 2 cvt.rn.satfinite.e4m3x2.f16x2 pairs (the table); per word of 8
-    weights: 4 prmt (2 lookups, 2 sign gathers), no FP32 arithmetic and no local memory."""
+    weights: 2 prmt (the lookups; the braided signs need a mask, no gather), no FP32 arithmetic and no
+    local memory."""
     ptx = _compile(keep_ptx=True).ptx
     body = ptx[ptx.index(".entry"):]
     assert body.count("mul.rn.f16x2") == 4 and body.count("cvt.rn.satfinite.e4m3x2.f16x2") == 4
-    assert body.count("prmt.b32") == 4
+    assert body.count("prmt.b32") == 2
     assert not re.search(r"\b(mul|fma|add)\.(rn\.)?f32\b", body) and ".local" not in body
 
 
@@ -72,9 +73,20 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
+def _braided(word: int) -> int:
+    """A word of eight nibbles (K order) with its signs braided as the kernel's codes are."""
+    b = torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8)
+    return int.from_bytes(bytes(quant_fp4.braid_signs(b).tolist()), "little")
+
+
+def _braided_codes(packed: torch.Tensor) -> torch.Tensor:
+    """quant_fp4.braid_signs of packed codes [..., K/2] as int32 words (nibble i at bits 4i)."""
+    return quant_fp4.braid_signs(packed).contiguous()
+
+
 def _widen_as_the_device(word: int, d: int):
-    """fp4_widen's instructions on the CPU: FP16 products (exact in float16), E4M3 conversions
-    (torch's round to nearest even), prmt and the sign OR; (lo, hi) as unsigned words."""
+    """fp4_widen's instructions on the CPU, on a braided word: FP16 products (exact in float16), E4M3
+    conversions (torch's round to nearest even), prmt and the sign masks; (lo, hi) as unsigned words."""
     import struct
 
     from megamoe_interleave.fp4_widen import E2M1_F16X2, SIGN_BYTES, shift_factor
@@ -87,10 +99,9 @@ def _widen_as_the_device(word: int, d: int):
     table = torch.cat(pairs).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
     t_lo, t_hi = (int.from_bytes(bytes(table[i:i + 4]), "little") for i in (0, 4))
     mags = word & 0x77777777
-    c4 = (word << 4) & 0xFFFFFFFF
     sign = SIGN_BYTES & 0xFFFFFFFF
-    return (_prmt(t_lo, t_hi, mags & 0xFFFF) | (_prmt(c4, word, 0x5140) & sign),
-            _prmt(t_lo, t_hi, mags >> 16) | (_prmt(c4, word, 0x7362) & sign))
+    return (_prmt(t_lo, t_hi, mags & 0xFFFF) | (word & sign),
+            _prmt(t_lo, t_hi, mags >> 16) | ((word << 4) & sign))
 
 
 def test_the_table_widening_is_the_recipe_for_every_nibble_and_shift():
@@ -103,7 +114,7 @@ def test_the_table_widening_is_the_recipe_for_every_nibble_and_shift():
     words += torch.randint(0, 2 ** 32, (24,), generator=g, dtype=torch.int64).tolist()
     for d in range(MIN_SHIFT, quant_fp4.WIDEN_MAX_SHIFT + 1):
         for word in words:
-            lo, hi = _widen_as_the_device(word, d)
+            lo, hi = _widen_as_the_device(_braided(word), d)
             nibbles = torch.tensor([(word >> (4 * i)) & 0xF for i in range(8)], dtype=torch.uint8)
             want = _emulate(nibbles, torch.full((8,), d))
             assert list((lo | (hi << 32)).to_bytes(8, "little")) == want.tolist(), (hex(word), d)
@@ -139,7 +150,7 @@ def test_the_device_widening_gives_the_recipes_bits():
     nibbles = torch.randint(0, 16, (words, 8), generator=g, dtype=torch.int32)
     nibbles[:2] = torch.arange(16, dtype=torch.int32).view(2, 8)  # every nibble value
     d = torch.randint(MIN_SHIFT, quant_fp4.WIDEN_MAX_SHIFT + 1, (words,), generator=g, dtype=torch.int32)
-    codes = quant_fp4.pack(nibbles.to(torch.uint8)).view(torch.int32).view(words)  # nibble i at bits 4i
+    codes = _braided_codes(quant_fp4.pack(nibbles.to(torch.uint8))).view(torch.int32).view(words)  # nibble i at 4i
     out = torch.full((words, 2), -1, dtype=torch.int32, device="cuda")
     fn = cached(("WidenWords-test",), lambda: _compile().fn)
     fn(codes.cuda(), d.cuda(), out)
@@ -148,19 +159,20 @@ def test_the_device_widening_gives_the_recipes_bits():
 
 
 def _stage_kernel():
-    """MegaMoESm90W4A8.widen_stage in a kernel of its own (256 threads, one CTA): codes [256, 64] uint8 and
-    shift words [256] int32 are written into the kernel's packed-stage and shift layouts through cute's
+    """MegaMoESm90W4A8.widen_stage in a kernel of its own (256 threads, one CTA, the group tables built by its
+    precision_prologue): codes [256, 64] uint8 and shift words [256] int32 are written into the kernel's packed-stage and shift layouts through cute's
     own (swizzled) indexing, widened into block ``buf`` of the widened layout by the kernel's code (its
     hand-made swizzled addresses), and read back through cute's indexing: [256, 128] E4M3 bytes."""
     import dataclasses
 
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float8E4M3FN, Int32, Uint8
+    from cutlass import Float8E4M3FN, Int32, Int64, Uint8
     from cutlass.utils import LayoutEnum
     from quack import sm90_utils
 
     from megamoe_interleave.config import MegaMoEConfig
+    from megamoe_interleave.fp4_widen import TABLES
     from megamoe_interleave.shapes import get_shape
     from megamoe_interleave.sm90_fp4 import MegaMoESm90W4A8
 
@@ -173,6 +185,7 @@ def _stage_kernel():
         sB: object
         sW: object
         shifts: object
+        tables: object
 
     class WidenStage:
         @cute.jit
@@ -191,10 +204,13 @@ def _stage_kernel():
                 sB: cute.struct.Align[cute.struct.MemRange[Uint8, cute.cosize(packed)], 1024]
                 sW: cute.struct.Align[cute.struct.MemRange[Float8E4M3FN, cute.cosize(wide)], 1024]
                 shifts: cute.struct.Align[cute.struct.MemRange[Int32, 256 * fp4.stages], 128]
+                tables: cute.struct.Align[cute.struct.MemRange[Int64, TABLES], 8]
 
             st = cutlass.utils.SmemAllocator().allocate(Storage)
             views = Views(st.sB.get_tensor(packed.outer, swizzle=packed.inner),
-                          st.sW.get_tensor(wide.outer, swizzle=wide.inner), st.shifts.get_tensor(fp4.shift_layout()))
+                          st.sW.get_tensor(wide.outer, swizzle=wide.inner), st.shifts.get_tensor(fp4.shift_layout()),
+                          st.tables.get_tensor(cute.make_layout(TABLES)))
+            fp4.precision_prologue(views, t)  # the group tables, as the kernel builds them
             stage = fp4.stages - 1  # the last ring stage: its offset counts too
             for j in cutlass.range_constexpr(64):
                 views.sB[t, j, stage] = mCodes[t, j]
@@ -247,6 +263,6 @@ def test_the_kernels_stage_widening_gives_the_recipes_bits(buf):
     words = quant_fp4.shift_words(d[None])[0]  # [1, 256]: one K block
     out = torch.full((256, 128), 0x7F, dtype=torch.uint8, device="cuda")
     fn = cached(("WidenStage-test",), lambda: _compile_stage().fn)
-    fn(quant_fp4.pack(nibbles).cuda(), words[0].cuda(), out, buf)
+    fn(_braided_codes(quant_fp4.pack(nibbles)).cuda(), words[0].cuda(), out, buf)
     want = _emulate(nibbles, d.repeat_interleave(quant_fp4.SCALE_GROUP, dim=-1))
     assert torch.equal(out.cpu(), want)

@@ -91,14 +91,17 @@ def test_the_widening_in_fp16_that_the_kernel_plans_equals_the_recipe():
 
 
 def _widen_as_the_kernel(codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """The fused kernel's widening of ``codes`` [N, K/2] with its shift words [K/128, N], emulated as
-    fp4_widen does it: a row's group g takes byte g of its K block's word, sign-extended, as the factor
+    """The fused kernel's widening of ``codes`` [N, K/2] (signs braided) with its shift words [K/128, N],
+    emulated as fp4_widen does it: a row's group g takes byte g of its K block's word, sign-extended, as the factor
     2^(7 + d) of two FP16 multiplies, then round-to-nearest-even to E4M3 (uint8 [N, K])."""
     n = codes.shape[0]
     nib = quant_fp4.unpack(codes).to(torch.int32)
+    # braided signs: byte j < 4 of a word's output takes bit 3 of nibble 2 j + 1, byte 4 + j that of nibble 2 j
+    per_word = nib.reshape(n, -1, 8)
+    signs = torch.cat([per_word[..., 1::2], per_word[..., 0::2]], dim=-1).reshape(n, -1) & 8
     w = words.t().contiguous()  # [N, K/128]
     d = torch.stack([(w << (24 - 8 * g)) >> 24 for g in range(4)], dim=-1).reshape(n, -1)  # [N, K/32]
-    h = (((nib & 7) << 9) | ((nib & 8) << 12)).to(torch.int16).view(torch.float16)
+    h = (((nib & 7) << 9) | (signs << 12)).to(torch.int16).view(torch.float16)
     f = torch.exp2((7 + d).float()).to(torch.float16).repeat_interleave(quant_fp4.SCALE_GROUP, dim=-1)
     return (h * torch.tensor(2.0 ** 7, dtype=torch.float16) * f).to(torch.float8_e4m3fn).view(torch.uint8)
 
@@ -120,7 +123,8 @@ def test_kernel_operands_widen_to_the_recipe_bit_for_bit():
     w1_q, w1_s, w2_q, w2_s = quant_fp4.widen_weights(*fp4)
     c1, s1, sh1, c2, s2, sh2 = quant_fp4.kernel_operands(*fp4)
     assert sh1.shape == (E, H // 128, 2 * inter) and sh2.shape == (E, inter // 128, H) and sh1.dtype == torch.int32
-    assert torch.equal(c1, fp4[0]) and torch.equal(c2, fp4[2]) and torch.equal(s1, w1_s) and torch.equal(s2, w2_s)
+    assert torch.equal(quant_fp4.unbraid_signs(c1), fp4[0]) and torch.equal(quant_fp4.unbraid_signs(c2), fp4[2])
+    assert not torch.equal(c1, fp4[0]) and torch.equal(s1, w1_s) and torch.equal(s2, w2_s)
     for e in range(E):
         assert torch.equal(_widen_as_the_kernel(c1[e], sh1[e]), w1_q[e].view(torch.uint8))
         assert torch.equal(_widen_as_the_kernel(c2[e], sh2[e]), w2_q[e].view(torch.uint8))
@@ -209,3 +213,29 @@ def test_the_per_expert_functions_in_slices_give_the_same_bits(monkeypatch):
     assert torch.equal(quant_fp4.dequantize(*sliced), deq)
     q1, s1 = quant_fp4.widen(*sliced)
     assert torch.equal(q1.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s1, s)
+
+
+def test_the_kernels_table_count_covers_every_shift():
+    """One group table per shift the host writes (quant_fp4.shift_words clamps at MIN_SHIFT, the recipe's
+    largest shift is WIDEN_MAX_SHIFT), and the shared-memory plan holds them."""
+    from megamoe_interleave import config, fp4_widen
+
+    assert fp4_widen.TABLES == config.WIDEN_TABLES == quant_fp4.WIDEN_MAX_SHIFT - fp4_widen.MIN_SHIFT + 1
+    assert fp4_widen.MAX_SHIFT == quant_fp4.WIDEN_MAX_SHIFT
+
+
+def test_braided_signs_move_only_signs_and_come_back():
+    """quant_fp4.braid_signs: every nibble keeps its magnitude bits, the signs of a word land where
+    SIGN_SOURCE says (weights 0-3 at bit 7 of the word's bytes, 4-7 at bit 3), and unbraid_signs undoes it."""
+    g = torch.Generator().manual_seed(8)
+    packed = torch.randint(0, 256, (3, 5, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    braided = quant_fp4.braid_signs(packed)
+    nib, bnib = quant_fp4.unpack(packed).reshape(3, 5, -1, 8), quant_fp4.unpack(braided).reshape(3, 5, -1, 8)
+    assert torch.equal(nib & 7, bnib & 7)
+    for j, src in enumerate(quant_fp4.SIGN_SOURCE):
+        assert torch.equal(bnib[..., j] & 8, nib[..., src] & 8)
+    word = int.from_bytes(bytes(braided[0, 0, :4].tolist()), "little")
+    for i in range(8):
+        bit = 8 * i + 7 if i < 4 else 8 * (i - 4) + 3
+        assert (word >> bit) & 1 == int(nib[0, 0, 0, i]) >> 3
+    assert torch.equal(quant_fp4.unbraid_signs(braided), packed)

@@ -60,8 +60,8 @@ def test_widening_addresses_are_the_ring_and_wgmma_layouts():
 def test_w4a8_builds_widen_into_pipelined_fp8_wgmma(tmp_path, schedule, P):
     """DeepSeek-V4-Flash W4A8 builds (3 stages; P = 8 with the bulk Dispatch): six TMA tile loads (A, packed
     B, shift words of L1 and L2), the widening in the PTX (per 32-group one ld.shared.v4 of codes, its
-    table's four FP16 multiplies and cvt.rn.satfinite.e4m3x2.f16x2, four prmt per 8 weights, two
-    st.shared.v4), the async-proxy fence after it, the W4A8 barriers (Widen: 256 consumer threads;
+    table looked up, two prmt per 8 weights (the signs braided), two st.shared.v4; the tables' FP16 multiplies and
+    cvt.rn.satfinite.e4m3x2.f16x2 once per CTA), the async-proxy fence after it, the W4A8 barriers (Widen: 256 consumer threads;
     WidenWg0 + warpgroup: 128), the FP8 mainloop's SASS checks (test_megamoe_compile.fp8_mainloop_sass), one
     spilled word at most."""
     from megamoe_interleave.named_barrier import NamedBarrier
@@ -81,7 +81,7 @@ def test_w4a8_builds_widen_into_pipelined_fp8_wgmma(tmp_path, schedule, P):
     assert len(tma) == 6 and sum("multicast::cluster" in t for t in tma) == 2  # B multicast; A and shifts not
     loads, stores = ptx.count("ld.shared.v4.b32"), ptx.count("st.shared.v4.b32")
     assert loads >= 4 and stores == 2 * loads  # four per widening site: one load, two stores per group
-    assert ptx.count("mul.rn.f16x2") == 4 * loads and ptx.count("prmt.b32") >= 16 * loads  # table, lookups
+    assert ptx.count("mul.rn.f16x2") == 4 and ptx.count("prmt.b32") >= 8 * loads  # the tables once, lookups
     assert "cvt.rn.satfinite.e4m3x2.f16x2" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert re.search(rf"bar\.sync\s+{int(NamedBarrier.Widen)}, 256;", ptx)
     assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
