@@ -16,9 +16,6 @@ ring and are widened to E4M3 on chip (docs/w4a8.md, the kernel step by step).
   thread waited for before that barrier of block kt. A 64-row half tile's warpgroup w reads B rows
   128 w .. 128 w + 127, which are its own threads' rows, so each warpgroup meets alone
   (``WidenWg0`` / ``WidenWg1``), also once before each K pair (the pair before it in flight).
-* Half tiles widen every K block under the batch before it: a K pair's block 1 under its block 0's
-  batch, the next pair's block 0 under block 1's (:meth:`MegaMoESm90W4A8.b_ahead`), so only a
-  tile's first widening runs alone.
 """
 from __future__ import annotations
 
@@ -118,43 +115,16 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
 
     @cute.jit
     def b_ready(self, frags, state, kt, half: cutlass.Constexpr):
-        """Widen ring stage ``state`` into block ``kt % 2``, fence, meet (module docstring); returns the
-        block. A half tile's block 0 of a K pair (``kt`` 0) was widened under the pair before it
-        (:meth:`b_ahead`); its block 1 is widened here, under block 0's batch."""
+        """Widen ring stage ``state`` into block ``kt % 2``, fence, meet (module docstring); returns the block."""
         sm, tidx = frags[6]
         buf = kt % 2
-        if const_expr(not half or kt == 1):
-            self.widen_stage(sm, tidx, state.index, buf)
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the WGMMAs' reads
-            if const_expr(half):
-                self.b_free()
-            else:
-                cute.arch.barrier(barrier_id=int(self.NamedBarrier.Widen), number_of_threads=self.num_mma_threads)
-        return buf
-
-    @cute.jit
-    def b_pairs_start(self, frags, state):
-        """A half tile's block 0, widened once the warpgroup is past the tile before (whose WGMMAs read
-        block 0); the K pair's barrier makes it visible."""
-        sm, tidx = frags[6]
-        self.b_free()
-        self.widen_stage(sm, tidx, state.index, 0)
-        cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
-    def b_ahead(self, ab_pipe, ok, bounds, frags, state, has_next):
-        """Block kt + 2 widened into block 0 while block kt + 1's batch runs, once every warp of the
-        warpgroup is past block kt's batch (its last reader); the next pair's barrier makes it visible."""
-        sm, tidx = frags[6]
-        if has_next:
-            ahead = state.clone()
-            ahead.advance()
-            ahead.advance()
+        self.widen_stage(sm, tidx, state.index, buf)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> the WGMMAs' reads
+        if const_expr(half):
             self.b_free()
-            ok = ab_pipe.consumer_wait_bounded(ahead, ok, *bounds)
-            self.widen_stage(sm, tidx, ahead.index, 0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-        return ok
+        else:
+            cute.arch.barrier(barrier_id=int(self.NamedBarrier.Widen), number_of_threads=self.num_mma_threads)
+        return buf
 
     @cute.jit
     def b_free(self):

@@ -166,7 +166,6 @@ class Fp8ConsumerMixin:
         na0, na1, c0, c1, c2, c3 = ahead
         part_b = cute.make_tensor(acc.iterator + cute.size(part), part.layout)
         l1 = not one_block
-        self.b_pairs_start(frags, state)
         for kp in cutlass.range(num_k // 2, unroll=1):
             kt = 2 * kp
             if kp > 0:
@@ -186,7 +185,6 @@ class Fp8ConsumerMixin:
             ab_pipe.consumer_release(state)
             c0, c1, c2, c3 = self.scale_products(na0, na1, sbv0, sbv1, cutlass.min(kt + 2, num_k - 1), one_block)
             na0, na1 = self.row_scales(pa, oa0, oa1, cutlass.min(kt + 3, num_k - 1))
-            ok = self.b_ahead(ab_pipe, ok, (timeout, err), frags, state, kt + 2 < num_k)
             warpgroup.wait_group(0)
             self.promote(acc, part_b, 0, d0, d1, d2, d3, l1)
             ab_pipe.consumer_release(second)
@@ -210,15 +208,6 @@ class Fp8ConsumerMixin:
 
     def b_free(self):
         """Before a half tile's K pair: the pair before it has no WGMMA in flight (W4A8: a barrier)."""
-
-    def b_pairs_start(self, frags, state):
-        """Before a half tile's first K pair, its first stage waited for (W4A8: widened there)."""
-
-    def b_ahead(self, ab_pipe, ok: Boolean, bounds, frags, state, has_next):
-        """In a half tile's K pair kt, kt + 1 (``state`` at kt), after block kt's promotion, with block
-        kt + 1's batch in flight; ``has_next``: block kt + 2 exists (W4A8: waited for and widened
-        here). ``bounds``: the ring waits' (timeout, error word). Returns ``ok``."""
-        return ok
 
     @cute.jit
     def scale_products(self, sa0, sa1, sbv0, sbv1, kt: Int32, one_block: cutlass.Constexpr):

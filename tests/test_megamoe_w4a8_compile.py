@@ -62,8 +62,8 @@ def test_w4a8_builds_widen_into_pipelined_fp8_wgmma(tmp_path, schedule, P):
     B, shift words of L1 and L2), the widening in the PTX (per 32-group one ld.shared.v4 of codes, its
     table looked up, two prmt per 8 weights (the signs braided), two st.shared.v4; the tables' FP16 multiplies and
     cvt.rn.satfinite.e4m3x2.f16x2 once per CTA), the async-proxy fence after it, the W4A8 barriers (Widen: 256 consumer threads;
-    WidenWg0 + warpgroup: 128), the FP8 mainloop's SASS checks (test_megamoe_compile.fp8_mainloop_sass), two
-    spilled words at most."""
+    WidenWg0 + warpgroup: 128), the FP8 mainloop's SASS checks (test_megamoe_compile.fp8_mainloop_sass), one
+    spilled word at most."""
     from megamoe_interleave.named_barrier import NamedBarrier
 
     tool = cuobjdump()
@@ -87,12 +87,11 @@ def test_w4a8_builds_widen_into_pipelined_fp8_wgmma(tmp_path, schedule, P):
     assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
     sass, lines, _ = fp8_mainloop_sass(tool, cubin)
     assert re.search(r"\bHMUL2\b", sass) and re.search(r"\bF2FP\b", sass) and re.search(r"\bPRMT\b", sass)
-    # Two words spill at most (one stored at the kernel's start, one around the half tiles' widening
-    # ahead; the consumers reload them a few times per tile, outside the K loops: the widening's
-    # registers pushed them out at the 224 / 56 split)
+    # One word spills (stored once at the kernel's start; the consumers reload it a few times per tile,
+    # outside the K loops: the widening's registers pushed it out at the 224 / 56 split)
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 8, "the W4A8 build spills more"
-    assert len([line for line in lines if re.search(r"\bSTL\b", line)]) <= 2
+    assert len([line for line in lines if re.search(r"\bSTL\b", line)]) <= 1
 
 
 @pytest.mark.compile
