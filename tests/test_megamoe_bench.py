@@ -666,7 +666,8 @@ def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path)
             import json, os, sys
             out = sys.argv[sys.argv.index("--out") + 1]
             os.makedirs(out, exist_ok=True)
-            open({str(log)!r}, "a").write({name!r} + " " + os.getcwd() + " " + str("--pair-split" in sys.argv) + "\\n")
+            open({str(log)!r}, "a").write({name!r} + " " + os.getcwd() + " " + str("--pair-split" in sys.argv) + " "
+                                          + str("--routing" in sys.argv and "skewed2" in sys.argv) + "\\n")
             ps = sys.argv[sys.argv.index("--P") + 1:]
             runs = {{"P" + p: {{"kernel_us": [999.0, {us} * int(p), {us} * int(p) + 2, {us} * int(p) - 2],
                               "L1": {{"mainloop_cycles_p50": 5}}, "L2": {{}}}} for p in ps}}
@@ -677,11 +678,15 @@ def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path)
     ab_trees.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}", "--P", "1", "8",
                    "--rounds", "2", "--flags", "new=--pair-split n", "--out", str(tmp_path / "out")])
     order = [line.split() for line in log.read_text().splitlines()]
-    assert [n for n, _, _ in order] == ["base", "new", "new", "base"]
-    assert all(cwd == str(tmp_path / n) and flag == str(n == "new") for n, cwd, flag in order)
+    assert [n for n, _, _, _ in order] == ["base", "new", "new", "base"]
+    assert all(cwd == str(tmp_path / n) and flag == str(n == "new") and skew == "False" for n, cwd, flag, skew in order)
     res = json.loads((tmp_path / "out" / "ab_trees.json").read_text())
     assert res["trees"]["new"]["commit"] == "commit-new" and not res["failed"]
     rows = {(r["P"], r["tree"]): r for r in res["rows"]}
+    log.write_text("")  # --routing reaches every tree's run (a balanced run passes none: older trees lack it)
+    ab_trees.main(["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}", "--P", "1",
+                   "--rounds", "1", "--routing", "skewed2", "--out", str(tmp_path / "out2")])
+    assert [line.split()[3] for line in log.read_text().splitlines()] == ["True", "True"]
     assert rows[(8, "base")]["kernel_us"] == 800.0 and rows[(8, "new")]["over_first"] == pytest.approx(0.9)
     assert rows[(1, "new")]["kernel_us_per_round"] == [90.0, 90.0] and rows[(1, "new")]["l1_mainloop_p50"] == 5
     # a failed run is left out of its tree's rounds

@@ -99,6 +99,8 @@ def main(argv=None):
     ap.add_argument("--precision", default="w8a8", choices=["bf16", "w8a8", "w4a8"])
     ap.add_argument("--schedule", default="interleaved", choices=["interleaved", "expert_wave"])
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed1", "skewed2"],
+                    help="tile_budget's (a tree from before 2026-12-04 takes balanced only)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2, help="every tree once per round, the order alternating")
     ap.add_argument("--timeout-s", type=int, default=300, help="bound of one tree's run")
@@ -122,7 +124,8 @@ def main(argv=None):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
         cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--precision", args.precision, "--schedule",
                args.schedule, "--tokens", str(args.tokens), "--calls", str(args.calls), "--out", out,
-               *flags.get(name, []), "--P", *map(str, args.P)]
+               *([] if args.routing == "balanced" else ["--routing", args.routing]), *flags.get(name, []),
+               "--P", *map(str, args.P)]
         try:
             done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True,
                                   timeout=args.timeout_s)

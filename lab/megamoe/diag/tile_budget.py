@@ -87,19 +87,21 @@ def summarize(recs, ideal: dict) -> dict:
 
 
 def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int, calls: int, out_dir: str,
-            options=None) -> dict:
-    """Untraced, then traced: ``calls`` forwards each of a fused layer at loopback P (balanced routing),
-    the fused kernel's times of each, and :func:`summarize` of rank 0's trace of the last traced call
-    (``options``: more MegaMoEConfig fields)."""
+            options=None, routing: str = "balanced") -> dict:
+    """Untraced, then traced: ``calls`` forwards each of a fused layer at loopback P (``routing``: a
+    label of :data:`lab.megamoe.sweep.ROUTINGS`), the fused kernel's times of each, and
+    :func:`summarize` of rank 0's trace of the last traced call (``options``: more MegaMoEConfig fields)."""
     import torch
 
     from lab.megamoe.bench import build_moe, make_problem
+    from lab.megamoe.sweep import ROUTINGS
     from megamoe_interleave.config import MegaMoEConfig
     from megamoe_interleave.shapes import get_shape
     from megamoe_interleave.trace import decode_trace
 
     shape = get_shape(shape_name)
-    w1, w2, xs, idx, wts = make_problem(shape, "balanced", P, tokens)
+    kind, strength = ROUTINGS[routing]
+    w1, w2, xs, idx, wts = make_problem(shape, kind, P, tokens, strength or 1.0)
     out = {}
     for trace in (False, True):
         moe = build_moe(shape, P, tokens, MegaMoEConfig(schedule, precision=precision, trace=trace, **(options or {})),
@@ -137,6 +139,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per rank")
     ap.add_argument("--calls", type=int, default=4, help="forwards per build (the first includes first-launch costs)")
     ap.add_argument("--shape", default="deepseek-v4-flash")
+    ap.add_argument("--routing", default="balanced", choices=["balanced", "skewed1", "skewed2"],
+                    help="skewed1 / skewed2: Zipf strength 1 / 2, as the sweep's")
     ap.add_argument("--pair-split", default=None, choices=["m", "n"],
                     help="MegaMoEConfig(pair_split=...); default: resolve's choice")
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
@@ -166,7 +170,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     for P in ([] if args.trace else args.P):
         runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
-                                dict(pair_split=args.pair_split))
+                                dict(pair_split=args.pair_split), args.routing)
         print_row(P, runs[f"P{P}"])
     with open(os.path.join(args.out, "tile_budget.json"), "w") as f:
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args), "runs": runs,
