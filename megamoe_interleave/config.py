@@ -151,6 +151,10 @@ class MegaMoEConfig:
     pair_split: Optional[str] = None
 
     def __post_init__(self):
+        for name in ("lead", "block_n", "stages", "dispatch_window", "timeout_ns"):
+            value = getattr(self, name)
+            if (value is not None or name == "timeout_ns") and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
         if self.schedule not in SCHEDULES + (AUTO,):
             raise ValueError(f"schedule must be one of {SCHEDULES + (AUTO,)}, got {self.schedule!r}")
         if self.schedule == AUTO:

@@ -643,6 +643,21 @@ def test_graph_report_sets_w8a8_cases_against_the_streaming_floor(tmp_path):
     assert again["precision"] == "w8a8" and again["stream_bound_us"] == pytest.approx(1600.0)
 
 
+def test_diag_config_options_and_tile_budget_refuse_bad_ones_before_a_launch(capsys):
+    """--option NAME=VALUE of the diagnostics: integers as int, the rest as strings; tile_budget checks
+    them against MegaMoEConfig before it looks for a GPU."""
+    from lab.megamoe.diag import config_options
+    from lab.megamoe.diag import tile_budget
+
+    assert config_options(["stages=4", "dispatch_copy=lsu"]) == {"stages": 4, "dispatch_copy": "lsu"}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        config_options(["stages"])
+    for bad, why in ((["--option", "stages=x4"], "stages must be an int"), (["--option", "bogus=1"], "bogus")):
+        with pytest.raises(SystemExit):
+            tile_budget.main(["--P", "1", "--out", "unused", *bad])
+        assert why in capsys.readouterr().err
+
+
 def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path):
     """scripts/diag/megamoe_ab_trees.py on a CPU, with two stand-in trees whose tile_budget script writes a
     fixed result: runs alternate (A B, B A), each in its own tree, and the table holds per P each tree's

@@ -90,6 +90,9 @@ def test_config_rejects_what_cannot_run():
         MegaMoEConfig(block_n=96)
     with pytest.raises(ValueError, match="stages"):
         MegaMoEConfig(stages=1)
+    for name, value in (("stages", "4"), ("block_n", 256.0), ("lead", True), ("timeout_ns", None)):
+        with pytest.raises(ValueError, match=f"{name} must be an int"):
+            MegaMoEConfig(**{name: value})
     with pytest.raises(ValueError, match="dispatch_copy"):
         MegaMoEConfig(dispatch_copy="tma")
     with pytest.raises(ValueError, match="pair_split must be one of"):

@@ -15,3 +15,18 @@ wgmma_rate        the W8A8 mainloop's WGMMA batch shapes alone (scripts/diag/wgm
 tile_budget       where each tile's time goes, from the trace (scripts/diag/megamoe_tile_budget.py)
 ab_trees          tile_budget of several source trees on one host, alternating (scripts/diag/megamoe_ab_trees.py)
 """
+
+
+def config_options(items) -> dict:
+    """``NAME=VALUE`` items (``--option``) -> MegaMoEConfig fields: integers as int, anything else as a
+    string. Raises ValueError on an item without ``=``."""
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--option {item!r}: expected NAME=VALUE")
+        try:
+            options[name] = int(value)
+        except ValueError:
+            options[name] = value
+    return options

@@ -25,6 +25,7 @@ import argparse
 import torch
 
 from lab.megamoe.bench import build_moe, grouped_gemms, make_problem
+from lab.megamoe.diag import config_options
 from megamoe_interleave.config import MegaMoEConfig
 from megamoe_interleave.shapes import get_shape
 
@@ -38,17 +39,8 @@ def main():
     ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                     help="a MegaMoEConfig field of the fused kernel, e.g. dispatch_window=0 (repeatable)")
     args = ap.parse_args()
-    options = {}
-    for item in args.option:
-        name, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--option {item!r}: expected NAME=VALUE")
-        try:
-            options[name] = int(value)
-        except ValueError:
-            options[name] = value
     try:
-        config = MegaMoEConfig(schedule=args.schedule, **options)
+        config = MegaMoEConfig(schedule=args.schedule, **config_options(args.option))
     except (TypeError, ValueError) as e:
         ap.error(f"--option: {e}")
     P, T = args.P, args.tokens

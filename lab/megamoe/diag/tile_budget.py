@@ -19,6 +19,7 @@ import os
 import statistics
 
 from lab.megamoe.trace import TILE_PARTS, read_trace_records, write_trace
+from lab.megamoe.diag import config_options
 
 # dense MMA FLOP per cycle and SM (H100 / H200: 1024 bf16 FMA per cycle and SM, twice that in FP8)
 FLOP_PER_CYCLE = {"bf16": 4096, "w8a8": 8192, "w4a8": 8192}  # W4A8: the FP8 WGMMA on widened weights
@@ -143,12 +144,21 @@ def main(argv=None):
                     help="skewed1 / skewed2: Zipf strength 1 / 2, as the sweep's")
     ap.add_argument("--pair-split", default=None, choices=["m", "n"],
                     help="MegaMoEConfig(pair_split=...); default: resolve's choice")
+    ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                    help="a MegaMoEConfig field, e.g. stages=4 (repeatable; integers as int)")
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
     ap.add_argument("--trace", nargs="+", default=None, metavar="CSV",
                     help="summarize these trace CSVs instead of running (no GPU needed)")
     args = ap.parse_args(argv)
     if args.calls < 2 or args.tokens < 1 or any(p < 1 or p > 8 for p in args.P):
         ap.error("--calls >= 2, --tokens >= 1 and --P in 1..8")
+    try:
+        options = {"pair_split": args.pair_split, **config_options(args.option)}
+        from megamoe_interleave.config import MegaMoEConfig
+
+        MegaMoEConfig(args.schedule, precision=args.precision, **options)  # bad fields fail here, before a launch
+    except (TypeError, ValueError) as e:
+        ap.error(f"--option: {e}")
     from xstage import provenance
 
     runs = {}
@@ -170,7 +180,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     for P in ([] if args.trace else args.P):
         runs[f"P{P}"] = measure(args.shape, args.precision, args.schedule, P, args.tokens, args.calls, args.out,
-                                dict(pair_split=args.pair_split), args.routing)
+                                options, args.routing)
         print_row(P, runs[f"P{P}"])
     with open(os.path.join(args.out, "tile_budget.json"), "w") as f:
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args), "runs": runs,
