@@ -34,7 +34,11 @@ DEEP_RING_MAX_ROWS = 512  # 4 ring stages below this many rows per local expert,
 # W4A8: E4M3 B blocks the consumers widen the ring's packed stages into (two: docs/w4a8.md, the
 # kernel step by step); with them 3 ring stages fit, 4 do not
 WIDENED_BUFFERS = 2
-WIDEN_TABLES = 27  # W4A8: fp4_widen.TABLES, one 8-byte group table per shift d in [-20, 6]
+# W4A8 shifts d (a 32-group's exponent over its block scale's): the widening puts a block's largest group at
+# WIDEN_MAX_SHIFT; the kernel's group tables cover d down to WIDEN_TABLE_MIN_SHIFT, the smallest with 2^(7 + d) a
+# normal FP16 (fp4_widen), one 8-byte table per shift
+WIDEN_MAX_SHIFT, WIDEN_TABLE_MIN_SHIFT = 6, -20
+WIDEN_TABLES = WIDEN_MAX_SHIFT - WIDEN_TABLE_MIN_SHIFT + 1
 
 # Per-tile trace row (trace=True), both sides of the staging boundary (paper Section 5.2.3).
 # Written by consumer thread 0: key = phase<<40 | row<<16 | n_block; %globaltimer (ns) at tile

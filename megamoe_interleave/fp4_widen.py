@@ -21,9 +21,9 @@ from cutlass import Int32
 
 from xstage.device import cvt_e4m3x4_f16x2, mul_f16x2, prmt
 
-MIN_SHIFT = -20  # the smallest d with 2^(7 + d) a normal FP16: the recipe's inexact groups, down to here
-MAX_SHIFT = 6  # the largest d: r = the block's largest group exponent - 6 (docs/w4a8.md)
-TABLES = MAX_SHIFT - MIN_SHIFT + 1  # group tables, one per shift: the kernel's lookup of them (8 bytes each)
+from .config import WIDEN_MAX_SHIFT as MAX_SHIFT  # noqa: F401  (the largest d: docs/w4a8.md)
+from .config import WIDEN_TABLE_MIN_SHIFT as MIN_SHIFT  # the smallest d with 2^(7 + d) a normal FP16
+from .config import WIDEN_TABLES as TABLES  # group tables, one per shift: the kernel looks them up
 SIGN_BYTES = 0x80808080 - (1 << 32)  # bit 7 of every byte, as an int32
 
 

@@ -41,12 +41,11 @@ from quack.cute_dsl_utils import mlir_namedtuple
 from xstage import device as xdev
 
 from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, arguments_class, tensor_argument_spec
-from .config import BLOCK_K, BLOCK_M, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
+from .config import BLOCK_K, BLOCK_M, WIDEN_TABLES, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
 from . import workspace
-from .fp4_widen import TABLES as WIDEN_TABLES
 from .named_barrier import NamedBarrier
 from .sm90_mainloop import ConsumerMixin, ProducerMixin
 

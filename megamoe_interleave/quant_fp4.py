@@ -30,7 +30,7 @@ from typing import Tuple
 import torch
 
 from . import quant
-from .config import QUANT_BLOCK
+from .config import QUANT_BLOCK, WIDEN_MAX_SHIFT
 from .weights import interleave_w1, untransform_w1
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -40,7 +40,7 @@ SCALE_GROUP = 32  # K elements per power-of-two scale
 UE8M0_BIAS = 127
 AMAX_FLOOR = 1e-4
 # E2M1 x 2^d is exact in E4M3 for d in [-8, 6]: the widening shifts a block's largest group to d = 6
-WIDEN_MAX_SHIFT, WIDEN_MIN_SHIFT = 6, -8
+WIDEN_MIN_SHIFT = -8
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
