@@ -41,7 +41,7 @@ def _fa(ctx, quick):
 def main(argv=None) -> int:
     args = parse_args(argv)
     checks = {"fa4": lambda ctx: _fa(ctx, args.quick),
-              "megamoe": lambda ctx: moe_checks.run_checks(ctx, args.quick, args.dispatch_copy)}
+              "megamoe": lambda ctx: moe_checks.run_checks(ctx, args.quick, args.dispatch_copy, args.precision)}
     chosen = {k: checks[k] for k in KERNELS if k in args.kernels}
     return mg.run_entry(args, lambda ctx: mg.run_checks(ctx, args, chosen))
 

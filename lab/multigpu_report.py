@@ -150,10 +150,12 @@ def report_megamoe(d: dict) -> str:
     headline = md_table(["headline", "ours", "paper"], [
         ["geometric-mean speedup (expert_wave / interleaved)", _f(s.get("geomean_speedup"), "{:.3f}x"),
          f"{paper['megamoe_geomean']}x"],
-        ["range", f"{_f(s.get('min_speedup'), '{:.3f}x')} – {_f(s.get('max_speedup'), '{:.3f}x')}", ""]])
-    table = md_table(["shape", "routing", "tokens/rank", "expert_wave (us)", "interleaved (us)", "speedup",
-                      "speedup (whole forward)"],
-                     [[c["shape"], c["routing"], c["tokens_per_rank"], f"{c['expert_wave_us']:.1f}",
+        ["range", f"{_f(s.get('min_speedup'), '{:.3f}x')} – {_f(s.get('max_speedup'), '{:.3f}x')}", ""]]
+        + [[f"geometric mean, {p}", f"{g:.3f}x", ""] for p, g in s.get("geomean_by_precision", {}).items()])
+    table = md_table(["shape", "precision", "routing", "tokens/rank", "expert_wave (us)", "interleaved (us)",
+                      "speedup", "speedup (whole forward)"],
+                     [[c["shape"], c.get("precision", "bf16"), c["routing"], c["tokens_per_rank"],
+                       f"{c['expert_wave_us']:.1f}",
                        f"{c['interleaved_us']:.1f}", f"{c['speedup']:.3f}x", f"{c['speedup_api']:.3f}x"]
                       for c in s.get("configs", [])])
     regs = s.get("regressions", [])

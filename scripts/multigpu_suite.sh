@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Multi-GPU suite (issue 6): topology, peer calibration, fa4_a2a Table-3 sweep, MegaMoE
 # expert-parallel comparison and multi-process correctness, one process per GPU (torchrun),
-# NVLink multicast disabled. Every step's commands are each bounded by $STEP_TIMEOUT seconds
+# NVLink multicast disabled. MOE_PRECISIONS (default "bf16 w8a8 w4a8") picks the MegaMoE precisions
+# of steps 3 and 4. Every step's commands are each bounded by $STEP_TIMEOUT seconds
 # (default 590) and write under results/h200xN/ (N = GPU count); a markdown report per step.
 #
 #   scripts/multigpu_suite.sh [--steps 0,1,2,3,4] [--dry-run] [--quick] [--gpus N] [--out DIR]
@@ -56,6 +57,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a} FLASH_ATTENTION_ARCH=${FLASH_ATTENTION_ARCH:-sm_90}
 export PYTHONUNBUFFERED=1
 STEP_TIMEOUT=${STEP_TIMEOUT:-590}
+# MegaMoE precisions of steps 3 and 4 (each a --precision of lab.megamoe.multigpu_ep / multigpu_checks)
+read -r -a moe_precisions <<< "${MOE_PRECISIONS:-bf16 w8a8 w4a8}"
 
 # Python: the GPU host's offline bundle (docs/gpu.md) or the local venv.
 if [ -f /tmp/xstage-gpu-env.sh ]; then
@@ -143,13 +146,14 @@ for s in "${step_list[@]}"; do
         --out "$out/fa4_a2a"
       report fa4_a2a ;;
     3)
-      run step3-megamoe "${launch[@]}" -m lab.megamoe.multigpu_ep "${world[@]}" "${q[@]}" --out "$out/megamoe"
+      run step3-megamoe "${launch[@]}" -m lab.megamoe.multigpu_ep "${world[@]}" "${q[@]}" \
+        --precision "${moe_precisions[@]}" --out "$out/megamoe"
       report megamoe ;;
     4)
       run step4-correctness-fa4 "${launch[@]}" scripts/multigpu/correctness.py "${world[@]}" "${q[@]}" \
         --kernels fa4 --stem correctness-fa4 --out "$out/correctness"
       run step4-correctness-megamoe "${launch[@]}" scripts/multigpu/correctness.py "${world[@]}" "${q[@]}" \
-        --kernels megamoe --stem correctness-megamoe --out "$out/correctness"
+        --kernels megamoe --precision "${moe_precisions[@]}" --stem correctness-megamoe --out "$out/correctness"
       report correctness ;;
   esac
 done

@@ -182,12 +182,12 @@ def test_megamoe_grouped_gemms_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_pa
 
 
 def _reference_forward(monkeypatch, wrong=None):
-    """MegaMoE.load_weights keeps the global weights and forward returns the float32 reference
-    in bf16; ``wrong(config)`` -> True: that object's rank-0 output is off by one somewhere."""
+    """MegaMoE.load_weights keeps the global weights and forward returns, in bf16, the float32
+    reference (BF16) or the recipe's emulation (W8A8, W4A8: multigpu_checks.references);
+    ``wrong(config)`` -> True: that object's rank-0 output is off by one somewhere."""
     import torch
 
     from megamoe_interleave import api
-    from megamoe_interleave.reference import reference_moe_fp32
 
     load = api.MegaMoE.load_weights
 
@@ -196,7 +196,8 @@ def _reference_forward(monkeypatch, wrong=None):
         return load(self, w1, w2)
 
     def forward(self, x, idx, w):
-        ys = [y.to(torch.bfloat16) for y in reference_moe_fp32(x, idx, w, *self._global)]
+        fp32, emulated = checks.references(self.config.precision, x, idx, w, *self._global)
+        ys = [y.to(torch.bfloat16) for y in (fp32 if emulated is None else emulated)]
         if wrong is not None and wrong(self.config) and ys[0].numel():
             ys[0].view(-1)[-1] += 1.0
         return ys
@@ -205,11 +206,11 @@ def _reference_forward(monkeypatch, wrong=None):
     monkeypatch.setattr(api.MegaMoE, "forward", forward)
 
 
-def _megamoe_step(tmp_path, quick, copies=None):
+def _megamoe_step(tmp_path, quick, copies=None, precisions=("bf16",)):
     args = argparse.Namespace(world="loopback", P=2, out=str(tmp_path), stem="correctness-megamoe", quick=quick,
                               trials=1)
     rc = mg.run_entry(args, lambda ctx: mg.run_checks(ctx, args, {
-        "megamoe": lambda ctx: checks.run_checks(ctx, quick, copies)}))
+        "megamoe": lambda ctx: checks.run_checks(ctx, quick, copies, precisions)}))
     return rc, json.loads((tmp_path / "correctness-megamoe.json").read_text())
 
 
@@ -249,3 +250,63 @@ def test_megamoe_checks_fail_on_a_wrong_output(cpu_loopback, monkeypatch, tmp_pa
     failed = d["summary"]["megamoe"]["failed"]
     assert failed and all(f["variant"] == "interleaved,bulk" and f["rank"] == 0 for f in failed)
     assert len(failed) == 2 and d["summary"]["megamoe"]["passed"] == 2 * 2 * 2 - 2  # 2 quick cases, bulk only
+
+
+def test_megamoe_checks_fp8_precisions_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
+    """--precision w8a8 w4a8: the small cases at FP8_SMALL with 128 x 256 tiles and the resolved Dispatch copy,
+    each output held against the recipe's emulation (relative error) and float32 (the recipe's
+    bound); a stand-in returning the emulation passes, one returning the float32 reference of the
+    BF16 weights fails W4A8's emulation check (its FP4 error is above the 1 % kernel tolerance)."""
+    from megamoe_interleave.reference import W8A8_KERNEL_REL_ERROR
+
+    _reference_forward(monkeypatch)
+    rc, d = _megamoe_step(tmp_path / "a", quick=True, precisions=("w8a8", "w4a8"))
+    assert rc == 0 and d["summary"]["megamoe"]["passed"] == 2 * 2 * 2 * 2  # cases x precisions x schedules x ranks
+    for r in d["results"]:
+        assert r["variant"].endswith("," + checks.RESOLVED) and r["dims"] == list(checks.FP8_SMALL)
+        assert r["config"]["precision"] == r["precision"] and r["config"]["block_n"] == 256
+        assert r["rel_err_emulation"] == 0.0 and r["tol_emulation"] == W8A8_KERNEL_REL_ERROR
+        assert 0.0 < r["rel_err_fp32"] <= r["tol_fp32"]
+    assert {r["precision"] for r in d["results"]} == {"w8a8", "w4a8"}
+
+    import torch
+    from megamoe_interleave import api
+    from megamoe_interleave.reference import reference_moe_fp32
+
+    monkeypatch.setattr(api.MegaMoE, "forward", lambda self, x, idx, w: [
+        y.to(torch.bfloat16) for y in reference_moe_fp32(x, idx, w, *self._global)])
+    rc, d = _megamoe_step(tmp_path / "b", quick=True, precisions=("w4a8",))
+    assert rc == 1
+    assert all(r["rel_err_emulation"] > W8A8_KERNEL_REL_ERROR for r in d["results"] if r["tokens"][r["rank"]])
+    assert checks.dispatch_copies(None, False, "w8a8") == (checks.RESOLVED,)
+    assert checks.dispatch_copies(["lsu"], False, "w8a8") == ("lsu",)
+
+
+def test_megamoe_ep_precisions_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path):
+    """--precision bf16 w8a8: both schedules per precision, a row each with its precision; the summary's
+    geometric mean per precision and the report's precision column."""
+    import torch
+
+    from megamoe_interleave import api
+    from megamoe_interleave.shapes import MoEShape
+
+    monkeypatch.setattr(megamoe_ep, "resolve_shapes", lambda names, P: [MoEShape("tiny", 512, 256, 16, 2, "test")])
+
+    def fake_forward(self, x, idx, w):
+        fast = {"bf16": 80.0, "w8a8": 50.0}[self.config.precision]
+        self.last_kernel_us = 100.0 if self.config.schedule == "expert_wave" else fast
+        return [torch.zeros_like(t) for t in x]
+
+    monkeypatch.setattr(api.MegaMoE, "forward", fake_forward)
+    out = tmp_path / "moe"
+    assert megamoe_ep.main(["--world", "loopback", "--P", "2", "--tokens", "64", "--routing", "balanced",
+                            "--trials", "2", "--precision", "bf16", "w8a8", "--out", str(out)]) == 0
+    d = json.loads((out / "ep.json").read_text())
+    assert sorted((r["precision"], r["schedule"]) for r in d["rows"]) == [
+        ("bf16", "expert_wave"), ("bf16", "interleaved"), ("w8a8", "expert_wave"), ("w8a8", "interleaved")]
+    assert all(r["config"]["precision"] == r["precision"] for r in d["rows"])
+    s = d["summary"]
+    assert s["geomean_by_precision"] == pytest.approx({"bf16": 1.25, "w8a8": 2.0})
+    assert s["geomean_speedup"] == pytest.approx((1.25 * 2.0) ** 0.5)
+    text = multigpu_report.report_megamoe(d)
+    assert "| tiny | w8a8 | balanced | 64 |" in text and "geometric mean, w8a8" in text

@@ -3,7 +3,8 @@
 Per (shape, routing, tokens per rank) every rank holds ``tokens`` tokens routed to global
 experts (E / P experts per rank) and runs ``MegaMoE.forward`` with the fused CuTe DSL kernel
 (Dispatch pulls rows over NVLink from every source rank's symmetric ``x``; Combine stores
-every L2 row back to its source rank) once per schedule, each with its default
+every L2 row back to its source rank) once per schedule and precision (``--precision``: BF16,
+W8A8, W4A8; ``load_weights`` quantizes the same BF16 weights), each with its default
 :class:`~megamoe_interleave.config.MegaMoEConfig` (``--block-n``, ``--stages``, ``--lead`` set
 those fields; every row records the resolved config).
 
@@ -37,7 +38,7 @@ import time
 
 from lab import bench
 from lab import multigpu as mg
-from megamoe_interleave.config import BLOCK_M, BLOCK_NS, MegaMoEConfig
+from megamoe_interleave.config import BLOCK_M, BLOCK_NS, PRECISIONS, MegaMoEConfig
 from megamoe_interleave.scheduler import SCHEDULES
 
 GROUPED = "grouped_mm x2"  # the rows of --grouped-gemms (their "schedule" key)
@@ -55,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--strength", type=float, default=1.0, help="skewed routing strength")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help=f"tokens per rank (default {DEFAULT_TOKENS}; {QUICK_TOKENS} with --quick)")
+    p.add_argument("--precision", nargs="+", default=["bf16"], choices=PRECISIONS,
+                   help="precisions to run, each on the same BF16 weights (default bf16)")
     p.add_argument("--block-n", type=int, default=None, choices=BLOCK_NS,
                    help=f"N tile of the fused kernel (M is {BLOCK_M}; default: MegaMoEConfig.resolve's)")
     p.add_argument("--stages", type=int, default=None, help="A/B ring depth (default: MegaMoEConfig.resolve's)")
@@ -82,9 +85,9 @@ def resolve_shapes(names, P: int):
     return shapes
 
 
-def schedule_config(schedule: str, args) -> MegaMoEConfig:
+def schedule_config(schedule: str, args, precision: str = "bf16") -> MegaMoEConfig:
     """The MegaMoEConfig of one schedule from the command line (``--lead``: interleaved only)."""
-    return MegaMoEConfig(schedule=schedule, block_n=args.block_n, stages=args.stages,
+    return MegaMoEConfig(schedule=schedule, block_n=args.block_n, stages=args.stages, precision=precision,
                          lead=args.lead if schedule == "interleaved" else None)
 
 
@@ -92,7 +95,7 @@ def summarize(rows) -> dict:
     """Per-config speedup (expert_wave / interleaved kernel time), geometric mean, regressions. Pure."""
     by_cfg = {}
     for r in rows:
-        key = (r["shape"], r["routing"], r["tokens_per_rank"])
+        key = (r["shape"], r.get("precision", "bf16"), r["routing"], r["tokens_per_rank"])
         by_cfg.setdefault(key, {})[r["schedule"]] = r
     configs, speedups = [], []
     for key, d in by_cfg.items():
@@ -101,7 +104,7 @@ def summarize(rows) -> dict:
         ew, il = d["expert_wave"]["kernel_median_us"], d["interleaved"]["kernel_median_us"]
         sp = ew / il
         api = d["expert_wave"]["api_median_us"] / d["interleaved"]["api_median_us"]
-        cfg = {"shape": key[0], "routing": key[1], "tokens_per_rank": key[2], "expert_wave_us": ew,
+        cfg = {"shape": key[0], "precision": key[1], "routing": key[2], "tokens_per_rank": key[3], "expert_wave_us": ew,
                "interleaved_us": il, "speedup": sp, "speedup_api": api}
         if GROUPED in d:  # fused kernel time over the GEMMs' alone (< 1: fused faster)
             gg = d[GROUPED]["kernel_median_us"]
@@ -114,6 +117,10 @@ def summarize(rows) -> dict:
         out["max_speedup"] = max(speedups)
         out["min_speedup"] = min(speedups)
         out["regressions"] = [c for c in configs if c["speedup"] < 1.0]
+        precisions = sorted({c["precision"] for c in configs})
+        if len(precisions) > 1:
+            out["geomean_by_precision"] = {p: mg.geomean([c["speedup"] for c in configs if c["precision"] == p])
+                                           for p in precisions}
     return out
 
 
@@ -121,7 +128,6 @@ def run(ctx, args):
     import torch
 
     from megamoe_interleave.api import MegaMoE
-    from lab.megamoe.routing import imbalance, make_routing
 
     P = ctx.P
     shapes = resolve_shapes(args.shape, P)
@@ -133,64 +139,79 @@ def run(ctx, args):
         g = torch.Generator(device=dev).manual_seed(0)
         w1 = (torch.randn(E, 2 * I, H, generator=g, device=dev, dtype=torch.bfloat16) * H ** -0.5)
         w2 = (torch.randn(E, H, I, generator=g, device=dev, dtype=torch.bfloat16) * I ** -0.5)
-        moes = {}
-        for sched in SCHEDULES:
-            moes[sched] = MegaMoE(ctx.world, E, H, I, k, max(args.tokens), schedule_config(sched, args),
-                                  backend="fused",
-                                  num_sms=torch.cuda.get_device_properties(dev).multi_processor_count)
-            moes[sched].load_weights(w1, w2)
-        gemm_weights = (w1, w2) if args.grouped_gemms else None  # the GEMM baseline's B operands
+        for precision in args.precision:
+            moes = {}
+            for sched in SCHEDULES:
+                moes[sched] = MegaMoE(ctx.world, E, H, I, k, max(args.tokens), schedule_config(sched, args, precision),
+                                      backend="fused",
+                                      num_sms=torch.cuda.get_device_properties(dev).multi_processor_count)
+                moes[sched].load_weights(w1, w2)
+            # the GEMM baseline (BF16 grouped GEMMs) once per shape, with its first precision
+            gemm_weights = (w1, w2) if args.grouped_gemms and precision == args.precision[0] else None
+            rows += _time_schedules(ctx, args, shape, precision, moes, gemm_weights)
+            del moes
+            torch.cuda.empty_cache()
         del w1, w2
         torch.cuda.empty_cache()
-        for kind in args.routing:
-            for T in args.tokens:
-                xs, idx, wts = [], [], []
-                for r in ctx.local_ranks:
-                    gx = torch.Generator(device=dev).manual_seed(7919 * r + T)
-                    xs.append(torch.randn(T, H, generator=gx, device=dev).to(torch.bfloat16))
-                    i_r, w_r = make_routing(kind, T, E, k, seed=r, strength=args.strength)
-                    idx.append(i_r.to(dev))
-                    wts.append(w_r.to(dev))
-                imb = imbalance(torch.cat([i.cpu() for i in idx]), E)
-                for sched in SCHEDULES:
-                    moe = moes[sched]
-                    arg = (xs, idx, wts) if ctx.backend == "loopback" else (xs[0], idx[0], wts[0])
-                    moe.forward(*arg)  # warm-up: compile, first-touch
-                    kern = {r: [] for r in ctx.local_ranks[:1]}
-                    api = {r: [] for r in ctx.local_ranks[:1]}
-                    t0 = time.time()
-                    for _ in range(args.trials):
-                        ctx.align()
-                        w0 = time.perf_counter()
-                        moe.forward(*arg)
-                        wall = (time.perf_counter() - w0) * 1e6
-                        r0 = ctx.local_ranks[0]
-                        kern[r0].append(moe.last_kernel_us)
-                        api[r0].append(wall)
-                    red_k = mg.reduce_gathered(ctx, {"kernel": kern})
-                    red_a = mg.reduce_gathered(ctx, {"api": api})
-                    if ctx.is_root:
-                        row = {"shape": shape.name, "routing": kind, "tokens_per_rank": T, "schedule": sched,
-                               "P": P, "world": ctx.backend, "lead": moe.config.lead,
-                               "block": f"{BLOCK_M}x{moe.config.block_n}", "stages": moe.config.stages,
-                               "dispatch_copy": moe.config.dispatch_copy, "routing_imbalance_local": imb,
-                               "kernel_median_us": red_k["kernel"]["median_us"],
-                               "kernel_p10_us": red_k["kernel"]["p10_us"], "kernel_p90_us": red_k["kernel"]["p90_us"],
-                               "kernel_rank_spread": red_k["kernel"]["rank_spread"],
-                               "api_median_us": red_a["api"]["median_us"], "wall_s": time.time() - t0,
-                               "config": dataclasses.asdict(moe.config),
-                               "kernel_timing": red_k["kernel"], "api_timing": red_a["api"]}
-                        rows.append(row)
-                        print(f"{shape.name} {kind} T={T} {sched}: kernel {row['kernel_median_us']:.1f} us "
-                              f"(api {row['api_median_us']:.1f} us)", flush=True)
-                if args.grouped_gemms:
-                    row = time_grouped_gemms(ctx, args, shape, kind, T, *gemm_weights)
-                    if row is not None:
-                        rows.append(row)
-                        print(f"{shape.name} {kind} T={T} {GROUPED}: {row['kernel_median_us']:.1f} us", flush=True)
-                del xs, idx, wts
-        del moes
-        torch.cuda.empty_cache()
+    return rows
+
+
+def _time_schedules(ctx, args, shape, precision: str, moes: dict, gemm_weights) -> list:
+    """Every (routing, tokens) of ``args`` for one shape and precision: both schedules' layers of
+    ``moes`` timed (and the grouped GEMMs where ``gemm_weights`` is given); the root's rows."""
+    import torch
+
+    from lab.megamoe.routing import imbalance, make_routing
+
+    E, H, k, P, dev = shape.num_experts, shape.hidden, shape.topk, ctx.P, ctx.device
+    rows = []
+    for kind in args.routing:
+        for T in args.tokens:
+            xs, idx, wts = [], [], []
+            for r in ctx.local_ranks:
+                gx = torch.Generator(device=dev).manual_seed(7919 * r + T)
+                xs.append(torch.randn(T, H, generator=gx, device=dev).to(torch.bfloat16))
+                i_r, w_r = make_routing(kind, T, E, k, seed=r, strength=args.strength)
+                idx.append(i_r.to(dev))
+                wts.append(w_r.to(dev))
+            imb = imbalance(torch.cat([i.cpu() for i in idx]), E)
+            for sched in SCHEDULES:
+                moe = moes[sched]
+                arg = (xs, idx, wts) if ctx.backend == "loopback" else (xs[0], idx[0], wts[0])
+                moe.forward(*arg)  # warm-up: compile, first-touch
+                kern = {r: [] for r in ctx.local_ranks[:1]}
+                api = {r: [] for r in ctx.local_ranks[:1]}
+                t0 = time.time()
+                for _ in range(args.trials):
+                    ctx.align()
+                    w0 = time.perf_counter()
+                    moe.forward(*arg)
+                    wall = (time.perf_counter() - w0) * 1e6
+                    r0 = ctx.local_ranks[0]
+                    kern[r0].append(moe.last_kernel_us)
+                    api[r0].append(wall)
+                red_k = mg.reduce_gathered(ctx, {"kernel": kern})
+                red_a = mg.reduce_gathered(ctx, {"api": api})
+                if ctx.is_root:
+                    row = {"shape": shape.name, "precision": precision, "routing": kind, "tokens_per_rank": T,
+                           "schedule": sched, "P": P, "world": ctx.backend, "lead": moe.config.lead,
+                           "block": f"{BLOCK_M}x{moe.config.block_n}", "stages": moe.config.stages,
+                           "dispatch_copy": moe.config.dispatch_copy, "routing_imbalance_local": imb,
+                           "kernel_median_us": red_k["kernel"]["median_us"],
+                           "kernel_p10_us": red_k["kernel"]["p10_us"], "kernel_p90_us": red_k["kernel"]["p90_us"],
+                           "kernel_rank_spread": red_k["kernel"]["rank_spread"],
+                           "api_median_us": red_a["api"]["median_us"], "wall_s": time.time() - t0,
+                           "config": dataclasses.asdict(moe.config),
+                           "kernel_timing": red_k["kernel"], "api_timing": red_a["api"]}
+                    rows.append(row)
+                    print(f"{shape.name} {precision} {kind} T={T} {sched}: kernel {row['kernel_median_us']:.1f} us "
+                          f"(api {row['api_median_us']:.1f} us)", flush=True)
+            if gemm_weights is not None:
+                row = time_grouped_gemms(ctx, args, shape, kind, T, *gemm_weights)
+                if row is not None:
+                    rows.append(row)
+                    print(f"{shape.name} {kind} T={T} {GROUPED}: {row['kernel_median_us']:.1f} us", flush=True)
+            del xs, idx, wts
     return rows
 
 
