@@ -12,6 +12,7 @@ that own the step (``figures``: step -> ``draw(payload, path)``; the suite's com
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 from pathlib import Path
@@ -161,7 +162,8 @@ def report_megamoe(d: dict) -> str:
     regs = s.get("regressions", [])
     return TEMPLATE.document({"body": dict(
         world=_world_line(d), headline=headline, table=table, n_regressions=len(regs),
-        regressions="\n".join(TEMPLATE.row("megamoe_regression", shape=c["shape"], routing=c["routing"],
+        regressions="\n".join(TEMPLATE.row("megamoe_regression", shape=c["shape"],
+                                           precision=c.get("precision", "bf16"), routing=c["routing"],
                                            tokens=c["tokens_per_rank"], speedup=f"{c['speedup']:.3f}x")
                               for c in regs))}, "megamoe")
 
@@ -195,6 +197,14 @@ RENDER = {"topology": report_topology, "calibration": report_calibration, "fa4_a
           "megamoe": report_megamoe, "correctness": report_correctness}
 
 
+def read_json(path: Path):
+    """A result file, plain or gzipped (``.json.gz``: the larger files of results/ in the tree)."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
+
+
 def write_reports(results_dir, steps=None, figures: Figures = None) -> list:
     """Write ``report-<step>.md`` for every step with a result file, and ``report.md`` with all of
     them; ``figures[step](payload, path)`` draws that step's figure (None: none drawn)."""
@@ -204,11 +214,11 @@ def write_reports(results_dir, steps=None, figures: Figures = None) -> list:
         if steps and step not in steps:
             continue
         rels = (rel,) if isinstance(rel, str) else rel
-        found = [results_dir / r for r in rels if (results_dir / r).exists()]
+        found = [f for r in rels for f in (results_dir / r, results_dir / f"{r}.gz") if f.exists()]
         if not found:
             sections.append(TEMPLATE.row("not_run", step=step, files=", ".join(f"`{r}`" for r in rels)) + "\n")
             continue
-        ds = [json.loads(f.read_text()) for f in found]
+        ds = [read_json(f) for f in found]
         d = merge_correctness(ds) if step == "correctness" else ds[0]
         md = RENDER[step](d)
         draw = (figures or {}).get(step)

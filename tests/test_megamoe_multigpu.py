@@ -310,3 +310,17 @@ def test_megamoe_ep_precisions_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_pa
     assert s["geomean_speedup"] == pytest.approx((1.25 * 2.0) ** 0.5)
     text = multigpu_report.report_megamoe(d)
     assert "| tiny | w8a8 | balanced | 64 |" in text and "geometric mean, w8a8" in text
+
+
+def test_reports_read_gzipped_results(cpu_loopback, monkeypatch, tmp_path):
+    """write_reports reads a step's result file gzipped (results/ keeps its larger JSONs as .json.gz)."""
+    import gzip
+    import shutil
+
+    test_megamoe_ep_precisions_on_cpu_stand_in(cpu_loopback, monkeypatch, tmp_path)
+    ep = tmp_path / "moe" / "ep.json"
+    (tmp_path / "run" / "megamoe").mkdir(parents=True)
+    with open(ep, "rb") as src, gzip.open(tmp_path / "run" / "megamoe" / "ep.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    multigpu_report.write_reports(tmp_path / "run", steps=["megamoe"])
+    assert "geometric mean, w8a8 | 2.000x" in (tmp_path / "run" / "report-megamoe.md").read_text()
