@@ -776,3 +776,23 @@ def test_w4a8_bench_summary_and_report(tmp_path):
     path.write_text(json.dumps({"cases": [case]}))
     assert w4a8_bench.report([str(path)], str(tmp_path / "out")) == [row]
     assert (tmp_path / "out" / "summary.csv").exists() and (tmp_path / "out" / "w4a8.png").exists()
+
+
+def test_timeout_contention_args_and_outcomes(tmp_path):
+    """lab.megamoe.diag.timeout_contention: bad counts refused before any GPU work, an --out that is a
+    file refused, and the outcome classes (the kernel's DeviceError, a dead context, anything else)."""
+    from lab.megamoe.diag import timeout_contention as tc
+    from xstage.device import DeviceError
+
+    a = tc.parse_args(["--out", str(tmp_path)])
+    assert (a.busy, a.calls, a.P) == (9, 50, 1)
+    for bad in (["--busy", "-1"], ["--calls", "0"], ["--seconds", "0"]):
+        with pytest.raises(SystemExit):
+            tc.parse_args(bad + ["--out", str(tmp_path)])
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(SystemExit, match="is a file"):
+        tc.main(["--out", str(f)])
+    assert tc.classify(DeviceError("ring timeout")) == "device_error"
+    assert tc.classify(RuntimeError("CUDA error: unspecified launch failure")) == "launch_failure"
+    assert tc.classify(ValueError("bad shape")) == "other"
