@@ -548,7 +548,6 @@ def mbarrier_wait_bounded(
     timeout_ns: Int64,
     error_word: cute.Pointer,
     error_code: cutlass.Constexpr = ERR_MBARRIER_TIMEOUT,
-    min_tries: cutlass.Constexpr = 0,
 ) -> Boolean:
     """Wait for the phase of parity ``phase`` of the shared-memory mbarrier
     ``mbar`` to complete, for at most ``timeout_ns`` (``%globaltimer``).
@@ -565,31 +564,16 @@ def mbarrier_wait_bounded(
     (else a broken pipeline costs one timeout per wait); the host raises
     after the kernel (:func:`raise_on_device_error`).  Any thread may call
     it; every lane decides on its own.
-
-    ``min_tries`` > 0: give up only after that many ``try_wait``s as well. The
-    timer runs on while the context is switched out (time-slicing with other
-    processes), so a wait that must outlast a peer's bounded wait (an exit
-    drain: a CTA may not exit while a multicast into its shared memory is in
-    flight) needs a bound in this context's own time too.
     """
     done = cute.arch.mbarrier_try_wait(mbar, phase)
     timed_out = Boolean(False)
     if not done:
         deadline = globaltimer_ns() + timeout_ns
-        if const_expr(min_tries == 0):
-            while not done and not timed_out:
-                if globaltimer_ns() > deadline:
-                    timed_out = Boolean(True)
-                else:
-                    done = cute.arch.mbarrier_try_wait(mbar, phase)
-        else:
-            tries = Int32(0)
-            while not done and not timed_out:
-                if globaltimer_ns() > deadline and tries >= min_tries:
-                    timed_out = Boolean(True)
-                else:
-                    done = cute.arch.mbarrier_try_wait(mbar, phase)
-                    tries = tries + 1
+        while not done and not timed_out:
+            if globaltimer_ns() > deadline:
+                timed_out = Boolean(True)
+            else:
+                done = cute.arch.mbarrier_try_wait(mbar, phase)
     if timed_out:
         atomic_or_relaxed(error_word, Int32(error_code), "gpu")
     return done

@@ -12,12 +12,7 @@ from quack.pipeline import PipelineTmaAsync
 
 from .device import ERR_MBARRIER_TIMEOUT, mbarrier_wait_bounded
 
-__all__ = ["BoundedPipelineTmaAsync", "DRAIN_MIN_TRIES"]
-
-# The error path's waits for loads to land (the drains) also need this many try_waits before they give
-# up: their %globaltimer bound expires while the context is switched out, and a CTA that exits with a
-# peer's multicast still bound for its shared memory ends the launch in a fault.
-DRAIN_MIN_TRIES = 1 << 16
+__all__ = ["BoundedPipelineTmaAsync"]
 
 
 class BoundedPipelineTmaAsync(PipelineTmaAsync):
@@ -62,7 +57,7 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
                                             error_word, ERR_MBARRIER_TIMEOUT)
         else:
             mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
-                                  error_word, ERR_MBARRIER_TIMEOUT, DRAIN_MIN_TRIES)
+                                       error_word, ERR_MBARRIER_TIMEOUT)
         self.sync_object_full.arrive(state.index, self.producer_mask)
         return ok
 
@@ -85,5 +80,5 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
         a timeout. ``state``: the producer's state after its last load (pass a clone)."""
         for _ in cutlass.range_constexpr(self.num_stages):
             mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
-                                  error_word, ERR_MBARRIER_TIMEOUT, DRAIN_MIN_TRIES)
+                                       error_word, ERR_MBARRIER_TIMEOUT)
             state.advance()
