@@ -248,6 +248,11 @@ class MegaMoEConfig:
         """Pool rows per scheduler row of a resolved config (:func:`.row_grid.pool_rows_per_row`)."""
         return pool_rows_per_row(BLOCK_M, self.pair_splits_m)
 
+    def pair_tiles(self, hidden: int, intermediate: int) -> tuple:
+        """(L1, L2) pair tiles per scheduler row of a resolved config (:func:`pair_tiles_per_row`)."""
+        return (pair_tiles_per_row(2 * intermediate, self.block_n, self.pair_split),
+                pair_tiles_per_row(hidden, self.block_n, self.pair_split))
+
     @property
     def fp8(self) -> bool:
         """E4M3 activations and the FP8 mainloop (W8A8, and W4A8 on its widened weights)."""

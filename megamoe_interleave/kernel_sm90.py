@@ -41,7 +41,7 @@ from quack.cute_dsl_utils import mlir_namedtuple
 from xstage import device as xdev
 
 from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, arguments_class, tensor_argument_spec
-from .config import BLOCK_K, BLOCK_M, WIDEN_TABLES, MegaMoEConfig, bulk_piece_bytes, pair_tiles_per_row, smem_plan
+from .config import BLOCK_K, BLOCK_M, WIDEN_TABLES, MegaMoEConfig, bulk_piece_bytes, smem_plan
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
 from .sm90_epilogue import EpilogueMixin
@@ -180,8 +180,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.ring_timeout_ns = 2 * self.timeout_ns
         self.dispatch_polls = max(1, self.timeout_ns // DISPATCH_POLL_NS)  # counted bound of a window wait
         self.pair_splits_m, self.pool_rows_per_row = config.pair_splits_m, config.row_block
-        self.pairs_l1 = pair_tiles_per_row(2 * intermediate, self.block_n, config.pair_split)
-        self.pairs_l2 = pair_tiles_per_row(hidden, self.block_n, config.pair_split)
+        self.pairs_l1, self.pairs_l2 = config.pair_tiles(hidden, intermediate)
 
     @cute.jit
     def __call__(self, args, max_tokens: Int32, topk: Int32, barrier_base: Int32, num_ctas: Int32,

@@ -17,7 +17,7 @@ import torch
 
 from . import reference
 from .arguments import MegaMoEArguments, arguments_class, check_launch_arguments
-from .config import BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig, pair_tiles_per_row
+from .config import BLOCK_M, QUANT_BLOCK, TRACE_FIELDS, MegaMoEConfig
 from .device_plan import DevicePlan, plan_all_ranks
 from .host_plan import HostPlan, persistent_ctas
 from .row_grid import schedule_table
@@ -64,12 +64,10 @@ class FusedLauncher:
 
     def device_plan_options(self, config: MegaMoEConfig) -> dict:
         layer = self.layer
-        split = config.pair_split
+        pairs_l1, pairs_l2 = config.pair_tiles(layer.hidden, layer.intermediate)
         return dict(experts_per_rank=layer.experts_per_rank, row_block=config.row_block,
-                    schedule=config.schedule_spec(), num_pairs=layer.device_ctas // 2,
-                    pairs_l1=pair_tiles_per_row(2 * layer.intermediate, config.block_n, split),
-                    pairs_l2=pair_tiles_per_row(layer.hidden, config.block_n, split), hidden=layer.hidden,
-                    intermediate=layer.intermediate,
+                    schedule=config.schedule_spec(), num_pairs=layer.device_ctas // 2, pairs_l1=pairs_l1,
+                    pairs_l2=pairs_l2, hidden=layer.hidden, intermediate=layer.intermediate,
                     experts_per_wave=config.experts_per_wave)
 
     # -- scratch ------------------------------------------------------------------------------
