@@ -214,7 +214,9 @@ def write_reports(results_dir, steps=None, figures: Figures = None) -> list:
         if steps and step not in steps:
             continue
         rels = (rel,) if isinstance(rel, str) else rel
-        found = [f for r in rels for f in (results_dir / r, results_dir / f"{r}.gz") if f.exists()]
+        # each file plain or gzipped, never both read
+        found = [next((f for f in (results_dir / r, results_dir / f"{r}.gz") if f.exists()), None) for r in rels]
+        found = [f for f in found if f is not None]
         if not found:
             sections.append(TEMPLATE.row("not_run", step=step, files=", ".join(f"`{r}`" for r in rels)) + "\n")
             continue

@@ -69,6 +69,7 @@ def run(args) -> dict:
     from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
     from megamoe_interleave.reference import reference_moe_fp32
     from lab.megamoe.routing import make_routing
+    from lab.multigpu import check_close
     from xstage import provenance
 
     E, H, I, k, T = 16, 512, 256, 6, 200  # the GPU test's problem (tests/test_megamoe_gpu.py)
@@ -113,7 +114,7 @@ def run(args) -> dict:
     if counts["launch_failure"] == 0:
         ref = reference_moe_fp32(xs, idx, wts, w1, w2)
         ys = healthy.forward(xs, idx, wts)
-        healthy_ok = all(bool(torch.allclose(y.float(), r.float(), atol=0.02, rtol=0.02)) for y, r in zip(ys, ref))
+        healthy_ok = all(check_close(y, r, 0.02, 0.02)["ok"] for y, r in zip(ys, ref))
     for p in procs:
         p.terminate()
     return {"what": "fused MoE, timeout_ns=1, under time-slicing", "busy": args.busy, "calls": args.calls,
