@@ -26,7 +26,6 @@ from .config import BLOCK_K, BLOCK_M
 from .activation import swiglu_tanh
 from .scheduler import PHASE_L1, Tile
 
-DRAIN_SLACK_NS = 10_000_000  # producer waits for loads to land: beyond the peer's ring bound
 
 
 def tile_fields(tile: Tile):
@@ -78,10 +77,6 @@ class ProducerMixin:
             out += [atom, coords]
         return tuple(out)
 
-    def drain_ns(self):
-        """Bound of the producer's waits for loads to land (error path, exit drain)."""
-        return Int64(self.ring_timeout_ns + DRAIN_SLACK_NS)
-
     @cute.jit
     def producer_tiles(self, ctx, gm, sm, ops, ab_pipe):
         """Per tile (L1: after the rows are dispatched; L2: after a bounded acquire wait on the row's
@@ -116,9 +111,7 @@ class ProducerMixin:
                                                self.stage_extras(ops, tile, False, sm))
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
-        # Every load landed (the peer issues the same loads, also after a failed wait, but may sit
-        # in one bounded wait of its own: hence the bound), then every stage consumed.
-        ab_pipe.producer_drain_bounded(state.clone(), self.drain_ns(), gm.mCounters.iterator + self.COUNTER_ERROR)
+        # Every stage consumed by both CTAs: every load bound for this CTA has landed.
         ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), gm.mCounters.iterator + self.COUNTER_ERROR)
 
     @cute.jit
@@ -164,7 +157,7 @@ class ProducerMixin:
                                            cute.group_modes(gB, 0, 2))
         for kt in cutlass.range(num_k, unroll=1):
             ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
-                                                  gm.mCounters.iterator + self.COUNTER_ERROR, self.drain_ns())
+                                                  gm.mCounters.iterator + self.COUNTER_ERROR)
             bar = ab_pipe.producer_get_barrier(state)
             if const_expr(self.pair_splits_m):
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)

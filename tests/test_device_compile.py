@@ -160,14 +160,12 @@ def test_raise_on_device_error():
         xd.raise_on_device_error(xd.ERR_BARRIER_TIMEOUT | 8)
 
 
-@pytest.fixture(scope="module")
-def mbarrier_wait_ptx():
-    """A kernel whose only wait is one xd.mbarrier_wait_bounded on an smem mbarrier."""
+def _wait_probe_ptx(wait):
+    """PTX of a kernel whose only wait is ``wait(mbar, tidx, timeout, error_word)`` on an smem mbarrier."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
-    from xstage import device as xd
     from xstage.cute_compile import compile_hopper, fake_stream
 
     @cute.kernel
@@ -181,7 +179,7 @@ def mbarrier_wait_ptx():
         cute.arch.sync_threads()
         if tidx < 64:
             cute.arch.mbarrier_arrive(mbar)
-        ok = xd.mbarrier_wait_bounded(mbar, Int32(0), timeout, err.iterator)
+        ok = wait(mbar, tidx, timeout, err.iterator)
         out[tidx] = Int32(ok)
 
     @cute.jit
@@ -192,6 +190,16 @@ def mbarrier_wait_ptx():
     c = compile_hopper(launch, mk(Int32, (128,)), mk(Int32, (1,)), Int64(0), fake_stream(), keep_ptx=True)
     assert c.ptx, "no PTX produced"
     return c.ptx
+
+
+@pytest.fixture(scope="module")
+def mbarrier_wait_ptx():
+    """A kernel whose only wait is one xd.mbarrier_wait_bounded."""
+    from cutlass import Int32
+
+    from xstage import device as xd
+
+    return _wait_probe_ptx(lambda mbar, tidx, timeout, err: xd.mbarrier_wait_bounded(mbar, Int32(0), timeout, err))
 
 
 def test_mbarrier_wait_bounded_ptx(mbarrier_wait_ptx):
@@ -207,6 +215,26 @@ def test_mbarrier_wait_bounded_ptx(mbarrier_wait_ptx):
     assert loops[0] is None and loops[1] is not None
     assert any("%globaltimer" in ln for ln in loops[1]), "try_wait loop without a %globaltimer read"
     assert re.search(rf"atom(\.relaxed\.gpu)?\.global\.or\.b32\s+%r\d+, \[%rd\d+\], {xd.ERR_MBARRIER_TIMEOUT};", ptx)
+
+
+def test_mbarrier_wait_in_step_ptx():
+    """The ring partner's wait: the bounded wait (a %globaltimer loop that reports), then, for a thread
+    no longer ok, a second try_wait loop bounded by a count of tries (no timer: it must not end early
+    while the context is time-sliced out) that reports nothing."""
+    from cutlass import Boolean, Int32
+
+    from xstage import device as xd
+
+    ptx = _wait_probe_ptx(lambda mbar, tidx, timeout, err: xd.mbarrier_wait_in_step(
+        mbar, Int32(0), Boolean(tidx % 2 == 0), timeout, err))
+    assert "LAB_WAIT" not in ptx
+    loops = try_wait_loops(ptx)
+    assert len(loops) == 4 and loops[0] is None and loops[2] is None, loops
+    assert any("%globaltimer" in ln for ln in loops[1])
+    assert not any("%globaltimer" in ln for ln in loops[3])
+    assert any(re.search(r"setp\.\w+\.[us]32\s+%p\d+, %r\d+, 104857[56];", ln) for ln in loops[3])
+    assert len(re.findall(rf"atom(\.relaxed\.gpu)?\.global\.or\.b32\s+%r\d+, \[%rd\d+\], {xd.ERR_MBARRIER_TIMEOUT};",
+                          ptx)) == 1
 
 
 def test_raise_on_device_error_mbarrier_timeout():

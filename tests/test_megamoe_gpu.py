@@ -157,20 +157,25 @@ def test_fused_100_repeated_calls_reuse_buffer(schedule):
         assert torch.equal(a, b)  # deterministic across calls (counters were reset)
 
 
-def test_fused_timeout_raises():
-    """timeout_ns=1: every wait gives up at once. The host raises DeviceError, and the CUDA
-    context survives it (no CTA left with loads or remote arrives in flight: a launch failure
-    would poison every later call), so a healthy instance then gives correct results."""
+@pytest.mark.parametrize("precision,pair_split", [("bf16", "n"), ("bf16", "m"), ("w8a8", "n")])
+def test_fused_timeout_raises(precision, pair_split):
+    """timeout_ns=1: every wait times out at once. The host raises DeviceError, and the CUDA
+    context survives it (no CTA left with loads or remote arrives in flight, no ring stage refilled
+    before both CTAs of the pair consumed it: a launch failure would poison every later call), so
+    a healthy instance then gives correct results. (Before the ring waits kept the pair in step
+    after a timeout, the N split failed the launch here at H 512, I 256: the peer's multicast
+    landed in a barrier phase not yet armed.)"""
     from megamoe_interleave.reference import reference_moe_fp32
     from xstage.device import DeviceError
 
-    w1, w2, xs, idx, w = _problem(1, [200], 6, "balanced", 0.0, seed=3)
-    broken = _make(1, 6, "interleaved", timeout_ns=1)
+    w1, w2, xs, idx, w = _problem(1, [200], 6, "balanced", 0.0, seed=3, hidden=512, inter=256)
+    broken = _make(1, 6, "interleaved", hidden=512, inter=256, timeout_ns=1, precision=precision,
+                   pair_split=pair_split)
     broken.load_weights(w1, w2)
-    for _ in range(3):
+    for _ in range(5):
         with pytest.raises(DeviceError):
             broken.forward(xs, idx, w)
-    healthy = _make(1, 6, "interleaved")
+    healthy = _make(1, 6, "interleaved", hidden=512, inter=256)
     healthy.load_weights(w1, w2)
     _check(healthy.forward(xs, idx, w), reference_moe_fp32(xs, idx, w, w1, w2))
 

@@ -25,6 +25,8 @@ helper                        PTX (sm_90a)
 ``mbarrier_wait_bounded``     ``mbarrier.try_wait.parity`` retried until a
                               ``%globaltimer`` deadline; on timeout the same
                               error-word protocol as ``spin_wait_ge``
+``mbarrier_wait_in_step``     the same for a ring shared by a CTA pair: past
+                              the deadline it reports, then waits on, bounded
 ``grid_arrive_and_wait``      one-thread-per-CTA counter barrier built on
                               ``red_add_relaxed`` + ``spin_wait_ge``
 ===========================  ===============================================
@@ -83,6 +85,7 @@ __all__ = [
     "atomic_or_relaxed",
     "spin_wait_ge",
     "mbarrier_wait_bounded",
+    "mbarrier_wait_in_step",
     "mbarrier_wait_tries",
     "spin_wait_ge_tries",
     "nanosleep",
@@ -577,6 +580,37 @@ def mbarrier_wait_bounded(
     if timed_out:
         atomic_or_relaxed(error_word, Int32(error_code), "gpu")
     return done
+
+
+@cute.jit
+def mbarrier_wait_in_step(
+    mbar: cute.Pointer,
+    phase: Int32,
+    ok: Boolean,
+    timeout_ns: Int64,
+    error_word: cute.Pointer,
+    error_code: cutlass.Constexpr = ERR_MBARRIER_TIMEOUT,
+    drain_tries: cutlass.Constexpr = 1 << 20,
+) -> Boolean:
+    """A ring partner's wait: while ``ok``, :func:`mbarrier_wait_bounded` (past ``timeout_ns`` it
+    ORs ``error_code`` into ``*error_word`` and ``ok`` turns False); once not ``ok``, it still waits,
+    for at most ``drain_tries`` ``try_wait``s, without reporting again. Returns ``ok``.
+
+    Why not skip the wait after a timeout: in a ring shared by a CTA pair (one CTA multicasts into
+    both), a stage refilled before both CTAs consumed it lets the peer's bytes land in a barrier
+    phase this CTA has not armed, and the launch fails. Waiting keeps both sides in step, so the
+    call ends in a ``DeviceError``. The drain is bounded by a count, not ``%globaltimer``: the
+    timer runs on while the context is time-sliced out, and a second timer loop in the consumers'
+    K loop made ptxas serialize their WGMMAs."""
+    if ok:
+        ok = mbarrier_wait_bounded(mbar, phase, timeout_ns, error_word, error_code)
+    if not ok:
+        done = cute.arch.mbarrier_try_wait(mbar, phase)
+        tries = Int32(0)
+        while not done and tries < drain_tries:
+            done = cute.arch.mbarrier_try_wait(mbar, phase)
+            tries = tries + 1
+    return ok
 
 
 @cute.jit

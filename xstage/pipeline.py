@@ -1,7 +1,7 @@
 """Bounded pipelines for CuTe DSL kernels: quack's ``PipelineTmaAsync`` (a TMA-filled smem ring
-with full/empty mbarriers) whose every wait gives up after a deadline, reports into the kernel's
-error word and lets the thread fall through, so a broken run ends in a host-side ``DeviceError``
-instead of a hang.
+with full/empty mbarriers) whose every wait reports into the kernel's error word after a deadline
+and gives up after a longer one, so a broken run ends in a host-side ``DeviceError`` instead of a
+hang.
 """
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int64
 from quack.pipeline import PipelineTmaAsync
 
-from .device import ERR_MBARRIER_TIMEOUT, mbarrier_wait_bounded
+from .device import ERR_MBARRIER_TIMEOUT, mbarrier_wait_in_step
 
 __all__ = ["BoundedPipelineTmaAsync"]
 
 
 class BoundedPipelineTmaAsync(PipelineTmaAsync):
-    """quack ``PipelineTmaAsync`` whose waits are bounded (:func:`xstage.device.mbarrier_wait_bounded`:
-    after ``timeout_ns`` it ORs ERR_MBARRIER_TIMEOUT into the error word and returns False). ``ok``
-    carries a thread's health: once a wait failed the thread waits no more and falls through
-    (arrives, copies and WGMMAs still run, on stale data), so every role ends after at most one
-    timeout and the host raises. The base class's unbounded waits raise at trace time."""
+    """quack ``PipelineTmaAsync`` whose waits are bounded (:func:`xstage.device.mbarrier_wait_in_step`:
+    past ``timeout_ns`` it ORs ERR_MBARRIER_TIMEOUT into the error word and ``ok`` turns False).
+    ``ok`` carries a thread's health. A thread past a timeout still waits for its ring partners,
+    bounded by a count of tries: a CTA pair shares the ring (one CTA multicasts into both), and a
+    stage refilled before both CTAs consumed it faults the launch. So the roles run on, in step, on
+    stale data, and the host raises. The base class's unbounded waits raise at trace time."""
 
     @staticmethod
     def create(*args, **kwargs) -> "BoundedPipelineTmaAsync":
@@ -39,25 +40,15 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
 
     @cute.jit
     def wait_bounded(self, barriers, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
-        """Bounded wait for phase ``state.phase`` of stage ``state.index``; none once ``ok`` is False."""
-        if ok:
-            ok = mbarrier_wait_bounded(barriers.get_barrier(state.index), state.phase, timeout_ns, error_word,
-                                            ERR_MBARRIER_TIMEOUT)
-        return ok
+        """Wait for phase ``state.phase`` of stage ``state.index`` (:func:`mbarrier_wait_in_step`)."""
+        return mbarrier_wait_in_step(barriers.get_barrier(state.index), state.phase, ok, timeout_ns, error_word,
+                                     ERR_MBARRIER_TIMEOUT)
 
     @cute.jit
-    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer,
-                                 drain_ns: Int64) -> Boolean:
-        """Wait until the stage is empty, then arm its full barrier with the stage's bytes. After a
-        failed wait the consumers no longer release stages in step, so the producer instead waits
-        (bounded by ``drain_ns``) for the stage's previous load to land -- the full barrier's
-        previous phase -- and never arms a phase twice."""
-        if ok:
-            ok = mbarrier_wait_bounded(self.sync_object_empty.get_barrier(state.index), state.phase, timeout_ns,
-                                            error_word, ERR_MBARRIER_TIMEOUT)
-        else:
-            mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
-                                       error_word, ERR_MBARRIER_TIMEOUT)
+    def producer_acquire_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
+        """Wait until both CTAs' consumers released the stage, then arm its full barrier with the
+        stage's bytes."""
+        ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
         self.sync_object_full.arrive(state.index, self.producer_mask)
         return ok
 
@@ -67,18 +58,9 @@ class BoundedPipelineTmaAsync(PipelineTmaAsync):
 
     @cute.jit
     def producer_tail_bounded(self, state, ok: Boolean, timeout_ns: Int64, error_word: cute.Pointer) -> Boolean:
-        """Wait until every stage has been released, so no arrive is in flight when the CTA exits."""
+        """Wait until both CTAs' consumers released every stage: each stage's last load has landed in
+        both CTAs, and no arrive is in flight when the CTA exits."""
         for _ in cutlass.range_constexpr(self.num_stages):
             ok = self.wait_bounded(self.sync_object_empty, state, ok, timeout_ns, error_word)
             state.advance()
         return ok
-
-    @cute.jit
-    def producer_drain_bounded(self, state, drain_ns: Int64, error_word: cute.Pointer):
-        """Wait until the last armed phase of every stage's full barrier completed: every TMA byte
-        bound for this CTA's smem (its own loads and the peer's multicast) has landed, also after
-        a timeout. ``state``: the producer's state after its last load (pass a clone)."""
-        for _ in cutlass.range_constexpr(self.num_stages):
-            mbarrier_wait_bounded(self.sync_object_full.get_barrier(state.index), state.phase, drain_ns,
-                                       error_word, ERR_MBARRIER_TIMEOUT)
-            state.advance()

@@ -72,7 +72,7 @@ def run(args) -> dict:
     from lab.multigpu import check_close
     from xstage import provenance
 
-    E, H, I, k, T = 16, 512, 256, 6, 200  # the GPU test's problem (tests/test_megamoe_gpu.py)
+    E, H, I, k, T = 16, 512, 256, 6, 200  # test_fused_timeout_raises' problem (tests/test_megamoe_gpu.py)
     g = torch.Generator().manual_seed(3)
     w1 = ((torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()).cuda()
     w2 = ((torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()).cuda()
