@@ -2,12 +2,13 @@
 and the two WGMMA consumer warpgroups, meeting at a ``stages``-deep shared-memory ring of A/B
 tiles guarded by full/empty mbarriers (quack ``PipelineTmaAsync`` with bounded waits).
 
-The ring's waits are bounded (:class:`xstage.pipeline.BoundedPipelineTmaAsync`). The CTA pair of a
-scheduler row (a 2-CTA cluster) splits the row along M: both CTAs need the same B tile (the expert's
-weights), so each loads half of it and multicasts it into both CTAs' stage; A (each CTA's own rows)
-is a plain TMA load. With ``pair_split="n"`` the roles of A and B swap. Consumers release a stage
-on both CTAs' empty barriers. After the mainloop the consumers stage the tile's bf16 output (L1:
-SwiGLU x routing weight in registers) for the epilogue warps and go on with the next tile.
+The ring's waits are bounded and stay in step after a timeout
+(:class:`xstage.pipeline.BoundedPipelineTmaAsync`). The CTA pair of a scheduler row (a 2-CTA
+cluster) splits the row along M: both CTAs need the same B tile (the expert's weights), so each
+loads half of it and multicasts it into both CTAs' stage; A (each CTA's own rows) is a plain TMA
+load. With ``pair_split="n"`` the roles of A and B swap. Consumers release a stage on both CTAs'
+empty barriers. After the mainloop the consumers stage the tile's bf16 output (L1: SwiGLU x
+routing weight in registers) for the epilogue warps and go on with the next tile.
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ class ProducerMixin:
     @cute.jit
     def producer_tiles(self, ctx, gm, sm, ops, ab_pipe):
         """Per tile (L1: after the rows are dispatched; L2: after a bounded acquire wait on the row's
-        L1 counter) the K blocks' TMA loads. After a failed wait this lane waits no more."""
+        L1 counter) the K blocks' TMA loads. After a failed dependency wait this lane waits on no row
+        counter, but its ring waits still keep step with the consumers of both CTAs."""
         cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
         g, r, G, c0, c1 = self.schedule_start(ctx)
         state = make_pipeline_state(PipelineUserType.Producer, self.stages)
@@ -112,7 +114,8 @@ class ProducerMixin:
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
         # Every stage consumed by both CTAs: every load bound for this CTA has landed.
-        ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns), gm.mCounters.iterator + self.COUNTER_ERROR)
+        ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns),
+                                      gm.mCounters.iterator + self.COUNTER_ERROR)
 
     @cute.jit
     def wait_dispatched(self, row: Int32, rows_ok: Int32, ok: Boolean, ctx, gm):

@@ -3,9 +3,8 @@ at once (``timeout_ns=1``) still end each call in ``DeviceError`` with a healthy
 while other processes share the GPU?
 
 Why: in a 10-process pytest run on one H200, ``test_fused_timeout_raises`` once ended in a launch
-failure (results/h200/gpu_tests/). The suspect: ``%globaltimer`` runs on while the context is
-switched out, so a drain bounded in time alone can give up while a peer CTA's multicast into this
-CTA's shared memory is still in flight.
+failure. Run with ``--busy 0`` too: the cause turned out to be the pair split along N, not the other
+processes (results/h200/megamoe/archive/timeout_fault/).
 
 ``--busy N`` background processes each run back-to-back BF16 matmuls on the same GPU for the
 whole run; this process then makes ``--calls`` broken calls (``timeout_ns=1``) and, after them, one
