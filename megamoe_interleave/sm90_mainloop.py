@@ -28,7 +28,6 @@ from .activation import swiglu_tanh
 from .scheduler import PHASE_L1, Tile
 
 
-
 def tile_fields(tile: Tile):
     """A tile's fields as Int32 values (loop-carried state of a software-pipelined loop)."""
     return tuple(Int32(getattr(tile, f)) for f in Tile.__dataclass_fields__)

@@ -289,7 +289,7 @@ def _check_ring_waits_bounded(ptx, min_waits):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_ring_waits_bounded(tmp_path, schedule):
     """No hangs: every full/empty ring wait is a try_wait loop bounded by %globaltimer that reports
-    ERR_RING_TIMEOUT in the error word. Wait sites: producer acquire in the L1 and L2 load loops,
+    ERR_RING_TIMEOUT in the error word, then a drain bounded by a count of tries. Wait sites: producer acquire in the L1 and L2 load loops,
     the producer tail (one per stage), consumer first-stage + per-K-block waits of the L1 and L2
     mainloops."""
     stages = 4

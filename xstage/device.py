@@ -26,7 +26,8 @@ helper                        PTX (sm_90a)
                               ``%globaltimer`` deadline; on timeout the same
                               error-word protocol as ``spin_wait_ge``
 ``mbarrier_wait_in_step``     the same for a ring shared by a CTA pair: past
-                              the deadline it reports, then waits on, bounded
+                              the deadline it reports, then waits on for at
+                              most a count of ``try_wait``s
 ``grid_arrive_and_wait``      one-thread-per-CTA counter barrier built on
                               ``red_add_relaxed`` + ``spin_wait_ge``
 ===========================  ===============================================

@@ -1,7 +1,7 @@
 """Bounded pipelines for CuTe DSL kernels: quack's ``PipelineTmaAsync`` (a TMA-filled smem ring
 with full/empty mbarriers) whose every wait reports into the kernel's error word after a deadline
-and gives up after a longer one, so a broken run ends in a host-side ``DeviceError`` instead of a
-hang.
+and gives up after a bounded number of further tries, so a broken run ends in a host-side
+``DeviceError`` instead of a hang.
 """
 from __future__ import annotations
 
