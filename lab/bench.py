@@ -18,6 +18,7 @@ Everything but the timing itself runs on a CPU (tests/test_bench.py).
 from __future__ import annotations
 
 import csv
+import gzip
 import math
 import statistics
 import sys
@@ -171,6 +172,12 @@ def write_csv(path, rows: Sequence[Mapping]) -> Optional[Path]:
         for r in rows:
             w.writerow({k: r.get(k) for k in keys})
     return path
+
+
+def open_text(path):
+    """A result file opened for reading as text, gzip-decompressed when its name ends in ``.gz`` (the
+    larger files of results/ are committed that way)."""
+    return gzip.open(path, "rt", newline="") if str(path).endswith(".gz") else open(path, newline="")
 
 
 def read_csv(path) -> list:

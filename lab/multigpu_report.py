@@ -12,13 +12,13 @@ that own the step (``figures``: step -> ``draw(payload, path)``; the suite's com
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from lab import multigpu as mg
+from lab.bench import open_text
 from lab.report import Templates, fmt, md_table
 
 # step -> result file (relative to the results directory)
@@ -198,11 +198,9 @@ RENDER = {"topology": report_topology, "calibration": report_calibration, "fa4_a
 
 
 def read_json(path: Path):
-    """A result file, plain or gzipped (``.json.gz``: the larger files of results/ in the tree)."""
-    if path.suffix == ".gz":
-        with gzip.open(path, "rt") as f:
-            return json.load(f)
-    return json.loads(path.read_text())
+    """A result file, plain or gzipped (:func:`lab.bench.open_text`)."""
+    with open_text(path) as f:
+        return json.load(f)
 
 
 def write_reports(results_dir, steps=None, figures: Figures = None) -> list:

@@ -539,8 +539,8 @@ def new_payload(meta: Optional[Mapping] = None) -> dict:
 def load_sweep(path) -> dict:
     """A sweep JSON (:func:`run_sweep`'s output; ``.json.gz``: gzip-compressed, as committed)."""
     path = Path(path)
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    data = json.loads(raw)
+    with xbench.open_text(path) as f:
+        data = json.load(f)
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: not a {SCHEMA} file (schema {data.get('schema')!r})")
     return data

@@ -13,10 +13,10 @@ Everything here runs on a CPU (tests/test_megamoe_bench.py).
 from __future__ import annotations
 
 import csv
-import gzip
 import re
 import statistics
 
+from lab.bench import open_text
 from megamoe_interleave.trace import trace_mainloop_cycles
 
 # Columns of a trace CSV: one row per tile, times in ns from the earliest tile start of the call.
@@ -43,8 +43,7 @@ def write_trace(path, recs) -> None:
 
 def read_trace(path):
     """The rows of a trace CSV (plain or .gz) as dicts of strings."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
+    with open_text(path) as f:
         return list(csv.DictReader(f))
 
 
@@ -129,7 +128,7 @@ def read_pm_kernels(path: str):
     [(kernel name, scalars, series)], scalars = metric -> value (first number of the cell),
     series = PM-sampled metric (the part after ``TriageCompute.``) -> list of samples. Scalars
     in byte units (Kbyte, Mbyte, ...) are converted to bytes."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", newline="") as f:
+    with open_text(path) as f:
         rows = list(csv.reader(f))
     if len(rows) < 3 or "Kernel Name" not in rows[0]:
         raise ValueError(f"{path}: not an ncu raw CSV export (no 'Kernel Name' column)")

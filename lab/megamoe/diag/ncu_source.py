@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import gzip
 import json
 import os
 import re
 
+from lab.bench import open_text
 from lab.megamoe.diag.sass_report import CONSUMER_START
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -31,8 +31,7 @@ EXECUTED = "Instructions Executed"
 
 def read_source_kernels(path):
     """[(kernel name, [row dicts])] of an ``ncu --page source --csv`` export (plain or .gz)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
+    with open_text(path) as f:
         rows = list(csv.reader(f))
     kernels, header, name = [], None, None
     for row in rows:
