@@ -56,10 +56,10 @@ TRACE_FIELDS = ("key", "t_start", "t_ready", "t_mainloop", "t_epilogue", "smid",
 PAIR_SPLITS = ("m", "n")
 
 
-def pair_tiles_per_row(n_cols: int, block_n: int, pair_split: str = "m") -> int:
-    """Pair tiles of one scheduler row over ``n_cols`` output columns: the CTA pair splits the row
-    along M, so both take the same N block, or (``pair_split="n"``) takes two N blocks."""
-    return n_cols // block_n if pair_split == "m" else n_cols // (2 * block_n)
+def pair_tiles_per_row(n_cols: int, block_n: int) -> int:
+    """Pair tiles of one scheduler row over ``n_cols`` output columns: one per N block (a row split
+    along N by ``pair_split="n"`` uses the first half of them, two N blocks each)."""
+    return n_cols // block_n
 
 
 def bulk_piece_bytes(hidden: int, elem_bytes: int = 2) -> int:
@@ -149,9 +149,10 @@ class MegaMoEConfig:
     trace: bool = False  # per-tile timelines into MegaMoE.last_trace (TRACE_FIELDS)
     timeout_ns: int = 2_000_000_000  # bound of every device-side wait (then an error word, not a hang)
     precision: str = "bf16"  # "bf16", "w8a8" or "w4a8" (see the class docstring)
-    # How a CTA pair shares a scheduler row: "m", its 2 x 128 rows split along M with the weights (B)
-    # multicast; "n", 128 rows and two N blocks with the rows (A) multicast, so a pair whose expert
-    # has <= 128 rows computes no padding (docs/moe-core.md section 6). None: resolve's choice.
+    # How a CTA pair shares a scheduler row of 2 x 128 pool rows: "m", split along M with the weights
+    # (B) multicast; "n", a row holding <= 128 of its expert's rows split along N instead (two N blocks
+    # of its first 128 rows, the rows (A) multicast), so no member computes padding, and any other row
+    # along M (docs/moe-core.md section 6). None: resolve's choice.
     pair_split: Optional[str] = None
 
     def __post_init__(self):
@@ -240,8 +241,15 @@ class MegaMoEConfig:
 
     @property
     def pair_splits_m(self) -> bool:
-        """A resolved config's CTA pair splits its scheduler row along M (``pair_split="m"``)."""
-        return self.pair_split == "m"
+        """A resolved config's scheduler rows are 2 x BLOCK_M pool rows, split along M (with either
+        ``pair_split``: "n" splits a row along N only where it holds <= BLOCK_M rows)."""
+        return self.pair_split in PAIR_SPLITS
+
+    @property
+    def row_split_n(self) -> bool:
+        """A resolved config's CTA pair splits a row holding <= BLOCK_M rows along N (``pair_split="n"``;
+        :class:`~.scheduler.RowGrid`'s ``row_split_n``)."""
+        return self.pair_split == "n"
 
     @property
     def row_block(self) -> int:
@@ -250,8 +258,7 @@ class MegaMoEConfig:
 
     def pair_tiles(self, hidden: int, intermediate: int) -> tuple:
         """(L1, L2) pair tiles per scheduler row of a resolved config (:func:`pair_tiles_per_row`)."""
-        return (pair_tiles_per_row(2 * intermediate, self.block_n, self.pair_split),
-                pair_tiles_per_row(hidden, self.block_n, self.pair_split))
+        return pair_tiles_per_row(2 * intermediate, self.block_n), pair_tiles_per_row(hidden, self.block_n)
 
     @property
     def fp8(self) -> bool:
@@ -283,7 +290,9 @@ class MegaMoEConfig:
           (0.1-0.3 % faster than the row order on three hosts, l2_columns/ in results/h200/megamoe/archive/README.md).
         * pair_split: "n" at up to BLOCK_M rows per local expert (balanced routing), else "m": at 512
           tokens per rank (12 rows per expert, P = 1) the N split's kernel took 0.81x the M split's time
-          in W8A8 and 0.89x in BF16 (ab_trees, same host); above 128 rows it is not measured.
+          in W8A8 and 0.89x in BF16 (ab_trees, same host); above 128 rows it is not measured. "n" splits
+          only the rows holding <= BLOCK_M rows along N, so a hot expert's weights are still read once
+          per 2 x BLOCK_M rows (not yet measured: the fixed N split was 1.169x the M split under skew).
         * lead: ceil(eq. 16); experts_per_wave: a quarter of the local experts.
 
         precision="w8a8" (and "w4a8") also needs H and I to be multiples of QUANT_BLOCK (the 1x128 activation
@@ -333,15 +342,15 @@ class MegaMoEConfig:
         ew = self.schedule == "expert_wave"
         window = self.dispatch_window
         if window is None:
-            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n, split) + 1 \
+            window = (num_sms // 2) // pair_tiles_per_row(2 * inter, block_n) + 1 \
                 if ew and copy == "bulk" else 0
         if window and copy != "bulk":
             raise ValueError("dispatch_window needs dispatch_copy='bulk'")
         out = dict(block_n=block_n, stages=stages, dispatch_copy=copy, dispatch_window=window, pair_split=split)
         if ew:
             # l2_columns: an expert's L2 positions must stay in divmod_small's exact range
-            positions = (tokens * world_size // pool_rows_per_row(BLOCK_M, split == "m") + 1) \
-                * pair_tiles_per_row(hidden, block_n, split)
+            positions = (tokens * world_size // pool_rows_per_row(BLOCK_M, True) + 1) \
+                * pair_tiles_per_row(hidden, block_n)
             l2_columns = positions < DIVMOD_SMALL_MAX if self.l2_columns is None else self.l2_columns
             if l2_columns and positions >= DIVMOD_SMALL_MAX:
                 raise ValueError(f"l2_columns: up to {positions} L2 pair tiles per expert, the order handles "

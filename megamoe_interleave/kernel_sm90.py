@@ -15,7 +15,8 @@ Warp roles (384 threads; one class, roles as mixins in the style of quack's ``Ge
 
 The two CTAs of a scheduler pair form a 2-CTA cluster. They split the row's 2 x 128 rows along M and
 multicast the shared B tile (the expert's weights: read once from DRAM), or (``pair_split="n"``,
-experts of <= 128 rows) take two N blocks of one 128-row block and multicast A. An L2 tile waits
+rows holding <= 128 of their expert's rows) take two N blocks of the row's first 128 rows and
+multicast A. An L2 tile waits
 for its row's L1 tiles through ``l2_full[row]`` release/acquire counters, an L1 tile for its rows through
 ``x_ready[row]``. Every wait is bounded: a timeout sets the error word and the host raises
 ``DeviceError`` instead of hanging. Deadlock freedom: :mod:`.scheduler` (the ring waits are
@@ -118,6 +119,18 @@ class TmaOperands(NamedTuple):
     mB2: Any
 
 
+def n_split_operands(base: type) -> type:
+    """``base`` (an operands tuple) with the N split's four atoms and coordinate tensors added
+    (fields ``tma_a1_n`` ... ``mB2_n``: A multicast, B plain), for ``pair_split="n"`` builds."""
+    if base not in _N_SPLIT_OPERANDS:
+        fields = list(base._fields) + [f + "_n" for f in TmaOperands._fields]
+        _N_SPLIT_OPERANDS[base] = mlir_namedtuple(NamedTuple(base.__name__ + "N", [(f, Any) for f in fields]))
+    return _N_SPLIT_OPERANDS[base]
+
+
+_N_SPLIT_OPERANDS: dict = {}
+
+
 class DeviceRowRecords:
     """:attr:`RowGrid.row_record` in the kernel: ``records[row]`` = (expert, block index, first pool
     row of the expert, its tokens) in ONE 16-byte load from the ``(rows, 4)`` int32 tensor."""
@@ -180,6 +193,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         self.ring_timeout_ns = 2 * self.timeout_ns
         self.dispatch_polls = max(1, self.timeout_ns // DISPATCH_POLL_NS)  # counted bound of a window wait
         self.pair_splits_m, self.pool_rows_per_row = config.pair_splits_m, config.row_block
+        self.row_split_n = config.row_split_n
         self.pairs_l1, self.pairs_l2 = config.pair_tiles(hidden, intermediate)
 
     @cute.jit
@@ -228,7 +242,14 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
 
     def tma_operands(self, args):
         """The kernel's TMA atoms and coordinate tensors (:meth:`make_tma_atoms`)."""
-        return TmaOperands(*self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2))
+        return self.with_n_split_atoms(TmaOperands, self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2), args)
+
+    def with_n_split_atoms(self, base: type, values, args):
+        """``base(*values)``; with ``pair_split="n"`` also the N split's atoms (:func:`n_split_operands`)."""
+        if not self.row_split_n:
+            return base(*values)
+        return n_split_operands(base)(*values, *self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2,
+                                                                    n_split=True))
 
     def schedule_start(self, ctx):
         """Scheduler instance of a CTA: pair g, role r in the pair, stride G (pairs), first cursor."""
@@ -300,11 +321,14 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         if self.producer_warp(tidx):
             for atom in (ops.tma_a1, ops.tma_b1, ops.tma_a2, ops.tma_b2):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.row_split_n):
+                for atom in (ops.tma_a1_n, ops.tma_b1_n, ops.tma_a2_n, ops.tma_b2_n):
+                    cpasync.prefetch_descriptor(atom)
         ab_pipe = self.make_ab_pipeline(storage.ab_mbar.data_ptr())  # all threads (inits + CTA sync)
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(args.mRowRecord), wave_row_start=args.mScheduleTable,
                        l2_start=args.mScheduleTable, pair_splits_m=self.pair_splits_m,
-                       row_block=self.pool_rows_per_row)
+                       row_block=self.pool_rows_per_row, row_split_n=self.row_split_n)
         ctx = CtaContext(grid, cta, nctas, timeout, max_tokens)
         gm = args  # the roles read the global tensors by their argument names
         # Prologue: every thread copies this CTA's share of the rows the first tiles may read; the

@@ -29,11 +29,15 @@ def make_row_grid(
     n_blocks_l2: int,
     experts_per_wave: int | None = None,
     pair_splits_m: bool = False,
+    row_split_n: bool = False,
 ) -> RowGrid:
     """Host-side row layout from the number of tokens each local expert received
-    (``pair_splits_m``: rows of 2 * block_m pool rows, see :class:`RowGrid`)."""
+    (``pair_splits_m``: rows of 2 * block_m pool rows; ``row_split_n``: rows of at most block_m of
+    them split along N; see :class:`RowGrid`)."""
     check_experts_per_wave(experts_per_wave)
-    if not pair_splits_m and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
+    if row_split_n and not pair_splits_m:
+        raise ValueError("row_split_n needs pair_splits_m (rows of 2 * block_m pool rows)")
+    if (row_split_n or not pair_splits_m) and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
         raise ValueError(
             f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
         )
@@ -67,6 +71,7 @@ def make_row_grid(
         pair_splits_m=pair_splits_m,
         row_record=row_record,
         row_block=row_block,
+        row_split_n=row_split_n,
     )
 
 

@@ -82,6 +82,13 @@ class RowGrid:
     M instead of N (P1, P2 = all N-blocks): both members load the same B tile (the kernel's
     tma_ws_mcast_b multicasts it), member r computes BLOCK_M block ``2 * (p - O_e) + r`` of
     the expert, which may hold no rows (an expert's odd last block).
+
+    ``row_split_n`` (static, with ``pair_splits_m``): a row holding at most BLOCK_M of the expert's
+    rows is split along N instead (:func:`row_splits_n`): pair tile j < P1 / 2 (L2: P2 / 2) has
+    both members on the row's first BLOCK_M block, member r on N-block ``2 j + r`` (they share
+    A, so the kernel multicasts A for it), and pair tiles j >= P1 / 2 are idle. So a row of few
+    rows has no member computing on padding, and an expert of many rows still reads each of its
+    weights once per 2 * BLOCK_M rows.
     """
 
     num_rows: Any
@@ -95,6 +102,7 @@ class RowGrid:
     row_record: Any = None
     l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
     row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
+    row_split_n: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -137,8 +145,31 @@ def _tile(grid: RowGrid, valid, phase, row, pair, r) -> Tile:
     return _tile_of_record(grid, valid, phase, row, pair, r, _row_record(grid, row, valid))
 
 
+def row_splits_n(grid: RowGrid, m_index, count):
+    """With ``grid.row_split_n``: the scheduler row ``m_index`` of an expert with ``count`` rows holds
+    at most BLOCK_M of them, so its CTA pair splits it along N (:class:`RowGrid`)."""
+    return count - m_index * grid.row_block <= grid.row_block // 2
+
+
+def l1_tiles_of_row(grid: RowGrid, m_index, count):
+    """The L1 tiles that finish scheduler row ``m_index`` of an expert with ``count`` rows (one per
+    CTA of each of its pair tiles): what an L2 tile of the row waits for on ``l2_full[row]``."""
+    if grid.row_split_n:
+        return select(row_splits_n(grid, m_index, count), grid.pairs_l1, 2 * grid.pairs_l1)
+    return 2 * grid.pairs_l1
+
+
 def _tile_of_record(grid: RowGrid, valid, phase, row, pair, r, record) -> Tile:
     expert, m_index, tok0, count = record
+    if grid.row_split_n:
+        # pair tile j of a row split along N: m-block 0 of the row, N-blocks 2j and 2j + 1 (j < half
+        # the row's pair tiles; the rest are idle)
+        split_n = row_splits_n(grid, m_index, count)
+        half_pairs = select(phase == PHASE_L2, grid.pairs_l2 // 2, grid.pairs_l1 // 2)
+        valid = as_int(logical_and(valid > 0, logical_or(logical_not(split_n), pair < half_pairs)))
+        return Tile(valid=valid, phase=phase, row=row, expert=expert,
+                    m_block=select(split_n, 2 * m_index, 2 * m_index + r),
+                    n_block=select(split_n, 2 * pair + r, pair), tok0=tok0, count=count)
     if grid.pair_splits_m:
         return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
                     tok0=tok0, count=count)

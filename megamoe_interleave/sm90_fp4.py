@@ -58,8 +58,9 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
 
     # -- producer: the shift words ride in each ring stage
     def tma_operands(self, args):
-        return TmaOperandsW4A8(*self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2),
-                               *self.shift_atom(args.mW1Shift), *self.shift_atom(args.mW2Shift))
+        return self.with_n_split_atoms(TmaOperandsW4A8, (*self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2),
+                                                         *self.shift_atom(args.mW1Shift), *self.shift_atom(args.mW2Shift)),
+                                       args)
 
     def shift_layout(self):
         return cute.make_layout((1, self.block_n, self.stages), stride=(self.block_n, 1, self.block_n))

@@ -6,9 +6,10 @@ The ring's waits are bounded and stay in step after a timeout
 (:class:`xstage.pipeline.BoundedPipelineTmaAsync`). The CTA pair of a scheduler row (a 2-CTA
 cluster) splits the row along M: both CTAs need the same B tile (the expert's weights), so each
 loads half of it and multicasts it into both CTAs' stage; A (each CTA's own rows) is a plain TMA
-load. With ``pair_split="n"`` the roles of A and B swap. Consumers release a stage on both CTAs'
-empty barriers. After the mainloop the consumers stage the tile's bf16 output (L1: SwiGLU x
-routing weight in registers) for the epilogue warps and go on with the next tile.
+load. With ``pair_split="n"`` the roles of A and B swap in the rows of <= 128 rows (the producer
+picks the atoms per tile). Consumers release a stage on both CTAs' empty barriers. After the
+mainloop the consumers stage the tile's bf16 output (L1: SwiGLU x routing weight in registers)
+for the epilogue warps and go on with the next tile.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from xstage.pipeline import BoundedPipelineTmaAsync
 
 from .config import BLOCK_K, BLOCK_M
 from .activation import swiglu_tanh
-from .scheduler import PHASE_L1, Tile
+from .scheduler import PHASE_L1, Tile, l1_tiles_of_row, row_splits_n
 
 
 def tile_fields(tile: Tile):
@@ -52,11 +53,12 @@ class ProducerMixin:
         """Bytes one ring stage receives (A, and B from both CTAs of the pair)."""
         return self.block_k * (BLOCK_M + self.block_n) * self.ab_bytes
 
-    def make_tma_atoms(self, mPoolX, mH, mW1, mW2):
+    def make_tma_atoms(self, mPoolX, mH, mW1, mW2, n_split: bool = False):
         """TMA atoms + coordinate tensors of the four GEMM operands, each a compact row-major 2-D
         view: L1 A = dispatched rows (n_pad, H), L1 B = every local expert's w1 rows (E_l * 2I, H),
-        L2 A = h (n_pad, I), L2 B = (E_l * H, I); the operand the pair shares multicast (B, or with
-        ``pair_split="n"`` A). (B's columns are its ring tile's: ``b_tile_k`` per ``block_k`` of K.)"""
+        L2 A = h (n_pad, I), L2 B = (E_l * H, I); the operand the pair shares multicast (B, or for
+        the tiles of a row split along N, ``n_split``, A). (B's columns are its ring tile's:
+        ``b_tile_k`` per ``block_k`` of K.)"""
         H, I2, I = self.hidden, 2 * self.intermediate, self.intermediate
         n_pad = cute.size(mPoolX, mode=[0])
         n_exp = cute.size(mW1, mode=[0])
@@ -70,7 +72,7 @@ class ProducerMixin:
         out = []
         for i, (t, shape, smem_layout, box) in enumerate(views):
             compact = cute.make_tensor(t.iterator, cute.make_layout(shape, stride=(shape[1], 1)))
-            mcast = i % 2 == int(self.pair_splits_m)  # B (odd views) where the pair splits M
+            mcast = i % 2 == int(not n_split)  # B (odd views) where the pair splits M
             atom, coords = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp() if mcast else cpasync.CopyBulkTensorTileG2SOp(),
                 compact, cute.slice_(smem_layout, (None, None, 0)), box, num_multicast=2 if mcast else 1)
@@ -94,22 +96,21 @@ class ProducerMixin:
                 a_row0 = tile.tok0 + tile.m_block * BLOCK_M
                 if tile.phase == PHASE_L1:
                     rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
-                    state, ok = self.load_tile(ab_pipe, state, ok, gm, (ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1),
-                                               (a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n),
-                                               self.hidden // self.block_k, sm, self.stage_extras(ops, tile, True, sm))
+                    state, ok = self.load_split_tile(ab_pipe, state, ok, gm, ops, tile, ctx.grid, True,
+                                                     (a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n),
+                                                     self.hidden // self.block_k, sm)
                 else:
                     # Every lane acquires (the TMA issue lane is elected inside cute.copy).
                     if ok:
                         ok = xdev.spin_wait_ge(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row,
-                                               Int32(2 * self.pairs_l1), ctx.timeout,
-                                               gm.mCounters.iterator + self.COUNTER_ERROR,
+                                               Int32(l1_tiles_of_row(ctx.grid, tile.m_block // 2, tile.count)),
+                                               ctx.timeout, gm.mCounters.iterator + self.COUNTER_ERROR,
                                                self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
                     cute.arch.sync_warp()
                     cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
-                    state, ok = self.load_tile(ab_pipe, state, ok, gm, (ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2),
-                                               (a_row0, e * self.hidden + tile.n_block * self.block_n),
-                                               self.intermediate // self.block_k, sm,
-                                               self.stage_extras(ops, tile, False, sm))
+                    state, ok = self.load_split_tile(ab_pipe, state, ok, gm, ops, tile, ctx.grid, False,
+                                                     (a_row0, e * self.hidden + tile.n_block * self.block_n),
+                                                     self.intermediate // self.block_k, sm)
             c0 = Int32(nxt[0])
             c1 = Int32(nxt[1])
         # Every stage consumed by both CTAs: every load bound for this CTA has landed.
@@ -140,18 +141,37 @@ class ProducerMixin:
         return ()
 
     @cute.jit
-    def load_tile(self, ab_pipe, state, ok: Boolean, gm, atoms, rows, num_k: cutlass.Constexpr, sm, extras):
+    def load_split_tile(self, ab_pipe, state, ok: Boolean, gm, ops, tile, grid, l1: cutlass.Constexpr, rows,
+                        num_k: cutlass.Constexpr, sm):
+        """:meth:`load_tile` of an L1 or L2 tile with the atoms of its row's split: B shared, or, in a
+        row split along N (``pair_split="n"``, :func:`~.scheduler.row_splits_n`), A."""
+        atoms = (ops.tma_a1, ops.mA1, ops.tma_b1, ops.mB1) if l1 else (ops.tma_a2, ops.mA2, ops.tma_b2, ops.mB2)
+        extras = self.stage_extras(ops, tile, l1, sm)
+        if const_expr(self.row_split_n):
+            if row_splits_n(grid, tile.m_block // 2, tile.count):
+                atoms_n = (ops.tma_a1_n, ops.mA1_n, ops.tma_b1_n, ops.mB1_n) if l1 else (
+                    ops.tma_a2_n, ops.mA2_n, ops.tma_b2_n, ops.mB2_n)
+                state, ok = self.load_tile(ab_pipe, state, ok, gm, atoms_n, rows, num_k, sm, extras, True)
+            else:
+                state, ok = self.load_tile(ab_pipe, state, ok, gm, atoms, rows, num_k, sm, extras, False)
+        else:
+            state, ok = self.load_tile(ab_pipe, state, ok, gm, atoms, rows, num_k, sm, extras, False)
+        return state, ok
+
+    @cute.jit
+    def load_tile(self, ab_pipe, state, ok: Boolean, gm, atoms, rows, num_k: cutlass.Constexpr, sm, extras,
+                  a_shared: cutlass.Constexpr):
         """TMA loads of a tile's K blocks (``atoms``: A's and B's TMA atom and coordinates): A rows
         [a_row0, +BM), B rows [b_row0, +BN) (``rows``; our half of the shared operand multicast into
-        both CTAs' stage: B, or A with ``pair_split="n"``), and a precision's ``extras``
-        (:meth:`load_extras`). Returns (state, ok)."""
+        both CTAs' stage: B, or A if ``a_shared``), and a precision's ``extras`` (:meth:`load_extras`).
+        Returns (state, ok)."""
         tma_a, mA, tma_b, mB = atoms
         a_row0, b_row0 = rows
         gA = cute.local_tile(cute.domain_offset((a_row0, 0), mA), (BLOCK_M, self.block_k), (0, None))
         gB = cute.local_tile(cute.domain_offset((b_row0, 0), mB), (self.block_n, self.b_ring_k), (0, None))
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         a_rank, a_ctas, b_rank, b_ctas = 0, 1, rank, 2  # the multicast operand: each CTA loads its half
-        if const_expr(not self.pair_splits_m):
+        if const_expr(a_shared):
             a_rank, a_ctas, b_rank, b_ctas = rank, 2, 0, 1
         tAsA, tAgA = cpasync.tma_partition(tma_a, a_rank, cute.make_layout(a_ctas), cute.group_modes(sm.sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
@@ -161,7 +181,7 @@ class ProducerMixin:
             ok = ab_pipe.producer_acquire_bounded(state, ok, Int64(self.ring_timeout_ns),
                                                   gm.mCounters.iterator + self.COUNTER_ERROR)
             bar = ab_pipe.producer_get_barrier(state)
-            if const_expr(self.pair_splits_m):
+            if const_expr(not a_shared):
                 cute.copy(tma_a, tAgA[None, kt], tAsA[None, state.index], tma_bar_ptr=bar)
                 cute.copy(tma_b, tBgB[None, kt], tBsB[None, state.index], tma_bar_ptr=bar,
                           mcast_mask=cutlass.Int16(0b11))

@@ -654,20 +654,22 @@ def test_act_quant_kernel_ptx():
 @pytest.mark.parametrize("precision", ["bf16", "w8a8", "w4a8"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pair_split_n_builds(tmp_path, schedule, precision):
-    """MegaMoEConfig(pair_split="n") at DeepSeek-V4-Flash, P = 1: the same TMA loads with the
-    multicast on the other operand (two multicast loads, L1 and L2), pair tiles of two N blocks
-    (fewer scheduler rows per expert: 128 pool rows), the FP8 builds' mainloop SASS as the M split's."""
+    """MegaMoEConfig(pair_split="n") at DeepSeek-V4-Flash, P = 1: the M split's rows (2 x 128 pool
+    rows, a pair tile per N block) and TMA loads, and for the rows split along N the same loads with
+    the multicast on the other operand (four multicast loads: L1 and L2, each split), the FP8 builds'
+    mainloop SASS as the M split's."""
     config = MegaMoEConfig(schedule, precision=precision, pair_split="n").resolve(DSV4, 1, 512, 132)
     from megamoe_interleave.kernel import make_kernel
 
     kernel = make_kernel(DSV4.hidden, DSV4.intermediate, config)
-    assert (kernel.pool_rows_per_row, kernel.pairs_l1, kernel.pairs_l2) == (128, 2048 // 256, 4096 // 512)
+    assert (kernel.pool_rows_per_row, kernel.pairs_l1, kernel.pairs_l2, kernel.row_split_n) == (
+        256, 2048 // 128, 4096 // 256, True)
     d = tmp_path / "build"
     d.mkdir()
     _compile(DSV4.hidden, DSV4.intermediate, config, f"--keep-ptx --keep-cubin --dump-dir={d}")
     ptx = "\n".join(p.read_text() for p in d.iterdir() if p.suffix == ".ptx")
     tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\S+", ptx)
-    assert len(tma) == (6 if precision == "w4a8" else 4) and sum("multicast::cluster" in t for t in tma) == 2
+    assert len(tma) == (12 if precision == "w4a8" else 8) and sum("multicast::cluster" in t for t in tma) == 4
     tool = cuobjdump()
     if precision != "bf16" and tool is not None:
         (cubin,) = [p for p in d.iterdir() if p.suffix == ".cubin"]

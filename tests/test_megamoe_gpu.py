@@ -305,16 +305,22 @@ def test_l2_columns_bitwise_equal():
 
 @pytest.mark.parametrize("schedule", ["expert_wave", "interleaved"])
 def test_pair_split_n_gives_the_m_splits_bits(schedule):
-    """MegaMoEConfig(pair_split="n") (128-row scheduler rows, the pair takes two N blocks, A multicast)
-    runs every (m-block, n-block) tile as the M split does, so y is bitwise the same: experts of
-    several rows, half tiles and empty experts, masked picks, three calls each (counters reset); and
-    through the device-side plan (enqueue) too."""
+    """MegaMoEConfig(pair_split="n") (a scheduler row of <= 128 rows split along N: the pair takes two
+    N blocks, A multicast; other rows along M) runs every (m-block, n-block) tile as the M split does,
+    so y is bitwise the same: rows of both kinds in one launch, experts of several rows, half tiles and
+    empty experts, masked picks, three calls each (counters reset); and through the device-side plan
+    (enqueue) too."""
+    from megamoe_interleave.scheduler import row_splits_n
+
     P, k, hidden, inter = 2, 6, 512, 256
     problem = _problem(P, [250, 170], k, "skewed", 0.1, seed=81, hidden=hidden, inter=inter)
 
     def row_layout(moe):  # the variant runs the layout it asks for
-        grid, split_m = moe.planner.plan_rank(0)[1], moe.config.pair_split == "m"
-        assert grid.pair_splits_m == split_m and grid.row_block == (2 if split_m else 1) * BLOCK_M
+        grid = moe.planner.plan_rank(0)[1]
+        assert grid.pair_splits_m and grid.row_block == 2 * BLOCK_M
+        assert grid.row_split_n == (moe.config.pair_split == "n")
+        if grid.row_split_n:
+            assert {bool(row_splits_n(grid, rec[1], rec[3])) for rec in grid.row_record} == {True, False}
     variants = [lambda p=p: _make(P, k, schedule, block_n=128, hidden=hidden, inter=inter, pair_split=p)
                 for p in ("m", "n")]
     _variants_bitwise_equal(problem, variants, calls=3, check=row_layout)

@@ -18,20 +18,23 @@ from megamoe_interleave.scheduler import (
     PHASE_L2,
     ExpertWaveSchedule,
     InterleavedSchedule,
+    l1_tiles_of_row,
+    row_splits_n,
     schedule_of,
     tile_pool_row,
 )
 
 grids = st.builds(
-    lambda counts, bm, p1, p2, epw, split_m: make_row_grid(
-        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw, pair_splits_m=split_m
-    ),
+    lambda counts, bm, p1, p2, epw, split: make_row_grid(
+        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw,
+        pair_splits_m=split != "n", row_split_n=split == "row"),
     st.lists(st.integers(0, 300), min_size=1, max_size=12),
     st.sampled_from([16, 64, 128]),
     st.integers(1, 6),
     st.integers(1, 6),
     st.integers(1, 5),
-    st.booleans(),  # pair_splits_m (tma_ws_mcast_b): the pair splits a 2*BM row along M
+    # the pair splits rows along N, along M (2*BM rows: pair_splits_m), or per row (row_split_n)
+    st.sampled_from(["n", "m", "row"]),
 )
 schedules = st.one_of(
     st.just(ExpertWaveSchedule()),
@@ -52,13 +55,23 @@ def _enumerate_all(schedule, grid, num_ctas):
     return enumerate_all(schedule, _balanced(grid, num_ctas // 2), num_ctas)
 
 
+def _splits_n(grid, row):
+    """row_split_n: the scheduler row holds at most block_m of its expert's rows."""
+    e, m, _, count = grid.row_record[row]
+    return grid.row_split_n and row_splits_n(grid, m, count)
+
+
 def _all_tiles(grid):
     """(phase, row, m_block, n_block) of every tile: a row's N-blocks (pair_splits_m: its two
-    M halves times every N-block)."""
+    M halves times every N-block; row_split_n: a row of <= block_m rows, its first M half times
+    every N-block)."""
     out = set()
     for p in range(grid.num_rows):
         m = p - grid.expert_row_offset[grid.row_expert[p]]
-        if grid.pair_splits_m:
+        if _splits_n(grid, p):
+            out |= {(PHASE_L1, p, 2 * m, n) for n in range(grid.pairs_l1)}
+            out |= {(PHASE_L2, p, 2 * m, n) for n in range(grid.pairs_l2)}
+        elif grid.pair_splits_m:
             for r in (0, 1):
                 out |= {(PHASE_L1, p, 2 * m + r, n) for n in range(grid.pairs_l1)}
                 out |= {(PHASE_L2, p, 2 * m + r, n) for n in range(grid.pairs_l2)}
@@ -76,6 +89,8 @@ def test_every_tile_exactly_once(grid, schedule, num_ctas):
     counts = Counter(keys)
     assert all(c == 1 for c in counts.values()), [k for k, c in counts.items() if c > 1][:5]
     assert set(keys) == _all_tiles(grid)
+    l1 = Counter(k[1] for k in keys if k[0] == PHASE_L1)  # what an L2 tile's l2_full wait counts
+    assert all(l1[p] == _l1_tiles(grid)(p) for p in range(grid.num_rows))
 
 
 @settings(max_examples=150, deadline=None)
@@ -87,7 +102,10 @@ def test_tile_fields_consistent(grid, schedule, num_ctas):
         for t in seq:
             e = t.expert
             assert grid.expert_row_offset[e] <= t.row < grid.expert_row_offset[e + 1]
-            if grid.pair_splits_m:
+            if _splits_n(grid, t.row):
+                assert t.m_block == 2 * (t.row - grid.expert_row_offset[e])
+                assert t.n_block % 2 == c % 2 and 0 <= t.n_block < max(grid.pairs_l1, grid.pairs_l2)
+            elif grid.pair_splits_m:
                 assert t.m_block == 2 * (t.row - grid.expert_row_offset[e]) + c % 2
                 assert 0 <= t.n_block < max(grid.pairs_l1, grid.pairs_l2)
             else:
@@ -104,8 +122,9 @@ def test_pair_members_walk_the_same_tiles(grid, schedule, num_ctas):
     seqs = _enumerate_all(schedule, grid, num_ctas)
     for a, b in zip(seqs[0::2], seqs[1::2]):
         assert [(t.phase, t.row) for t in a] == [(t.phase, t.row) for t in b]
-        shared = "n_block" if grid.pair_splits_m else "m_block"
-        assert [getattr(t, shared) for t in a] == [getattr(t, shared) for t in b]
+        for ta, tb in zip(a, b):
+            shared = "n_block" if grid.pair_splits_m and not _splits_n(grid, ta.row) else "m_block"
+            assert getattr(ta, shared) == getattr(tb, shared)
 
 
 @settings(max_examples=150, deadline=None)
@@ -121,9 +140,20 @@ def test_per_cta_l1_before_l2_for_every_row(grid, schedule, num_ctas):
                 assert t.row not in seen_l2_rows, "L1 tile after an L2 tile of its row"
 
 
+def _l1_need(num_l1_per_row):
+    """A row's L1 tile count as a function of the row (``num_l1_per_row``: an int or already one)."""
+    return num_l1_per_row if callable(num_l1_per_row) else (lambda row: num_l1_per_row)
+
+
+def _l1_tiles(grid):
+    """Row -> the L1 tiles that finish it (scheduler.l1_tiles_of_row: fewer in rows split along N)."""
+    return lambda row: l1_tiles_of_row(grid, grid.row_record[row][1], grid.row_record[row][3])
+
+
 def _simulate_deadlock_free(seqs, num_l1_per_row):
     """Run CTAs in lock-free rounds: a CTA advances if its head is L1 or an L2 whose row's
     L1 tiles are all done. Returns True if every CTA finishes."""
+    need = _l1_need(num_l1_per_row)
     heads = [0] * len(seqs)
     l1_done = Counter()
     while True:
@@ -131,7 +161,7 @@ def _simulate_deadlock_free(seqs, num_l1_per_row):
         for c, seq in enumerate(seqs):
             if heads[c] < len(seq):
                 t = seq[heads[c]]
-                if t.phase == PHASE_L1 or l1_done[t.row] == num_l1_per_row:
+                if t.phase == PHASE_L1 or l1_done[t.row] == need(t.row):
                     if t.phase == PHASE_L1:
                         l1_done[t.row] += 1
                     heads[c] += 1
@@ -146,7 +176,7 @@ def _simulate_deadlock_free(seqs, num_l1_per_row):
 @given(grids, schedules, cta_counts)
 def test_no_deadlock_in_dependency_simulation(grid, schedule, num_ctas):
     seqs = _enumerate_all(schedule, grid, num_ctas)
-    assert _simulate_deadlock_free(seqs, 2 * grid.pairs_l1)
+    assert _simulate_deadlock_free(seqs, _l1_tiles(grid))
 
 
 @settings(max_examples=150, deadline=None)
@@ -231,6 +261,7 @@ def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace):
     row r - window's L1 tiles have ``pace`` = "started" (at least one) or "done" (all). This is
     the windowed Dispatch proposed in docs/status.md, which keeps the pool rows in L2 until
     read. Returns True if every CTA and every Dispatch thread finishes."""
+    need = _l1_need(num_l1_per_row)
     heads = [0] * len(seqs)
     disp = [0] * len(seqs)
     started, done = Counter(), Counter()
@@ -239,7 +270,7 @@ def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace):
         for c, seq in enumerate(seqs):
             if heads[c] < len(seq):
                 t = seq[heads[c]]
-                ready = min(disp) > t.row if t.phase == PHASE_L1 else done[t.row] == num_l1_per_row
+                ready = min(disp) > t.row if t.phase == PHASE_L1 else done[t.row] == need(t.row)
                 if ready:
                     if t.phase == PHASE_L1:
                         started[t.row] += 1
@@ -249,7 +280,7 @@ def _simulate_windowed_dispatch(seqs, num_l1_per_row, num_rows, window, pace):
             r = disp[c]
             if r < num_rows:
                 q = r - window
-                if q < 0 or (started[q] >= 1 if pace == "started" else done[q] == num_l1_per_row):
+                if q < 0 or (started[q] >= 1 if pace == "started" else done[q] == need(q)):
                     disp[c] += 1
                     progressed = True
         if all(h == len(s) for h, s in zip(heads, seqs)) and min(disp) == num_rows:
@@ -267,7 +298,7 @@ def test_windowed_dispatch_cannot_deadlock(grid, schedule, num_ctas, window, pac
     input, and the tiles before them in their CTAs depend on lower rows only (invariant I, the
     lead)."""
     seqs = _enumerate_all(schedule, grid, num_ctas)
-    assert _simulate_windowed_dispatch(seqs, 2 * grid.pairs_l1, grid.num_rows, window, pace)
+    assert _simulate_windowed_dispatch(seqs, _l1_tiles(grid), grid.num_rows, window, pace)
 
 
 def test_windowed_dispatch_waiting_on_its_own_row_deadlocks():
