@@ -658,7 +658,7 @@ def test_diag_config_options_and_tile_budget_refuse_bad_ones_before_a_launch(cap
         assert why in capsys.readouterr().err
 
 
-def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path):
+def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path, monkeypatch):
     """scripts/diag/megamoe_ab_trees.py on a CPU, with two stand-in trees whose tile_budget script writes a
     fixed result: runs alternate (A B, B A), each in its own tree, and the table holds per P each tree's
     median over the rounds (of the medians of its calls after the first) and its ratio to the first tree."""
@@ -704,6 +704,17 @@ def test_ab_trees_alternates_the_trees_and_sets_each_against_the_first(tmp_path)
     assert [line.split()[3] for line in log.read_text().splitlines()] == ["True", "True"]
     assert rows[(8, "base")]["kernel_us"] == 800.0 and rows[(8, "new")]["over_first"] == pytest.approx(0.9)
     assert rows[(1, "new")]["kernel_us_per_round"] == [90.0, 90.0] and rows[(1, "new")]["l1_mainloop_p50"] == 5
+    # --compile-only: every tree's builds once, into the kernel cache, which it needs
+    log.write_text("")
+    trees = ["--tree", f"base={tmp_path / 'base'}", "--tree", f"new={tmp_path / 'new'}", "--P", "1", "--out",
+             str(tmp_path / "out3"), "--compile-only"]
+    monkeypatch.delenv("XSTAGE_KERNEL_CACHE", raising=False)
+    with pytest.raises(SystemExit):
+        ab_trees.main(trees)
+    monkeypatch.setenv("XSTAGE_KERNEL_CACHE", str(tmp_path / "kc"))
+    ab_trees.main(trees)
+    assert [line.split()[0] for line in log.read_text().splitlines()] == ["base", "new"]
+    assert not (tmp_path / "out3" / "ab_trees.json").exists()
     # a failed run is left out of its tree's rounds
     run = lambda us: {"runs": {"P1": {"kernel_us": [9, us, us]}}}  # noqa: E731
     a, b = ab_trees.summarize(["a", "b"], {(0, "a"): run(10), (0, "b"): run(5), (1, "a"): run(12)})

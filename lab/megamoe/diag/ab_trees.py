@@ -6,6 +6,7 @@ time (the median of its calls after the first, then the median over the rounds) 
 tree's, next to the traced mainloops.
 
     python scripts/diag/megamoe_ab_trees.py --tree main=.kc/mainwt --tree new=. --P 1 8 --rounds 2 --out DIR
+    XSTAGE_KERNEL_CACHE=.kernel-cache python scripts/diag/megamoe_ab_trees.py ... --compile-only   # ahead, on a CPU
 
 The trees travel to the GPU host with ``carry`` (docs/gpu.md). Writes ``ab_trees.json`` (every run's
 ``tile_budget.json``, each tree's commit, provenance) and ``ab_trees.csv``, and prints the table.
@@ -89,6 +90,12 @@ def parse_flags(specs, names) -> dict:
     return flags
 
 
+def tile_budget_args(args, extra) -> list:
+    """The tile_budget options of one tree's run: the problem, the tree's ``extra`` flags, the Ps (last)."""
+    return ["--precision", args.precision, "--schedule", args.schedule, "--tokens", str(args.tokens),
+            *([] if args.routing == "balanced" else ["--routing", args.routing]), *extra, "--P", *map(str, args.P)]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
@@ -105,6 +112,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="every tree once per round, the order alternating")
     ap.add_argument("--timeout-s", type=int, default=300, help="bound of one tree's run")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile every tree's builds into XSTAGE_KERNEL_CACHE once and exit (a CPU host is fine: "
+                         "carry the cache, and the GPU run compiles nothing)")
     args = ap.parse_args(argv)
     try:
         trees = parse_trees(args.tree)
@@ -118,14 +128,26 @@ def main(argv=None):
 
     paths = dict(trees)
     names = [n for n, _ in trees]
+    if args.compile_only:
+        from xstage.cute_compile import KERNEL_CACHE_ENV
+
+        if not os.environ.get(KERNEL_CACHE_ENV):
+            ap.error(f"--compile-only keeps the kernels for the GPU run: set {KERNEL_CACHE_ENV}")
+        for name in names:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
+            cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--compile-only", "--out", args.out,
+                   *tile_budget_args(args, flags.get(name, []))]
+            done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"{name}: compiling failed\n{(done.stdout + done.stderr)[-2000:]}")
+            bench.log(f"{name}: compiled")
+        return
     budgets, failed = {}, []
     for r, name in bench.progress(run_order(names, args.rounds), desc="tree runs"):
         out = os.path.join(os.path.abspath(args.out), f"{name}_round{r}")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--precision", args.precision, "--schedule",
-               args.schedule, "--tokens", str(args.tokens), "--calls", str(args.calls), "--out", out,
-               *([] if args.routing == "balanced" else ["--routing", args.routing]), *flags.get(name, []),
-               "--P", *map(str, args.P)]
+        cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--calls", str(args.calls), "--out", out,
+               *tile_budget_args(args, flags.get(name, []))]
         try:
             done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True,
                                   timeout=args.timeout_s)

@@ -6,6 +6,7 @@ time span (wait, mainloop, staging, the gaps between tiles, head, tail), next to
 
     python scripts/diag/megamoe_tile_budget.py --precision w8a8 --P 8 1 [--tokens 8192] [--calls 4] --out DIR
     python scripts/diag/megamoe_tile_budget.py --precision w8a8 --trace TRACE.csv [...] --out DIR   # any host
+    XSTAGE_KERNEL_CACHE=DIR python scripts/diag/megamoe_tile_budget.py --precision w8a8 --P 8 1 --compile-only --out X
 
 Run it once per source tree to compare two builds on one host (docs/gpu.md). Writes ``tile_budget.json``
 (every number, with provenance) and, on the GPU, rank 0's trace per P as CSV (``lab.megamoe.trace.write_trace``),
@@ -123,6 +124,19 @@ def measure(shape_name: str, precision: str, schedule: str, P: int, tokens: int,
     return out
 
 
+def compile_builds(shape_name: str, precision: str, schedule: str, P: int, tokens: int, options=None) -> None:
+    """Compile what :func:`measure` launches (the untraced and the traced layer) on any host, into
+    ``XSTAGE_KERNEL_CACHE`` for a GPU run (docs/gpu.md, "Compiling ahead of the GPU host")."""
+    from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
+    from megamoe_interleave.shapes import get_shape
+
+    shape = get_shape(shape_name)
+    for trace in (False, True):
+        config = MegaMoEConfig(schedule, precision=precision, trace=trace, **(options or {}))
+        MegaMoE(make_world("loopback", world_size=P, device="cpu"), shape.num_experts, shape.hidden,
+                shape.intermediate, shape.topk, tokens, config, backend="fused").compile()
+
+
 def print_row(P: int, r: dict) -> None:
     s, l1, l2 = r["shares"], r["L1"], r["L2"]
     print(f"P={P}: kernel {statistics.median(r['kernel_us'][1:] or r['kernel_us']):.0f} us (median of calls 2+) | "
@@ -149,6 +163,8 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="directory for tile_budget.json and the trace CSVs")
     ap.add_argument("--trace", nargs="+", default=None, metavar="CSV",
                     help="summarize these trace CSVs instead of running (no GPU needed)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the builds into XSTAGE_KERNEL_CACHE and exit (no GPU needed)")
     args = ap.parse_args(argv)
     if args.calls < 2 or args.tokens < 1 or any(p < 1 or p > 8 for p in args.P):
         ap.error("--calls >= 2, --tokens >= 1 and --P in 1..8")
@@ -159,6 +175,16 @@ def main(argv=None):
         MegaMoEConfig(args.schedule, precision=args.precision, **options)  # bad fields fail here, before a launch
     except (TypeError, ValueError) as e:
         ap.error(f"--option: {e}")
+    if args.compile_only:
+        from xstage.cute_compile import KERNEL_CACHE_ENV, ensure_hopper_target
+
+        if not os.environ.get(KERNEL_CACHE_ENV):
+            ap.error(f"--compile-only keeps the kernels for a GPU run: set {KERNEL_CACHE_ENV}")
+        ensure_hopper_target()
+        for P in args.P:
+            compile_builds(args.shape, args.precision, args.schedule, P, args.tokens, options)
+            print(f"P={P}: compiled into {os.environ[KERNEL_CACHE_ENV]}", flush=True)
+        return
     from xstage import provenance
 
     runs = {}
