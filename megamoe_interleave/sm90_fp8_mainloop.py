@@ -38,36 +38,6 @@ class Fp8ConsumerMixin:
     lean_k_loop = True
 
     @cute.jit
-    def consumer_tiles(self, ctx, tidx: Int32, gm, sm, ab_pipe, tiled_mma):
-        """The base class's tiles, the full tiles' batches in turns (:meth:`take_turn`): warpgroup 1
-        hands warpgroup 0 the first turn."""
-        if const_expr(self.lean_k_loop):
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 == 1:
-                cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.ConsumerTurn0),
-                                         number_of_threads=self.num_mma_threads)
-        super(Fp8ConsumerMixin, self).consumer_tiles(ctx, tidx, gm, sm, ab_pipe, tiled_mma)
-
-    @cute.jit
-    def take_turn(self):
-        """Before a full tile's batch: wait until the other warpgroup's batch before it has completed,
-        so the two warpgroups' batches run one after the other and each promotes under the other's
-        (issued together, they finished together and both promoted with the tensor pipe idle). Both
-        walk the same tiles with the same batches, so the turns stay paired; one arrive is left
-        pending at the end."""
-        if const_expr(self.lean_k_loop):
-            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-            cute.arch.barrier(barrier_id=int(self.NamedBarrier.ConsumerTurn0) + wg,
-                              number_of_threads=self.num_mma_threads)
-
-    @cute.jit
-    def pass_turn(self):
-        """After a full tile's batch has completed (:meth:`take_turn`)."""
-        if const_expr(self.lean_k_loop):
-            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-            cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.ConsumerTurn1) - wg,
-                                     number_of_threads=self.num_mma_threads)
-
-    @cute.jit
     def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr, tile,
                  l1: cutlass.Constexpr):
         """:meth:`mma_tile_fp8` (which reads ``tile``'s scales) with the full or (``half``) the 64-row
@@ -173,7 +143,6 @@ class Fp8ConsumerMixin:
             # one 128-column batch per weight scale block, each promoted after wait 0
             p = part[0]
             for j in cutlass.range_constexpr(len(tCrB)):
-                self.take_turn()
                 sm90_utils.gemm_w_idx(mma, p, tCrA, tCrB[j], True, A_idx=state.index, B_idx=b, wg_wait=-1)
                 if const_expr(j == 0):
                     d0, d1, d2, d3 = self.scale_products(na0, na1, sbv0, sbv1, nxt, one_block)
@@ -185,7 +154,6 @@ class Fp8ConsumerMixin:
                         ahead.advance()
                         ok = ab_pipe.consumer_wait_bounded(ahead, ok, timeout, err)
                 warpgroup.wait_group(0)
-                self.pass_turn()
                 if const_expr(l1 or j == 0):
                     self.promote(acc, p, j * cute.size(p), c0, c1, c2, c3, l1)
                 else:
