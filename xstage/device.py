@@ -606,12 +606,19 @@ def mbarrier_wait_in_step(
     if ok:
         ok = mbarrier_wait_bounded(mbar, phase, timeout_ns, error_word, error_code)
     if not ok:
-        done = cute.arch.mbarrier_try_wait(mbar, phase)
-        tries = Int32(0)
-        while not done and tries < drain_tries:
-            done = cute.arch.mbarrier_try_wait(mbar, phase)
-            tries = tries + 1
+        _mbarrier_try_wait_count(mbar, phase, drain_tries)
     return ok
+
+
+@cute.jit
+def _mbarrier_try_wait_count(mbar: cute.Pointer, phase: Int32, max_tries: cutlass.Constexpr) -> Boolean:
+    """``try_wait`` on ``phase`` until it completes or ``max_tries`` more tries failed; whether it completed."""
+    done = cute.arch.mbarrier_try_wait(mbar, phase)
+    tries = Int32(0)
+    while not done and tries < max_tries:
+        done = cute.arch.mbarrier_try_wait(mbar, phase)
+        tries = tries + 1
+    return done
 
 
 @cute.jit
@@ -628,12 +635,7 @@ def mbarrier_wait_tries(
     (the fused MoE kernel's bulk Dispatch: the timer loop made ptxas serialize other warps'
     WGMMAs). Returns True when the phase completed; otherwise ORs ``error_code`` into
     ``*error_word`` and returns False."""
-    done = cute.arch.mbarrier_try_wait(mbar, phase)
-    tries = Int32(0)
-    while not done and tries < max_tries:
-        done = cute.arch.mbarrier_try_wait(mbar, phase)
-        tries = tries + 1
-    return _report_unless(done, error_word, error_code)
+    return _report_unless(_mbarrier_try_wait_count(mbar, phase, max_tries), error_word, error_code)
 
 
 @cute.jit

@@ -90,6 +90,11 @@ def parse_flags(specs, names) -> dict:
     return flags
 
 
+def tree_env(path: str) -> dict:
+    """The environment of a run in the tree at ``path``: its packages first on ``PYTHONPATH``."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
+
+
 def tile_budget_args(args, extra) -> list:
     """The tile_budget options of one tree's run: the problem, the tree's ``extra`` flags, the Ps (last)."""
     return ["--precision", args.precision, "--schedule", args.schedule, "--tokens", str(args.tokens),
@@ -134,7 +139,7 @@ def main(argv=None):
         if not os.environ.get(KERNEL_CACHE_ENV):
             ap.error(f"--compile-only keeps the kernels for the GPU run: set {KERNEL_CACHE_ENV}")
         for name in names:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
+            env = tree_env(paths[name])
             cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--compile-only", "--out", args.out,
                    *tile_budget_args(args, flags.get(name, []))]
             done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True)
@@ -145,7 +150,7 @@ def main(argv=None):
     budgets, failed = {}, []
     for r, name in bench.progress(run_order(names, args.rounds), desc="tree runs"):
         out = os.path.join(os.path.abspath(args.out), f"{name}_round{r}")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([paths[name], os.environ.get("PYTHONPATH", "")]))
+        env = tree_env(paths[name])
         cmd = [sys.executable, "scripts/diag/megamoe_tile_budget.py", "--calls", str(args.calls), "--out", out,
                *tile_budget_args(args, flags.get(name, []))]
         try:
