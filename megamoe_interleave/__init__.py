@@ -20,14 +20,15 @@ kernel_sm90     ``MegaMoESm90``: the persistent fused kernel in BF16; its roles 
 sm90_fp8        ``MegaMoESm90W8A8``: the W8A8 precision class (h quantization, the scales' Dispatch);
                 its mainloop in ``sm90_fp8_mainloop`` (FP8 fragments, MMA with promotion)
 scheduler       tile schedulers (pure functions: the Python reference and the kernel's trace-time
-                arithmetic share one definition), deadlock-freedom proof; ``int_ops`` their arithmetic
+                arithmetic share one definition), deadlock-freedom proof; ``int_ops`` their arithmetic;
+                ``sm90_schedule`` their loop on the device (``walk_tiles``, every role's)
 row_grid        the schedulers' host side: the row grid, balanced L2 starts, schedule table, eq. 16
                 lead, the CPU enumeration of every CTA's tiles
 torch_backend   the kernel's data flow with torch ops (``backend="torch"``)
 reference       float32 reference, the unfused torch pipeline baseline, the W8A8 / W4A8 recipes' emulation
 quant           E4M3 quantization of the W8A8 recipe (1x128 activations, 128x128 weights), kernel layout
 quant_fp4       W4A8's FP4 weights (E2M1, a power-of-two scale per 32 K) and their exact widening to
-                the W8A8 weight format (``backend="torch"`` runs W4A8; no fused kernel yet)
+                the W8A8 weight format; ``sm90_fp4`` the W4A8 precision class (``fp4_widen``: the widening)
 shapes          MoE shapes of the paper's models (with sources; unknown ones marked)
 
 Benchmarks, the X-Stage sweep and its evaluation, the multi-GPU steps, the diagnostics, the

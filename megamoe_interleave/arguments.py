@@ -55,7 +55,7 @@ def arguments_class(precision: str):
 def tensor_argument_spec(hidden: int, intermediate: int, precision: str = "bf16"):
     """:class:`MegaMoEArguments` as (name, dtype name, shape) in field order; str dims are dynamic and
     agree wherever the same name appears. One definition for the compile
-    (:func:`.kernel_sm90.fake_launch_arguments`) and the host-side check. BF16 builds take any
+    (:func:`.kernel.fake_launch_arguments`) and the host-side check. BF16 builds take any
     [1, 1] / [1, 1, 1] scale stand-ins (and any (P,) table)."""
     q = QUANT_BLOCK
     if precision in FP8_PRECISIONS:

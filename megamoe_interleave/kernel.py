@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import sys
 
+import cutlass.cute as cute
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8
+
+from .arguments import NUM_SCALAR_ARGS, arguments_class, tensor_argument_spec
 from .config import MegaMoEConfig
-from .kernel_sm90 import MegaMoESm90, fake_launch_arguments
+from .kernel_sm90 import MegaMoESm90
 from .sm90_fp4 import MegaMoESm90W4A8
 from .sm90_fp8 import MegaMoESm90W8A8
 
@@ -34,13 +38,29 @@ def compile_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig, 
                           *fake_launch_arguments(hidden, intermediate, config.precision), options=options).fn
 
 
+def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16"):
+    """Fake arguments, scalars and stream for compiling without a GPU (:func:`.arguments.tensor_argument_spec`)."""
+    from quack.compile_utils import make_fake_tensor
+
+    from xstage.cute_compile import fake_stream
+
+    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16, "float8_e4m3fn": Float8E4M3FN,
+           "uint8": Uint8}
+    div = {"bfloat16": 8, "float8_e4m3fn": 16, "uint8": 16}  # 16-byte rows
+    syms = {}
+    fake = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
+                                               for d in shape), divisibility=div.get(dtype, 1))
+            for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
+    return (arguments_class(precision)(*fake), *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())
+
+
 def kernel_sources():
     """The modules whose code is the fused kernels' program."""
     from xstage import device, pipeline
 
     from . import activation, arguments, config, fp4_widen, int_ops, kernel_sm90, named_barrier, row_grid, \
-        scheduler, sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop
+        scheduler, sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop, sm90_schedule
 
     return (sys.modules[__name__], activation, arguments, config, fp4_widen, int_ops, kernel_sm90, named_barrier,
             row_grid, scheduler, sm90_dispatch, sm90_epilogue, sm90_fp4, sm90_fp8, sm90_fp8_mainloop, sm90_mainloop,
-            device, pipeline)
+            sm90_schedule, device, pipeline)

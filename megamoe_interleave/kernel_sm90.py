@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float8E4M3FN, Float32, Int8, Int32, Int64, Uint8, const_expr
+from cutlass import BFloat16, Float32, Int8, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
@@ -41,7 +41,7 @@ from quack.cute_dsl_utils import mlir_namedtuple
 
 from xstage import device as xdev
 
-from .arguments import NUM_SCALAR_ARGS, MegaMoEArguments, arguments_class, tensor_argument_spec
+from .arguments import MegaMoEArguments
 from .config import BLOCK_K, BLOCK_M, WIDEN_TABLES, MegaMoEConfig, bulk_piece_bytes, smem_plan
 from .scheduler import RowGrid
 from .sm90_dispatch import DISPATCH_POLL_NS, DISPATCH_UNROLL, DISPATCH_WARP_UNROLL, DispatchMixin
@@ -49,6 +49,7 @@ from .sm90_epilogue import EpilogueMixin
 from . import workspace
 from .named_barrier import NamedBarrier
 from .sm90_mainloop import ConsumerMixin, ProducerMixin
+from .sm90_schedule import DeviceRowRecords, walk_tiles
 
 ERR_DEPENDENCY_TIMEOUT = xdev.ERR_SPIN_TIMEOUT  # a row counter (l2_full / x_ready) wait
 ERR_RING_TIMEOUT = xdev.ERR_MBARRIER_TIMEOUT  # a full/empty barrier of the A/B ring, a bulk copy
@@ -129,21 +130,6 @@ def n_split_operands(base: type) -> type:
 
 
 _N_SPLIT_OPERANDS: dict = {}
-
-
-class DeviceRowRecords:
-    """:attr:`RowGrid.row_record` in the kernel: ``records[row]`` = (expert, block index, first pool
-    row of the expert, its tokens) in ONE 16-byte load from the ``(rows, 4)`` int32 tensor."""
-
-    def __init__(self, records: cute.Tensor):
-        self.base = Int64(records.iterator.toint())
-
-    def __getitem__(self, row):
-        src = cute.make_tensor(cute.make_ptr(Int32, self.base + Int64(row) * 16, cute.AddressSpace.gmem,
-                                             assumed_align=16), cute.make_layout(4))
-        rec = cute.make_rmem_tensor((4,), Int32)
-        rec.store(src.load())
-        return rec[0], rec[1], rec[2], rec[3]
 
 
 class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
@@ -251,13 +237,11 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         return n_split_operands(base)(*values, *self.make_tma_atoms(args.mPoolX, args.mH, args.mW1, args.mW2,
                                                                     n_split=True))
 
-    def schedule_start(self, ctx):
-        """Scheduler instance of a CTA: pair g, role r in the pair, stride G (pairs), first cursor."""
-        g = ctx.cta // 2
-        r = ctx.cta % 2
-        G = ctx.nctas // 2
-        c0, c1 = self.schedule.init(g, ctx.grid)
-        return g, r, G, Int32(c0), Int32(c1)
+    @cute.jit
+    def walk_tiles(self, ctx, body, start, look_ahead: cutlass.Constexpr = False):
+        """The loop of every role: this CTA's tiles (pair g = cta // 2, member r = cta % 2 of G pairs) in
+        the schedule's order, ``state = body(tile, state)`` per tile from ``start()`` (:func:`walk_tiles`)."""
+        return walk_tiles(self.schedule, ctx.cta // 2, ctx.nctas // 2, ctx.cta % 2, ctx.grid, body, start, look_ahead)
 
     def timestamp(self):
         """%globaltimer when tracing, else a constant (no instruction emitted)."""
@@ -399,19 +383,3 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
                               mCounters.iterator + self.COUNTER_ERROR, xdev.ERR_BARRIER_TIMEOUT, True, "gpu")
             cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
-
-
-def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16"):
-    """Fake arguments, scalars and stream for compiling without a GPU (:func:`.arguments.tensor_argument_spec`)."""
-    from quack.compile_utils import make_fake_tensor
-
-    from xstage.cute_compile import fake_stream
-
-    dsl = {"int64": Int64, "int32": Int32, "float32": Float32, "bfloat16": BFloat16, "float8_e4m3fn": Float8E4M3FN,
-           "uint8": Uint8}
-    div = {"bfloat16": 8, "float8_e4m3fn": 16, "uint8": 16}  # 16-byte rows
-    syms = {}
-    fake = [make_fake_tensor(dsl[dtype], tuple(syms.setdefault(d, cute.sym_int()) if isinstance(d, str) else d
-                                               for d in shape), divisibility=div.get(dtype, 1))
-            for _, dtype, shape in tensor_argument_spec(hidden, intermediate, precision)]
-    return (arguments_class(precision)(*fake), *([Int32(0)] * NUM_SCALAR_ARGS), fake_stream())

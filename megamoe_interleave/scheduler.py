@@ -74,7 +74,7 @@ class RowGrid:
     ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P),
     ``row_record[p]`` = (e(p), p - O_e, first pool row of e(p), tokens of e(p)) -- what the
     step functions read (:func:`_tile`): one 16-byte load per tile in the kernel, where
-    ``row_record`` is a :class:`~megamoe_interleave.kernel_sm90.DeviceRowRecords` and
+    ``row_record`` is a :class:`~megamoe_interleave.sm90_schedule.DeviceRowRecords` and
     ``wave_row_start`` a device tensor, filled by the host before the launch;
     ``row_expert`` / ``expert_row_offset`` are host-side only.
 

@@ -17,6 +17,8 @@ arrive once the tile is staged, the epilogue warps wait).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, const_expr
@@ -62,60 +64,58 @@ class EpilogueMixin:
         the consumers' SwiGLU; L2: the Combine destination), arrive EMPTY; (2) wait FULL, copy the
         staged rows out: h, then publish it; or the Combine stores, part by part. Tracing: thread
         0 records when the stores were issued and their issue span (TRACE_FIELDS t_rs_end, rs_ns)."""
-        g, r, G, c0, c1 = self.schedule_start(ctx)
         chunks_l1 = self.block_n * self.ab_bytes // 32  # 16-byte chunks of a staged row: L1, BN/2 h columns
-        n_tile = Int32(0)
-        while not self.schedule.done((c0, c1), ctx.grid):
-            tile, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
-            if tile.valid > 0:
-                tok0, count = tile.tok0, tile.count
-                row0 = tok0 + tile.m_block * BLOCK_M
-                rows = cutlass.min(count - tile.m_block * BLOCK_M, BLOCK_M)
-                m = et
-                while m < rows:
-                    if tile.phase == PHASE_L1:
-                        sm.row_w[m] = gm.mPoolWeight[row0 + m]
-                    else:
-                        sm.row_addr[m] = self.combine_destination(gm, row0 + m, ctx.max_tokens)
-                    m = m + self.num_epi_threads
-                self.epilogue_handoff()
-                t_part = self.barrier_timestamp(sm)
-                span = Int64(0)
-                t_end = Int64(0)
-                if tile.phase == PHASE_L1:
-                    eb = self.ab_bytes
-                    h_base = Int64(gm.mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * eb
-                    u = et
-                    while u < rows * chunks_l1:
-                        m, c = u // chunks_l1, u % chunks_l1
-                        k = self.stage_index(m, 4 * c)
-                        addr = self.h_store_address(h_base, row0 + m, c)
-                        xdev.store_v4(addr, sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
-                        u = u + self.num_epi_threads
-                    self.store_h_scales(gm, sm, tile, row0, rows, et)
-                    # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
-                    cute.arch.fence_proxy("async.global")
-                    self.epi_sync()
-                    t_end = self.barrier_timestamp(sm)
-                    if et == 0:
-                        cute.arch.fence_acq_rel_gpu()
-                        xdev.red_add_release(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
-                else:
-                    for part in cutlass.range_constexpr(self.l2_handoffs):
-                        if const_expr(part > 0):
-                            span = span + self.timestamp() - t_part
-                            self.epilogue_handoff()  # part 0 read out: the staging tile is free for part 1
-                            t_part = self.barrier_timestamp(sm)
-                        self.combine_stores(tile, rows, part, sm, et)
-                    self.epi_sync()  # every thread done with row_addr before the next tile's metadata
-                    t_end = self.barrier_timestamp(sm)
-                if const_expr(self.trace):
-                    if et == 0 and n_tile < cute.size(gm.mTrace, mode=[1]):
-                        gm.mTrace[ctx.cta, n_tile, 8] = t_end
-                        gm.mTrace[ctx.cta, n_tile, 9] = span + t_end - t_part
-                    n_tile = n_tile + 1
-            c0 = Int32(nxt[0])
-            c1 = Int32(nxt[1])
+        self.walk_tiles(ctx, partial(self.epilogue_tile, ctx, et, gm, sm, chunks_l1), lambda: Int32(0))  # traced tiles
+
+    @cute.jit
+    def epilogue_tile(self, ctx, et: Int32, gm, sm, chunks_l1: cutlass.Constexpr, tile, n_tile: Int32):
+        tok0, count = tile.tok0, tile.count
+        row0 = tok0 + tile.m_block * BLOCK_M
+        rows = cutlass.min(count - tile.m_block * BLOCK_M, BLOCK_M)
+        m = et
+        while m < rows:
+            if tile.phase == PHASE_L1:
+                sm.row_w[m] = gm.mPoolWeight[row0 + m]
+            else:
+                sm.row_addr[m] = self.combine_destination(gm, row0 + m, ctx.max_tokens)
+            m = m + self.num_epi_threads
+        self.epilogue_handoff()
+        t_part = self.barrier_timestamp(sm)
+        span = Int64(0)
+        t_end = Int64(0)
+        if tile.phase == PHASE_L1:
+            eb = self.ab_bytes
+            h_base = Int64(gm.mH.iterator.toint()) + Int64(tile.n_block * (self.block_n // 2)) * eb
+            u = et
+            while u < rows * chunks_l1:
+                m, c = u // chunks_l1, u % chunks_l1
+                k = self.stage_index(m, 4 * c)
+                addr = self.h_store_address(h_base, row0 + m, c)
+                xdev.store_v4(addr, sm.sC[k], sm.sC[k + 1], sm.sC[k + 2], sm.sC[k + 3])
+                u = u + self.num_epi_threads
+            self.store_h_scales(gm, sm, tile, row0, rows, et)
+            # Publish h: generic stores -> proxy fence (read by TMA) -> barrier -> release.
+            cute.arch.fence_proxy("async.global")
+            self.epi_sync()
+            t_end = self.barrier_timestamp(sm)
+            if et == 0:
+                cute.arch.fence_acq_rel_gpu()
+                xdev.red_add_release(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row, Int32(1), "gpu")
+        else:
+            for part in cutlass.range_constexpr(self.l2_handoffs):
+                if const_expr(part > 0):
+                    span = span + self.timestamp() - t_part
+                    self.epilogue_handoff()  # part 0 read out: the staging tile is free for part 1
+                    t_part = self.barrier_timestamp(sm)
+                self.combine_stores(tile, rows, part, sm, et)
+            self.epi_sync()  # every thread done with row_addr before the next tile's metadata
+            t_end = self.barrier_timestamp(sm)
+        if const_expr(self.trace):
+            if et == 0 and n_tile < cute.size(gm.mTrace, mode=[1]):
+                gm.mTrace[ctx.cta, n_tile, 8] = t_end
+                gm.mTrace[ctx.cta, n_tile, 9] = span + t_end - t_part
+            n_tile = n_tile + 1
+        return n_tile
 
     def h_store_address(self, h_base, row, c):
         """Address of 16-byte chunk ``c`` of h row ``row`` within the tile's columns (``h_base``)."""

@@ -13,6 +13,8 @@ for the epilogue warps and go on with the next tile.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Int32, Int64, const_expr
@@ -26,12 +28,7 @@ from xstage.pipeline import BoundedPipelineTmaAsync
 
 from .config import BLOCK_K, BLOCK_M
 from .activation import swiglu_tanh
-from .scheduler import PHASE_L1, Tile, l1_tiles_of_row, row_splits_n
-
-
-def tile_fields(tile: Tile):
-    """A tile's fields as Int32 values (loop-carried state of a software-pipelined loop)."""
-    return tuple(Int32(getattr(tile, f)) for f in Tile.__dataclass_fields__)
+from .scheduler import PHASE_L1, l1_tiles_of_row, row_splits_n
 
 
 class ProducerMixin:
@@ -85,37 +82,36 @@ class ProducerMixin:
         L1 counter) the K blocks' TMA loads. After a failed dependency wait this lane waits on no row
         counter, but its ring waits still keep step with the consumers of both CTAs."""
         cute.arch.fence_proxy("async.global")  # dispatched rows: generic stores -> TMA reads
-        g, r, G, c0, c1 = self.schedule_start(ctx)
-        state = make_pipeline_state(PipelineUserType.Producer, self.stages)
-        ok = Boolean(True)
-        rows_ok = Int32(0)  # rows [0, rows_ok) known dispatched
-        while not self.schedule.done((c0, c1), ctx.grid):
-            tile, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
-            if tile.valid > 0:
-                e = tile.expert
-                a_row0 = tile.tok0 + tile.m_block * BLOCK_M
-                if tile.phase == PHASE_L1:
-                    rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
-                    state, ok = self.load_split_tile(ab_pipe, state, ok, gm, ops, tile, ctx.grid, True,
-                                                     (a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n),
-                                                     self.hidden // self.block_k, sm)
-                else:
-                    # Every lane acquires (the TMA issue lane is elected inside cute.copy).
-                    if ok:
-                        ok = xdev.spin_wait_ge(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row,
-                                               Int32(l1_tiles_of_row(ctx.grid, tile.m_block // 2, tile.count)),
-                                               ctx.timeout, gm.mCounters.iterator + self.COUNTER_ERROR,
-                                               self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
-                    cute.arch.sync_warp()
-                    cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
-                    state, ok = self.load_split_tile(ab_pipe, state, ok, gm, ops, tile, ctx.grid, False,
-                                                     (a_row0, e * self.hidden + tile.n_block * self.block_n),
-                                                     self.intermediate // self.block_k, sm)
-            c0 = Int32(nxt[0])
-            c1 = Int32(nxt[1])
+        # (ok, rows [0, rows_ok) known dispatched, ring state)
+        ok, _, state = self.walk_tiles(ctx, partial(self.producer_tile, ctx, gm, sm, ops, ab_pipe), lambda: (
+            Boolean(True), Int32(0), make_pipeline_state(PipelineUserType.Producer, self.stages)))
         # Every stage consumed by both CTAs: every load bound for this CTA has landed.
         ab_pipe.producer_tail_bounded(state, ok, Int64(self.ring_timeout_ns),
                                       gm.mCounters.iterator + self.COUNTER_ERROR)
+
+    @cute.jit
+    def producer_tile(self, ctx, gm, sm, ops, ab_pipe, tile, carry):
+        ok, rows_ok, state = carry
+        e = tile.expert
+        a_row0 = tile.tok0 + tile.m_block * BLOCK_M
+        if tile.phase == PHASE_L1:
+            rows_ok, ok = self.wait_dispatched(tile.row, rows_ok, ok, ctx, gm)
+            state, ok = self.load_split_tile(ab_pipe, state, ok, gm, ops, tile, ctx.grid, True,
+                                             (a_row0, e * (2 * self.intermediate) + tile.n_block * self.block_n),
+                                             self.hidden // self.block_k, sm)
+        else:
+            # Every lane acquires (the TMA issue lane is elected inside cute.copy).
+            if ok:
+                ok = xdev.spin_wait_ge(gm.mCounters.iterator + self.COUNTER_L2_FULL + tile.row,
+                                       Int32(l1_tiles_of_row(ctx.grid, tile.m_block // 2, tile.count)),
+                                       ctx.timeout, gm.mCounters.iterator + self.COUNTER_ERROR,
+                                       self.ERR_DEPENDENCY_TIMEOUT, True, "gpu")
+            cute.arch.sync_warp()
+            cute.arch.fence_proxy("async.global")  # h: other CTAs' generic stores -> TMA reads
+            state, ok = self.load_split_tile(ab_pipe, state, ok, gm, ops, tile, ctx.grid, False,
+                                             (a_row0, e * self.hidden + tile.n_block * self.block_n),
+                                             self.intermediate // self.block_k, sm)
+        return ok, rows_ok, state
 
     @cute.jit
     def wait_dispatched(self, row: Int32, rows_ok: Int32, ok: Boolean, ctx, gm):
@@ -206,48 +202,42 @@ class ConsumerMixin:
         the epilogue warps store it. The next tile's schedule step (its row-record load) is issued
         one tile ahead, so its latency does not sit between tiles."""
         frags = self.consumer_fragments(tiled_mma, tidx, sm)
-        g, r, G, c0, c1 = self.schedule_start(ctx)
-        state = make_pipeline_state(PipelineUserType.Consumer, self.stages)
-        ok = Boolean(True)
-        n_tile = Int32(0)
-        first, nxt = self.schedule.step((c0, c1), g, G, r, ctx.grid)
-        cur = tile_fields(first)
-        n0, n1 = Int32(nxt[0]), Int32(nxt[1])
-        while not self.schedule.done((c0, c1), ctx.grid):
-            ahead, nxt = self.schedule.step((n0, n1), g, G, r, ctx.grid)  # may be past the end: idle
-            tile = Tile(*cur)
-            if tile.valid > 0:
-                t0 = self.timestamp()
-                k0 = self.cycle_stamp()
-                # an m-block with <= 64 valid rows (an expert's last) runs as a 64 x BN tile, N split
-                # over the two warpgroups: half the WGMMA work from the same ring stages
-                half = tile.count - tile.m_block * BLOCK_M <= 64
-                t1 = Int64(0)
-                t2 = Int64(0)
-                k2 = Int64(0)
-                t_slot = Int64(0)
-                if tile.phase == PHASE_L1:
-                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.hidden // self.block_k,
-                                                  tile, True)
-                    t2 = self.timestamp()
-                    k2 = self.cycle_stamp()
-                    t_slot = self.hand_off(frags, half, sm, True, 0)
-                else:
-                    state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half,
-                                                  self.intermediate // self.block_k, tile, False)
-                    t2 = self.timestamp()
-                    k2 = self.cycle_stamp()
-                    for part in cutlass.range_constexpr(self.l2_handoffs):
-                        t_part = self.hand_off(frags, half, sm, False, part)
-                        if const_expr(part == 0):
-                            t_slot = t_part
-                if const_expr(self.trace):
-                    self.record_trace(gm.mTrace, ctx.cta, n_tile, tidx, tile,
-                                      (t0, t1, t2, xdev.globaltimer_ns(), Int64(xdev.smid()), k2 - k0, t_slot))
-                n_tile = n_tile + 1
-            c0, c1 = n0, n1
-            cur = tile_fields(ahead)
-            n0, n1 = Int32(nxt[0]), Int32(nxt[1])
+        # (ring state, ok, traced tiles)
+        self.walk_tiles(ctx, partial(self.consumer_tile, ctx, tidx, gm, sm, ab_pipe, frags), lambda: (
+            make_pipeline_state(PipelineUserType.Consumer, self.stages), Boolean(True), Int32(0)), True)
+
+    @cute.jit
+    def consumer_tile(self, ctx, tidx: Int32, gm, sm, ab_pipe, frags, tile, carry):
+        state, ok, n_tile = carry
+        t0 = self.timestamp()
+        k0 = self.cycle_stamp()
+        # an m-block with <= 64 valid rows (an expert's last) runs as a 64 x BN tile, N split
+        # over the two warpgroups: half the WGMMA work from the same ring stages
+        half = tile.count - tile.m_block * BLOCK_M <= 64
+        t1 = Int64(0)
+        t2 = Int64(0)
+        k2 = Int64(0)
+        t_slot = Int64(0)
+        if tile.phase == PHASE_L1:
+            state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half, self.hidden // self.block_k,
+                                          tile, True)
+            t2 = self.timestamp()
+            k2 = self.cycle_stamp()
+            t_slot = self.hand_off(frags, half, sm, True, 0)
+        else:
+            state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half,
+                                          self.intermediate // self.block_k, tile, False)
+            t2 = self.timestamp()
+            k2 = self.cycle_stamp()
+            for part in cutlass.range_constexpr(self.l2_handoffs):
+                t_part = self.hand_off(frags, half, sm, False, part)
+                if const_expr(part == 0):
+                    t_slot = t_part
+        if const_expr(self.trace):
+            self.record_trace(gm.mTrace, ctx.cta, n_tile, tidx, tile,
+                              (t0, t1, t2, xdev.globaltimer_ns(), Int64(xdev.smid()), k2 - k0, t_slot))
+        n_tile = n_tile + 1
+        return state, ok, n_tile
 
     def consumer_fragments(self, tiled_mma, tidx, sm):
         """This thread's WGMMA fragments ``(full, half)``, each (tiled_mma, acc, tCrA, tCrB, tCcC):

@@ -395,7 +395,8 @@ def test_default_tiles_fit_shared_memory():
     """The kernel's shared storage at the P = 1 defaults (4-stage 128 x 256 ring 192 KB + 32 KB
     staging + barriers and row metadata) fits the sm_90 227 KB and matches smem_plan."""
     from megamoe_interleave.config import SMEM_BYTES
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
+    from megamoe_interleave.kernel import fake_launch_arguments
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
     from xstage.cute_compile import compile_hopper
 
     config = MegaMoEConfig("expert_wave").resolve(DSV4, 1, 8192, 132)
@@ -510,7 +511,8 @@ def test_no_dispatch_copy_kernel_has_no_dispatch_copy(copy):
     16-byte vector loads / stores of copy_chunks; bulk: cp.async.bulk pieces into and out of smem),
     the subclass of the same config does not, and its TMA tile loads are the shipped ones."""
     from lab.megamoe.diag.no_dispatch_copy import NoDispatchCopy
-    from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
+    from megamoe_interleave.kernel import fake_launch_arguments
+    from megamoe_interleave.kernel_sm90 import MegaMoESm90
     from xstage.cute_compile import compile_hopper
 
     config = resolved("expert_wave", dispatch_copy=copy, dispatch_window=5 if copy == "bulk" else 0)

@@ -8,10 +8,13 @@ and, on a GPU, that the device order equals the Python reference bit for bit.
 """
 from __future__ import annotations
 
+from functools import partial
+
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
-from megamoe_interleave.kernel_sm90 import DeviceRowRecords
+from megamoe_interleave.sm90_schedule import DeviceRowRecords, tile_fields, walk_tiles
 from megamoe_interleave.scheduler import RowGrid, Schedule
 
 
@@ -60,30 +63,19 @@ class ScheduleTrace:
             l2_start=mScheduleTable,
             row_block=self.row_block,
         )
-        g = Int32(cta) // 2
-        r = Int32(cta) % 2
-        G = Int32(num_ctas) // 2
         if tidx == 0:
-            c0, c1 = self.schedule.init(g, grid)
-            c0 = Int32(c0)
-            c1 = Int32(c1)
-            n = Int32(0)
-            max_tiles = cute.size(mOut, mode=[1])
-            while not self.schedule.done((c0, c1), grid):
-                tile, nxt = self.schedule.step((c0, c1), g, G, r, grid)
-                if tile.valid > 0:
-                    if n < max_tiles:
-                        mOut[cta, n, 0] = Int32(tile.phase)
-                        mOut[cta, n, 1] = Int32(tile.row)
-                        mOut[cta, n, 2] = Int32(tile.expert)
-                        mOut[cta, n, 3] = Int32(tile.m_block)
-                        mOut[cta, n, 4] = Int32(tile.n_block)
-                        mOut[cta, n, 5] = Int32(tile.tok0)
-                        mOut[cta, n, 6] = Int32(tile.count)
-                    n = n + 1
-                c0 = Int32(nxt[0])
-                c1 = Int32(nxt[1])
-            mCount[cta] = n
+            g, r, G = Int32(cta) // 2, Int32(cta) % 2, Int32(num_ctas) // 2
+            mCount[cta] = walk_tiles(self.schedule, g, G, r, grid, partial(self.record, Int32(cta), mOut),
+                                     lambda: Int32(0))
+
+    @cute.jit
+    def record(self, cta: Int32, mOut: cute.Tensor, tile, n: Int32):
+        """Tile ``n`` of this CTA's sequence into ``mOut`` (if it fits); returns n + 1."""
+        if n < cute.size(mOut, mode=[1]):
+            fields = tile_fields(tile)[1:]  # the Tile's fields after ``valid``, in mOut's column order
+            for i in cutlass.range_constexpr(len(fields)):
+                mOut[cta, n, i] = fields[i]
+        return n + 1
 
 
 def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):

@@ -19,7 +19,8 @@ from cutlass import Boolean, Int32, const_expr
 
 from megamoe_interleave import reference
 from megamoe_interleave.api import MegaMoE
-from megamoe_interleave.kernel_sm90 import MegaMoESm90, fake_launch_arguments
+from megamoe_interleave.kernel import fake_launch_arguments
+from megamoe_interleave.kernel_sm90 import MegaMoESm90
 from megamoe_interleave.launcher import FusedLauncher
 from megamoe_interleave.sm90_dispatch import DISPATCH_POLL_NS
 from xstage import device as xdev
