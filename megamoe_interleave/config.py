@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .int_ops import DIVMOD_SMALL_MAX
-from .row_grid import check_experts_per_wave, default_experts_per_wave, default_lead, pool_rows_per_row
+from .row_grid import check_experts_per_wave, default_experts_per_wave, default_lead
 from .scheduler import SCHEDULES, ExpertWaveSchedule, InterleavedSchedule, Schedule
 
 BLOCK_M = 128  # rows per CTA tile: two consumer warpgroups of WGMMA M64
@@ -240,12 +240,6 @@ class MegaMoEConfig:
         return ExpertWaveSchedule(l2_columns=bool(self.l2_columns))
 
     @property
-    def pair_splits_m(self) -> bool:
-        """A resolved config's scheduler rows are 2 x BLOCK_M pool rows, split along M (with either
-        ``pair_split``: "n" splits a row along N only where it holds <= BLOCK_M rows)."""
-        return self.pair_split in PAIR_SPLITS
-
-    @property
     def row_split_n(self) -> bool:
         """A resolved config's CTA pair splits a row holding <= BLOCK_M rows along N (``pair_split="n"``;
         :class:`~.scheduler.RowGrid`'s ``row_split_n``)."""
@@ -253,8 +247,9 @@ class MegaMoEConfig:
 
     @property
     def row_block(self) -> int:
-        """Pool rows per scheduler row of a resolved config (:func:`.row_grid.pool_rows_per_row`)."""
-        return pool_rows_per_row(BLOCK_M, self.pair_splits_m)
+        """Pool rows per scheduler row: 2 x BLOCK_M, which the CTA pair splits along M (``pair_split="n"``:
+        along N where a row holds <= BLOCK_M rows)."""
+        return 2 * BLOCK_M
 
     def pair_tiles(self, hidden: int, intermediate: int) -> tuple:
         """(L1, L2) pair tiles per scheduler row of a resolved config (:func:`pair_tiles_per_row`)."""
@@ -349,7 +344,7 @@ class MegaMoEConfig:
         out = dict(block_n=block_n, stages=stages, dispatch_copy=copy, dispatch_window=window, pair_split=split)
         if ew:
             # l2_columns: an expert's L2 positions must stay in divmod_small's exact range
-            positions = (tokens * world_size // pool_rows_per_row(BLOCK_M, True) + 1) \
+            positions = (tokens * world_size // (2 * BLOCK_M) + 1) \
                 * pair_tiles_per_row(hidden, block_n)
             l2_columns = positions < DIVMOD_SMALL_MAX if self.l2_columns is None else self.l2_columns
             if l2_columns and positions >= DIVMOD_SMALL_MAX:

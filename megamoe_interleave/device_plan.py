@@ -37,7 +37,7 @@ class PlanSizes:
 def plan_sizes(world_size: int, max_tokens: int, topk: int, experts_per_rank: int, *, row_block: int,
                schedule: Schedule, num_pairs: int, experts_per_wave: int | None = None) -> PlanSizes:
     """Every slot of every source may route here; each local expert adds at most one partial row
-    (``row_block``: pool rows per scheduler row, :func:`~.row_grid.pool_rows_per_row`)."""
+    (``row_block``: pool rows per scheduler row, :attr:`~.config.MegaMoEConfig.row_block`)."""
     max_pool = world_size * max_tokens * topk
     max_rows = -(-max_pool // row_block) + experts_per_rank
     if schedule.name == "expert_wave":
@@ -97,7 +97,7 @@ def plan_all_ranks(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_token
     """Every destination rank's plan at once (each field with a leading [P] dim) from every
     source's routing: ``topk_idx`` / ``topk_weights`` [P, max_tokens, k] (the symmetric buffers;
     -1 = masked pick), ``num_tokens`` [P] (device). Scheduler rows are ``row_block`` pool rows
-    (:func:`~.row_grid.pool_rows_per_row`: 2 * BLOCK_M where the CTA pair splits them along M).
+    (:attr:`~.config.MegaMoEConfig.row_block`: 2 * BLOCK_M, which the CTA pair splits along M).
 
     One stable sort of all slots by global expert id serves every rank: rank d's experts are
     consecutive ids, so its pool is one contiguous range of that order, in (source, token, pick)

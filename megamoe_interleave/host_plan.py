@@ -30,7 +30,7 @@ def row_grid(config: MegaMoEConfig, counts_host, *, hidden: int, intermediate: i
     schedule asks for them)."""
     grid = make_row_grid(counts_host, block_m=BLOCK_M, n_blocks_l1=2 * intermediate // config.block_n,
                          n_blocks_l2=hidden // config.block_n, experts_per_wave=config.experts_per_wave,
-                         pair_splits_m=config.pair_splits_m, row_split_n=config.row_split_n)
+                         row_split_n=config.row_split_n)
     if config.schedule_spec().balance_l2:
         grid = dataclasses.replace(grid, l2_start=balanced_l2_start(
             grid, persistent_ctas(num_sms, grid) // 2, block_m=BLOCK_M, hidden=hidden, intermediate=intermediate))

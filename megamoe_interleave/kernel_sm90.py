@@ -178,7 +178,7 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         # (bounded by timeout_ns), so the ring bound is longer: a timed-out spin is reported alone
         self.ring_timeout_ns = 2 * self.timeout_ns
         self.dispatch_polls = max(1, self.timeout_ns // DISPATCH_POLL_NS)  # counted bound of a window wait
-        self.pair_splits_m, self.pool_rows_per_row = config.pair_splits_m, config.row_block
+        self.pool_rows_per_row = config.row_block
         self.row_split_n = config.row_split_n
         self.pairs_l1, self.pairs_l2 = config.pair_tiles(hidden, intermediate)
 
@@ -311,8 +311,8 @@ class MegaMoESm90(ConsumerMixin, ProducerMixin, EpilogueMixin, DispatchMixin):
         ab_pipe = self.make_ab_pipeline(storage.ab_mbar.data_ptr())  # all threads (inits + CTA sync)
         grid = RowGrid(num_rows=num_rows, pairs_l1=self.pairs_l1, pairs_l2=self.pairs_l2,
                        row_record=DeviceRowRecords(args.mRowRecord), wave_row_start=args.mScheduleTable,
-                       l2_start=args.mScheduleTable, pair_splits_m=self.pair_splits_m,
-                       row_block=self.pool_rows_per_row, row_split_n=self.row_split_n)
+                       l2_start=args.mScheduleTable, row_block=self.pool_rows_per_row,
+                       row_split_n=self.row_split_n)
         ctx = CtaContext(grid, cta, nctas, timeout, max_tokens)
         gm = args  # the roles read the global tensors by their argument names
         # Prologue: every thread copies this CTA's share of the rows the first tiles may read; the

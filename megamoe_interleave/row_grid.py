@@ -15,12 +15,6 @@ from xstage import model
 from .scheduler import RowGrid, Schedule, Tile
 
 
-def pool_rows_per_row(block_m: int, pair_splits_m: bool) -> int:
-    """Pool rows of one scheduler row: ``block_m``, or ``2 * block_m`` when the CTA pair splits
-    a row along M (:class:`RowGrid`'s ``pair_splits_m``; the kernel's tma_ws_mcast_b)."""
-    return 2 * block_m if pair_splits_m else block_m
-
-
 def make_row_grid(
     tokens_per_expert: Sequence[int],
     *,
@@ -28,23 +22,18 @@ def make_row_grid(
     n_blocks_l1: int,
     n_blocks_l2: int,
     experts_per_wave: int | None = None,
-    pair_splits_m: bool = False,
     row_split_n: bool = False,
 ) -> RowGrid:
-    """Host-side row layout from the number of tokens each local expert received
-    (``pair_splits_m``: rows of 2 * block_m pool rows; ``row_split_n``: rows of at most block_m of
-    them split along N; see :class:`RowGrid`)."""
+    """Host-side row layout from the number of tokens each local expert received: rows of 2 * block_m
+    pool rows, which the CTA pair splits along M (``row_split_n``: rows of at most block_m of them
+    along N; see :class:`RowGrid`)."""
     check_experts_per_wave(experts_per_wave)
-    if row_split_n and not pair_splits_m:
-        raise ValueError("row_split_n needs pair_splits_m (rows of 2 * block_m pool rows)")
-    if (row_split_n or not pair_splits_m) and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
-        raise ValueError(
-            f"N-block counts must be even (CTA pairs): L1 {n_blocks_l1}, L2 {n_blocks_l2}"
-        )
+    if row_split_n and (n_blocks_l1 % 2 or n_blocks_l2 % 2):
+        raise ValueError(f"row_split_n needs even N-block counts (two per pair tile): L1 {n_blocks_l1}, L2 {n_blocks_l2}")
     if block_m <= 0:
         raise ValueError("block_m must be positive")
     num_experts = len(tokens_per_expert)
-    row_block = pool_rows_per_row(block_m, pair_splits_m)
+    row_block = 2 * block_m
     m_blocks = [(int(c) + row_block - 1) // row_block for c in tokens_per_expert]
     if any(c < 0 for c in tokens_per_expert):
         raise ValueError("negative token count")
@@ -59,16 +48,14 @@ def make_row_grid(
     num_waves = (num_experts + epw - 1) // epw if num_experts else 0
     wave_row_start = [offsets[min(w * epw, num_experts)] for w in range(num_waves)]
     wave_row_start += [num_rows, num_rows]
-    pairs = 1 if pair_splits_m else 2  # N-blocks per pair tile
     return RowGrid(
         num_rows=num_rows,
-        pairs_l1=n_blocks_l1 // pairs,
-        pairs_l2=n_blocks_l2 // pairs,
+        pairs_l1=n_blocks_l1,
+        pairs_l2=n_blocks_l2,
         row_expert=row_expert,
         expert_row_offset=offsets,
         wave_row_start=wave_row_start,
         num_waves=num_waves,
-        pair_splits_m=pair_splits_m,
         row_record=row_record,
         row_block=row_block,
         row_split_n=row_split_n,
@@ -101,11 +88,9 @@ def balanced_l2_start(grid: RowGrid, num_pairs: int, *, block_m: int, hidden: in
     m-block of <= 64 valid rows as one; here: the pair's fuller member holds <= 64 rows), else
     ``block_m``."""
     G = num_pairs
-    per_member = pool_rows_per_row(block_m, grid.pair_splits_m)
     records = np.asarray(grid.row_record, dtype=np.int64).reshape(-1, 4)
-    left = records[:, 3] - records[:, 1] * per_member  # rows of each scheduler row
-    # the fuller member's rows (pair_splits_m: member 0 takes the first block_m of them)
-    most = np.clip(left, 0, block_m) if grid.pair_splits_m else left
+    left = records[:, 3] - records[:, 1] * grid.row_block  # rows of each scheduler row
+    most = np.clip(left, 0, block_m)  # the fuller member's rows: member 0 takes the first block_m of them
     rows_cost = np.where(most <= 64, 64, block_m).astype(np.float64)
 
     def class_costs(pairs_per_row, k_dim):

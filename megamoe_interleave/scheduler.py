@@ -4,11 +4,12 @@ A scheduler is a pure function ``step(cursor, g, G, r, grid) -> (tile, cursor')`
 
 * ``g``  -- instance id (a *pair* of CTAs), ``G`` -- stride (number of pairs),
 * ``r``  -- role in the pair (0 or 1); both members walk the same sequence of
-  *pair tiles* and take N-block ``2 * pair + r`` (or, with ``RowGrid.pair_splits_m``,
-  both take N-block ``pair`` and member r the r-th half of the row's 2 * BLOCK_M rows),
+  *pair tiles*: both take N-block ``pair`` and member r the r-th BLOCK_M half of the row's
+  2 * BLOCK_M rows (or, with ``RowGrid.row_split_n``, in a row of few rows, N-block
+  ``2 * pair + r`` of its first half),
 * ``cursor`` -- a small tuple of integers (the scheduler's private state),
 * ``grid`` -- the row layout (:class:`RowGrid`): ``P`` scheduler rows (one row =
-  one BLOCK_M block of one local expert; experts are laid out row-contiguously,
+  2 * BLOCK_M pool rows of one local expert; experts are laid out row-contiguously,
   expert ``e`` owns rows ``[O_e, O_e + m_blocks_e)``), ``P1`` / ``P2`` pair tiles
   per row of the Linear-1 / Linear-2 stream, and two lookup tables.
 
@@ -69,7 +70,7 @@ SCHEDULES = ("expert_wave", "interleaved")
 class RowGrid:
     """Row layout shared by both schedulers.
 
-    ``num_rows`` P, ``pairs_l1`` P1 = L1 N-blocks / 2, ``pairs_l2`` P2 = L2 N-blocks / 2,
+    ``num_rows`` P, ``pairs_l1`` P1 = L1 N-blocks, ``pairs_l2`` P2 = L2 N-blocks,
     ``row_expert[p]`` = e(p), ``expert_row_offset[e]`` = O_e (length E + 1, last = P),
     ``wave_row_start[w]`` = first row of wave w (length W + 2; the last two are P),
     ``row_record[p]`` = (e(p), p - O_e, first pool row of e(p), tokens of e(p)) -- what the
@@ -78,12 +79,11 @@ class RowGrid:
     ``wave_row_start`` a device tensor, filled by the host before the launch;
     ``row_expert`` / ``expert_row_offset`` are host-side only.
 
-    ``pair_splits_m`` (static): a row is 2 * BLOCK_M pool rows and the pair splits it along
-    M instead of N (P1, P2 = all N-blocks): both members load the same B tile (the kernel's
-    tma_ws_mcast_b multicasts it), member r computes BLOCK_M block ``2 * (p - O_e) + r`` of
-    the expert, which may hold no rows (an expert's odd last block).
+    A row is ``row_block`` = 2 * BLOCK_M pool rows and the CTA pair splits it along M: both
+    members load the same B tile (the kernel multicasts it), member r computes BLOCK_M block
+    ``2 * (p - O_e) + r`` of the expert, which may hold no rows (an expert's odd last block).
 
-    ``row_split_n`` (static, with ``pair_splits_m``): a row holding at most BLOCK_M of the expert's
+    ``row_split_n`` (static): a row holding at most BLOCK_M of the expert's
     rows is split along N instead (:func:`row_splits_n`): pair tile j < P1 / 2 (L2: P2 / 2) has
     both members on the row's first BLOCK_M block, member r on N-block ``2 j + r`` (they share
     A, so the kernel multicasts A for it), and pair tiles j >= P1 / 2 are idle. So a row of few
@@ -98,10 +98,9 @@ class RowGrid:
     expert_row_offset: Any = None
     wave_row_start: Any = None
     num_waves: Any = 0
-    pair_splits_m: bool = False
     row_record: Any = None
     l2_start: Any = None  # interleaved with balance_l2: per pair, the L2 stream's first pair tile
-    row_block: int = 0  # pool rows per scheduler row (block_m, or 2 * block_m with pair_splits_m)
+    row_block: int = 0  # pool rows per scheduler row: 2 * BLOCK_M
     row_split_n: bool = False
 
 
@@ -114,16 +113,16 @@ class Tile:
     phase: Any  # PHASE_L1 / PHASE_L2
     row: Any  # scheduler row (pool M-block)
     expert: Any  # local expert e(row)
-    m_block: Any  # BLOCK_M block within the expert: row - O_e (pair_splits_m: 2 * (row - O_e) + r)
-    n_block: Any  # 2 * pair + r (pair_splits_m: pair)
+    m_block: Any  # BLOCK_M block within the expert: 2 * (row - O_e) + r (a row split along N: 2 * (row - O_e))
+    n_block: Any  # pair (a row split along N: 2 * pair + r)
     tok0: Any = 0  # first pool row of the expert
     count: Any = 0  # tokens of the expert
 
 
 def tile_pool_row(tile: Tile, m, block_m: int):
     """The pool row whose per-row data (W8A8 scales) row ``m`` of ``tile``'s M block reads: its own
-    row while it holds one of the expert's tokens, else the expert's last row. With
-    ``pair_splits_m`` member 1 of an expert's last scheduler row runs a block that may hold no rows
+    row while it holds one of the expert's tokens, else the expert's last row. Member 1 of an
+    expert's last scheduler row runs a block that may hold no rows
     (or a few): its rows past the expert end. The pool is padded by one block only, so without the
     clamp those reads ran up to 63 rows past the pool's end (the W8A8 illegal address of
     issue 39). The clamped rows feed accumulator rows that are never stored."""
@@ -170,10 +169,7 @@ def _tile_of_record(grid: RowGrid, valid, phase, row, pair, r, record) -> Tile:
         return Tile(valid=valid, phase=phase, row=row, expert=expert,
                     m_block=select(split_n, 2 * m_index, 2 * m_index + r),
                     n_block=select(split_n, 2 * pair + r, pair), tok0=tok0, count=count)
-    if grid.pair_splits_m:
-        return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
-                    tok0=tok0, count=count)
-    return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=m_index, n_block=2 * pair + r,
+    return Tile(valid=valid, phase=phase, row=row, expert=expert, m_block=2 * m_index + r, n_block=pair,
                 tok0=tok0, count=count)
 
 

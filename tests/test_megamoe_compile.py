@@ -47,7 +47,7 @@ def test_schedule_trace_compiles(schedule):
 
     s = {"expert_wave": ExpertWaveSchedule(), "interleaved": InterleavedSchedule(lead=3, balance_l2=True),
          "expert_wave_l2_columns": ExpertWaveSchedule(l2_columns=True)}[schedule]
-    assert compile_schedule_trace(s, 8, 16) is not None
+    assert compile_schedule_trace(s, 8, 16, 256, row_split_n=schedule == "interleaved") is not None
 
 
 @pytest.mark.compile

@@ -26,22 +26,21 @@ def _routing(g, P, T, k, E, mask, hot):
     return idx, torch.rand(P, T, k, generator=g)
 
 
-def _host_plan(idx, w, num_tokens, d, el, schedule, G, epw, split_m=True):
+def _host_plan(idx, w, num_tokens, d, el, schedule, G, epw):
     perm = permute_ranks([idx[s, : num_tokens[s]] for s in range(idx.shape[0])],
                          [w[s, : num_tokens[s]] for s in range(idx.shape[0])], [d], el)[d]
     grid = make_row_grid(perm.counts_host, block_m=BLOCK_M, n_blocks_l1=2 * INTER // 128, n_blocks_l2=HIDDEN // 128,
-                         experts_per_wave=epw, pair_splits_m=split_m)
+                         experts_per_wave=epw)
     if schedule.balance_l2:
         grid = dataclasses.replace(grid, l2_start=balanced_l2_start(grid, G, block_m=BLOCK_M, hidden=HIDDEN,
                                                                     intermediate=INTER))
     return perm, grid, schedule_table(schedule, grid)
 
 
-def _device_plan(idx, w, num_tokens, d, el, schedule, G, epw, device="cpu", split_m=True):
-    pairs = 1 if split_m else 2  # N blocks per pair tile
+def _device_plan(idx, w, num_tokens, d, el, schedule, G, epw, device="cpu"):
     return plan_on_device(idx.to(device), w.to(device), torch.tensor(num_tokens, device=device), d,
-                          experts_per_rank=el, row_block=(2 if split_m else 1) * BLOCK_M, schedule=schedule,
-                          num_pairs=G, pairs_l1=2 * INTER // 128 // pairs, pairs_l2=HIDDEN // 128 // pairs,
+                          experts_per_rank=el, row_block=2 * BLOCK_M, schedule=schedule,
+                          num_pairs=G, pairs_l1=2 * INTER // 128, pairs_l2=HIDDEN // 128,
                           hidden=HIDDEN, intermediate=INTER, experts_per_wave=epw)
 
 
@@ -74,9 +73,8 @@ def test_the_device_plan_is_the_host_plan_for_200_random_routings():
         schedule = SCHEDULES[trial % 2]
         G = int(torch.randint(1, 66, (1,), generator=g))
         epw = [None, 1, 3][trial % 3]
-        split_m = trial % 3 != 2  # a third with the pair splitting N (128-row scheduler rows)
-        host = _host_plan(idx, w, num_tokens, d, el, schedule, G, epw, split_m)
-        _check_equal(host, _device_plan(idx, w, num_tokens, d, el, schedule, G, epw, split_m=split_m))
+        host = _host_plan(idx, w, num_tokens, d, el, schedule, G, epw)
+        _check_equal(host, _device_plan(idx, w, num_tokens, d, el, schedule, G, epw))
         perm = host[0]
         checked.add(("zero-token expert", 0 in perm.counts_host))
         checked.add(("masked", bool((idx < 0).any())))

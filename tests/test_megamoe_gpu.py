@@ -16,11 +16,12 @@ E, H, I = 16, 256, 128
 @pytest.mark.parametrize("schedule", [ExpertWaveSchedule(), ExpertWaveSchedule(l2_columns=True),
                                       InterleavedSchedule(lead=2), InterleavedSchedule(lead=2, balance_l2=True)],
                          ids=["expert_wave", "expert_wave_l2_columns", "interleaved", "interleaved_balanced"])
-def test_device_schedule_equals_python_reference(schedule):
+@pytest.mark.parametrize("row_split_n", [False, True], ids=["m_split", "row_split_n"])
+def test_device_schedule_equals_python_reference(schedule, row_split_n):
     from lab.megamoe.schedule_trace import compile_schedule_trace
 
     counts = [0, 65, 1, 300, 128, 0, 7, 64]
-    grid = make_row_grid(counts, block_m=64, n_blocks_l1=8, n_blocks_l2=4, experts_per_wave=3)
+    grid = make_row_grid(counts, block_m=64, n_blocks_l1=8, n_blocks_l2=4, experts_per_wave=3, row_split_n=row_split_n)
     num_ctas = 6
     grid = dataclasses.replace(grid, l2_start=balanced_l2_start(grid, num_ctas // 2, block_m=64, hidden=H,
                                                                 intermediate=I))
@@ -30,7 +31,7 @@ def test_device_schedule_equals_python_reference(schedule):
     out = torch.full((num_ctas, max_tiles, 7), -7, dtype=torch.int32, device=dev)
     cnt = torch.full((num_ctas,), -7, dtype=torch.int32, device=dev)
     t = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    fn = compile_schedule_trace(schedule, grid.pairs_l1, grid.pairs_l2, grid.row_block)
+    fn = compile_schedule_trace(schedule, grid.pairs_l1, grid.pairs_l2, grid.row_block, row_split_n)
     fn(t(grid.row_record), t(schedule_table(schedule, grid)), grid.num_rows, out, cnt)
     torch.cuda.synchronize()
     for c in range(num_ctas):
@@ -317,7 +318,7 @@ def test_pair_split_n_gives_the_m_splits_bits(schedule):
 
     def row_layout(moe):  # the variant runs the layout it asks for
         grid = moe.planner.plan_rank(0)[1]
-        assert grid.pair_splits_m and grid.row_block == 2 * BLOCK_M
+        assert grid.row_block == 2 * BLOCK_M
         assert grid.row_split_n == (moe.config.pair_split == "n")
         if grid.row_split_n:
             assert {bool(row_splits_n(grid, rec[1], rec[3])) for rec in grid.row_record} == {True, False}

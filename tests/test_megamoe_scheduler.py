@@ -25,16 +25,15 @@ from megamoe_interleave.scheduler import (
 )
 
 grids = st.builds(
-    lambda counts, bm, p1, p2, epw, split: make_row_grid(
-        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw,
-        pair_splits_m=split != "n", row_split_n=split == "row"),
+    lambda counts, bm, p1, p2, epw, row_split_n: make_row_grid(
+        counts, block_m=bm, n_blocks_l1=2 * p1, n_blocks_l2=2 * p2, experts_per_wave=epw, row_split_n=row_split_n),
     st.lists(st.integers(0, 300), min_size=1, max_size=12),
     st.sampled_from([16, 64, 128]),
     st.integers(1, 6),
     st.integers(1, 6),
     st.integers(1, 5),
-    # the pair splits rows along N, along M (2*BM rows: pair_splits_m), or per row (row_split_n)
-    st.sampled_from(["n", "m", "row"]),
+    # the pair splits every row along M, or rows of <= BM rows along N (row_split_n)
+    st.booleans(),
 )
 schedules = st.one_of(
     st.just(ExpertWaveSchedule()),
@@ -62,22 +61,18 @@ def _splits_n(grid, row):
 
 
 def _all_tiles(grid):
-    """(phase, row, m_block, n_block) of every tile: a row's N-blocks (pair_splits_m: its two
-    M halves times every N-block; row_split_n: a row of <= block_m rows, its first M half times
-    every N-block)."""
+    """(phase, row, m_block, n_block) of every tile: a row's two M halves times every N-block
+    (row_split_n: a row of <= block_m rows, its first M half times every N-block)."""
     out = set()
     for p in range(grid.num_rows):
         m = p - grid.expert_row_offset[grid.row_expert[p]]
         if _splits_n(grid, p):
             out |= {(PHASE_L1, p, 2 * m, n) for n in range(grid.pairs_l1)}
             out |= {(PHASE_L2, p, 2 * m, n) for n in range(grid.pairs_l2)}
-        elif grid.pair_splits_m:
+        else:
             for r in (0, 1):
                 out |= {(PHASE_L1, p, 2 * m + r, n) for n in range(grid.pairs_l1)}
                 out |= {(PHASE_L2, p, 2 * m + r, n) for n in range(grid.pairs_l2)}
-        else:
-            out |= {(PHASE_L1, p, m, n) for n in range(2 * grid.pairs_l1)}
-            out |= {(PHASE_L2, p, m, n) for n in range(2 * grid.pairs_l2)}
     return out
 
 
@@ -96,8 +91,8 @@ def test_every_tile_exactly_once(grid, schedule, num_ctas):
 @settings(max_examples=150, deadline=None)
 @given(grids, schedules, cta_counts)
 def test_tile_fields_consistent(grid, schedule, num_ctas):
-    """expert / m_block agree with the row layout; pair members take n = 2j + r (pair_splits_m:
-    the same n, M block 2 (row - O_e) + r)."""
+    """expert / m_block agree with the row layout; pair members take the same n and M block
+    2 (row - O_e) + r (a row split along N: n = 2j + r of M block 2 (row - O_e))."""
     for c, seq in enumerate(_enumerate_all(schedule, grid, num_ctas)):
         for t in seq:
             e = t.expert
@@ -105,12 +100,9 @@ def test_tile_fields_consistent(grid, schedule, num_ctas):
             if _splits_n(grid, t.row):
                 assert t.m_block == 2 * (t.row - grid.expert_row_offset[e])
                 assert t.n_block % 2 == c % 2 and 0 <= t.n_block < max(grid.pairs_l1, grid.pairs_l2)
-            elif grid.pair_splits_m:
+            else:
                 assert t.m_block == 2 * (t.row - grid.expert_row_offset[e]) + c % 2
                 assert 0 <= t.n_block < max(grid.pairs_l1, grid.pairs_l2)
-            else:
-                assert t.m_block == t.row - grid.expert_row_offset[e]
-                assert t.n_block % 2 == c % 2
 
 
 @settings(max_examples=100, deadline=None)
@@ -118,12 +110,12 @@ def test_tile_fields_consistent(grid, schedule, num_ctas):
 def test_pair_members_walk_the_same_tiles(grid, schedule, num_ctas):
     """The two CTAs of a pair (one 2-CTA cluster in the tma_ws_mcast* kernels) visit the same
     rows in the same order with the same K loops, and share the multicast operand: the same
-    M block (A) or, with pair_splits_m, the same N block (B)."""
+    N block (B), or in a row split along N the same M block (A)."""
     seqs = _enumerate_all(schedule, grid, num_ctas)
     for a, b in zip(seqs[0::2], seqs[1::2]):
         assert [(t.phase, t.row) for t in a] == [(t.phase, t.row) for t in b]
         for ta, tb in zip(a, b):
-            shared = "n_block" if grid.pair_splits_m and not _splits_n(grid, ta.row) else "m_block"
+            shared = "m_block" if _splits_n(grid, ta.row) else "n_block"
             assert getattr(ta, shared) == getattr(tb, shared)
 
 
@@ -209,11 +201,11 @@ def test_lead_zero_rejected():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 3000), min_size=1, max_size=40), st.sampled_from([8, 16, 30, 66]), st.booleans())
-def test_balance_l2_evens_out_the_pairs(counts, G, pair_splits_m):
+def test_balance_l2_evens_out_the_pairs(counts, G, row_split_n):
     """balanced_l2_start is a permutation of the pairs, and with it the largest per-pair work
     (the cost model's: K x rows of every pair tile) is never above the plain round-robin's
     (sorted pairing minimises the largest sum, and the identity is one of the pairings)."""
-    grid = make_row_grid(counts, block_m=128, n_blocks_l1=16, n_blocks_l2=16, pair_splits_m=pair_splits_m)
+    grid = make_row_grid(counts, block_m=128, n_blocks_l1=16, n_blocks_l2=16, row_split_n=row_split_n)
     H, I = 1024, 512
     start = balanced_l2_start(grid, G, block_m=128, hidden=H, intermediate=I)
     assert sorted(start) == list(range(G))
@@ -246,11 +238,13 @@ def test_deadlock_possible_with_lead_zero_shows_invariant_matters():
     (one CTA emits L2 of row 0 before its own L1 tile of row 0) deadlocks."""
     from megamoe_interleave.scheduler import Tile
 
-    grid = make_row_grid([64], block_m=64, n_blocks_l1=2, n_blocks_l2=2)
-    bad = [
-        [Tile(1, PHASE_L2, 0, 0, 0, 0), Tile(1, PHASE_L1, 0, 0, 0, 0)],
-        [Tile(1, PHASE_L1, 0, 0, 0, 1), Tile(1, PHASE_L2, 0, 0, 0, 1)],
+    grid = make_row_grid([64], block_m=64, n_blocks_l1=1, n_blocks_l2=1)
+    good = [
+        [Tile(1, PHASE_L1, 0, 0, 0, 0), Tile(1, PHASE_L2, 0, 0, 0, 0)],
+        [Tile(1, PHASE_L1, 0, 0, 1, 0), Tile(1, PHASE_L2, 0, 0, 1, 0)],
     ]
+    bad = [good[0][::-1], good[1]]
+    assert _simulate_deadlock_free(good, 2 * grid.pairs_l1)
     assert not _simulate_deadlock_free(bad, 2 * grid.pairs_l1)
 
 
@@ -347,8 +341,8 @@ def test_empty_grid_and_empty_waves():
 
 
 def test_bad_grid_inputs():
-    with pytest.raises(ValueError):
-        make_row_grid([1], block_m=64, n_blocks_l1=3, n_blocks_l2=4)
+    with pytest.raises(ValueError, match="even"):  # a row split along N takes two N-blocks per pair tile
+        make_row_grid([1], block_m=64, n_blocks_l1=3, n_blocks_l2=4, row_split_n=True)
     with pytest.raises(ValueError):
         make_row_grid([-1], block_m=64, n_blocks_l1=4, n_blocks_l2=4)
 
@@ -381,8 +375,8 @@ def test_l2_columns_visits_each_experts_l2_tiles_column_by_column():
         if a.phase == PHASE_L1:
             assert tile_key(a) == tile_key(b)
     for e in (0, 2, 3):
-        l2 = [(t.m_block, t.n_block // 2) for t in cols if t.valid and t.phase == PHASE_L2 and t.expert == e]
-        rows_e = -(-[300, 0, 130, 70][e] // 64)
+        l2 = [(t.m_block // 2, t.n_block) for t in cols if t.valid and t.phase == PHASE_L2 and t.expert == e]
+        rows_e = -(-[300, 0, 130, 70][e] // grid.row_block)
         assert l2 == [(m, n) for n in range(grid.pairs_l2) for m in range(rows_e)], e
     with pytest.raises(TypeError):
         InterleavedSchedule(lead=2, l2_columns=True)
@@ -421,8 +415,8 @@ def test_tile_pool_rows_stay_inside_the_pool(grid, schedule, num_ctas):
     n_pool = sum(rec[3] for rec in {r[0]: r for r in grid.row_record}.values())
     for seq in _enumerate_all(schedule, grid, num_ctas):
         for t in seq:
-            for m in range(_rows_read(t, grid.row_block // (2 if grid.pair_splits_m else 1))):
-                row = tile_pool_row(t, m, grid.row_block // (2 if grid.pair_splits_m else 1))
+            for m in range(_rows_read(t, grid.row_block // 2)):
+                row = tile_pool_row(t, m, grid.row_block // 2)
                 assert t.tok0 <= row < t.tok0 + t.count <= n_pool
 
 
@@ -432,7 +426,7 @@ def test_unclamped_rows_of_an_empty_pair_member_ran_past_the_padded_pool():
     half tile; its rows tok0 + 128 + [0, 64) reached up to 63 rows past the pool's one padding
     block. tile_pool_row keeps them on the expert's last row."""
     block_m = 128
-    grid = make_row_grid([100, 25], block_m=block_m, n_blocks_l1=2, n_blocks_l2=2, pair_splits_m=True)
+    grid = make_row_grid([100, 25], block_m=block_m, n_blocks_l1=2, n_blocks_l2=2)
     n_pad = 125 + block_m
     (seq0, seq1) = enumerate_all(ExpertWaveSchedule(), grid, 2)
     last = [t for t in seq1 if t.expert == 1]

@@ -21,9 +21,10 @@ from megamoe_interleave.scheduler import RowGrid, Schedule
 class ScheduleTrace:
     """One kernel class for both schedulers; ``schedule`` is a compile-time switch."""
 
-    def __init__(self, schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
+    def __init__(self, schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int, row_split_n: bool = False):
         self.schedule = schedule
-        self.row_block = row_block  # pool rows per scheduler row (RowGrid.row_block; l2_columns reads it)
+        self.row_block = row_block  # pool rows per scheduler row (RowGrid.row_block)
+        self.row_split_n = row_split_n
         self.pairs_l1 = pairs_l1
         self.pairs_l2 = pairs_l2
 
@@ -62,6 +63,7 @@ class ScheduleTrace:
             wave_row_start=mScheduleTable,
             l2_start=mScheduleTable,
             row_block=self.row_block,
+            row_split_n=self.row_split_n,
         )
         if tidx == 0:
             g, r, G = Int32(cta) // 2, Int32(cta) % 2, Int32(num_ctas) // 2
@@ -78,7 +80,7 @@ class ScheduleTrace:
         return n + 1
 
 
-def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int = 64):
+def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row_block: int, row_split_n: bool = False):
     """Compile for the current CUTE_DSL_ARCH with fake tensors (no GPU needed)."""
     from quack.compile_utils import make_fake_tensor
 
@@ -94,4 +96,4 @@ def compile_schedule_trace(schedule: Schedule, pairs_l1: int, pairs_l2: int, row
         make_fake_tensor(Int32, (n_ctas,)),
         fake_stream(),
     )
-    return compile_hopper(ScheduleTrace(schedule, pairs_l1, pairs_l2, row_block), *args).fn
+    return compile_hopper(ScheduleTrace(schedule, pairs_l1, pairs_l2, row_block, row_split_n), *args).fn
