@@ -33,9 +33,10 @@ def tile_fields(tile: Tile):
 def walk_tiles(schedule: Schedule, g, G, r, grid: RowGrid, body, start, look_ahead: cutlass.Constexpr = False):
     """:meth:`Schedule.tiles` on DSL values, for the fused kernel's roles and the schedule trace: ``state =
     body(tile, state)`` for each valid tile of CTA (g, r), from ``state = start()`` (the role's loop state,
-    DSL values, made once the first cursor is) to the returned final state; a DSL ``while`` carries the
-    state and the cursor explicitly. ``look_ahead``: every step is taken one tile early, so its
-    row-record load is in flight during the tile before."""
+    DSL values) to the returned final state; a DSL ``while`` carries the state and the cursor explicitly.
+    ``look_ahead``: every step is taken one tile early, so its row-record load is in flight during the
+    tile before. (``start`` runs after the first cursor, as in the roles' former hand-written loops: their
+    builds' PTX is unchanged.)"""
     c0, c1 = schedule.init(g, grid)
     c0, c1 = Int32(c0), Int32(c1)
     state = start()
