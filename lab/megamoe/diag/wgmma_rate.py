@@ -24,8 +24,8 @@ Half tiles (``half``, the small-batch case: a 64-row M block, a warpgroup per 12
 half tile's consumer side, with ``widen`` each warpgroup first widening its own 128 B rows (the kernel's way: the
 group tables looked up in shared memory, then a fence and the warpgroup's barrier). ``swap_rs_n`` is the W4A8 half
 tile with A and B swapped (docs/w4a8.md): the 256 weight rows are the WGMMA's M side, two ``m64`` tiles per
-warpgroup, widened by each thread straight into its RS A fragment from a packed stage stored in fragment order (no
-widened copy in shared memory, no barrier), and the tile's first ``swap_rs_n`` rows of the A stage (the tokens) are
+warpgroup, widened by each thread straight into its RS A fragment from the packed stage (no widened copy in shared
+memory, no barrier), and the tile's first ``swap_rs_n`` rows of the A stage (the tokens) are
 B; each m-tile's batch is promoted with a scale per (weight row, token). Without ``widen`` the A fragments are
 loaded once: the swapped WGMMAs' own rate.
 
@@ -314,21 +314,25 @@ class WgmmaRateSm90:
     @cute.jit
     def widen_fragment(self, storage, frag, wg, lt, t):
         """Weight m-tile ``t`` of warpgroup ``wg`` into this thread's RS A fragment (16 words: rows r0 and
-        r0 + 8, K 4q..4q+3 and 16+4q.. of each 32-group: the PTX fragment's a0-a15 per k32; the order is not
-        checked here, the rate does not depend on it). The packed stage holds each thread's codes in fragment
-        order (a host-side permutation of the kernel's E2M1 rows: one word per row and 32-group with those
-        eight codes), row r0's four words then row r0 + 8's, 16-byte chunks of consecutive lanes adjacent."""
-        base = Int32(storage.packed.data_ptr().toint()) + ((wg * 2 + t) * 2 * (THREADS // 2) + lt) * 16
-        codes = (xdev.load_shared_v4(base), xdev.load_shared_v4(base + (THREADS // 2) * 16))
+        r0 + 8, K 4q..4q+3 and 16+4q.. of each 32-group, the PTX fragment's a0-a15 per k32; the order is not
+        checked here, the rate does not depend on it), from the ring's packed stage as the TMA leaves it (64-byte
+        swizzle): word q of each 32-group of its two rows, one 4-byte load each. (For the fused kernel the host
+        would order a group's codes so that word q holds K 4q..4q+3 and 16+4q..: the full tiles' widening then
+        only stores its words in another order.)"""
+        packed = storage.packed.get_tensor(cute.make_layout(PACKED_WORDS))
+        q = lt % 4
         r0 = 128 * wg + 64 * t + 16 * (lt // 32) + (lt % 32) // 4
         shifts = storage.shifts.get_tensor(cute.make_layout(256))
-        words_sh = (shifts[r0], shifts[r0 + 8])
         tables = storage.tables.get_tensor(cute.make_layout(TABLES))
         words = cute.recast_tensor(frag, Int32)
-        for g in cutlass.range_constexpr(4):
-            for h in cutlass.range_constexpr(2):  # row r0 + 8 h
-                tb = tables[((words_sh[h] << (24 - 8 * g)) >> 24) - MIN_SHIFT]
-                lo, hi = widen_e2m1x8(codes[h][g], (Int32(tb), Int32(tb >> 32)))
+        for h in cutlass.range_constexpr(2):  # row r0 + 8 h
+            row = r0 + 8 * h
+            word_sh = shifts[row]
+            swz = (row >> 1) & 3
+            for g in cutlass.range_constexpr(4):
+                codes = packed[row * (BLOCK_K // 8) + 4 * (g ^ swz) + q]  # 64-byte rows, 16-byte chunks
+                tb = tables[((word_sh << (24 - 8 * g)) >> 24) - MIN_SHIFT]
+                lo, hi = widen_e2m1x8(codes, (Int32(tb), Int32(tb >> 32)))
                 words[4 * g + h] = lo
                 words[4 * g + 2 + h] = hi
 
