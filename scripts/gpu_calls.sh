@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU host's work, cut into calls that each fit a 10-minute per-command limit (docs/gpu.md, "On a
+# remote runner with per-command limits"). Prepare on a CPU machine, then run each call on the GPU host
+# after `bash .gpuwheels/b/install.sh` (or `source /tmp/xstage-gpu-env.sh` on the same machine):
+#
+#   scripts/gpu_calls.sh prepare          CPU: wheels (.gpuwheels/a, b, x), the K-loop A/B trees (.kc/), DeepGEMM (.dgb/);
+#                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder
+#   scripts/gpu_calls.sh suite   OUT      GPU: `tests -m gpu` (kernels compiled by 12 processes, then one process)
+#   scripts/gpu_calls.sh ab      OUT      GPU: W8A8 K-loop A/B, main against the trees in .kc/ (P 8 and 1)
+#   scripts/gpu_calls.sh w4a8    OUT      GPU: the WGMMA-rate variants, then the W4A8 bench with DeepGEMM
+#
+# carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
+# w4a8 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT seconds, default 280) and logs to OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|w4a8 [OUT]}
+out=${2:-${OUT:-/tmp/gpu_calls}}
+# the K-loop experiments of docs/moe-core.md section 5 (reverted on main until timed)
+AB_TREES=(lean=e11115d turns=916ac75)
+
+bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
+  local name=$1; shift
+  timeout "${STEP_TIMEOUT:-280}" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc $rc"; tail -n 15 "$out/$name.log"
+  return 0
+}
+
+case $cmd in
+prepare)
+  git rev-parse HEAD > .xstage_commit
+  for ignored in /.gpuwheels/ /.kc/ /.dgb/ /.xstage_commit; do
+    grep -qxF "$ignored" .git/info/exclude || echo "$ignored" >> .git/info/exclude
+  done
+  # WHEELS_PREPARE: the offline wheel bundle's builder (docs/gpu.md); DEEPGEMM_DIR: the DeepGEMM bundle
+  if [ ! -d .gpuwheels/b ]; then
+    [ -n "${WHEELS_PREPARE:-}" ] && "$WHEELS_PREPARE" .gpuwheels || echo "no .gpuwheels: set WHEELS_PREPARE"
+  fi
+  [ -d .gpuwheels/x ] || python3 -m pip download -q --no-deps -d .gpuwheels/x pytest-xdist execnet
+  for spec in "${AB_TREES[@]}"; do
+    name=${spec%%=*} commit=${spec#*=}
+    [ -d ".kc/$name" ] || git worktree add -f ".kc/$name" "$commit" --detach > /dev/null
+    git -C ".kc/$name" rev-parse HEAD > ".kc/$name/.xstage_commit"
+  done
+  if [ -n "${DEEPGEMM_DIR:-}" ]; then mkdir -p .dgb && cp "$DEEPGEMM_DIR"/*.tar.xz .dgb/; else echo "no .dgb: set DEEPGEMM_DIR"; fi
+  du -sh .gpuwheels/* .kc/* .dgb
+  ;;
+suite)
+  mkdir -p "$out"
+  [ -d .gpuwheels/x ] && python3 -m pip install -q --no-index --no-deps --target /tmp/xstage-site .gpuwheels/x/*.whl
+  export XSTAGE_KERNEL_CACHE=/tmp/kcache PYTHONPATH=$PWD:${PYTHONPATH:-}
+  bounded fill python3 -m pytest tests -m gpu -q -n 12 -p no:cacheprovider
+  STEP_TIMEOUT=${SUITE_TIMEOUT:-250} bounded suite python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:xdist
+  ;;
+ab)
+  mkdir -p "$out"
+  trees=(--tree main=.)
+  for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
+  export XSTAGE_KERNEL_CACHE=/tmp/kcache PYTHONPATH=$PWD:${PYTHONPATH:-}
+  STEP_TIMEOUT=${AB_TIMEOUT:-560} bounded ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" \
+    --precision w8a8 --P 8 1 --rounds 2 --out "$out/ab"
+  ;;
+w4a8)
+  mkdir -p "$out"
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+  STEP_TIMEOUT=100 bounded wgmma_rate python3 scripts/diag/wgmma_rate.py --out "$out/wgmma_rate"
+  # lab.megamoe.deepgemm unpacks the bundle; DeepGEMM's JIT compiles with nvcc
+  export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(which nvcc)")")") XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
+  STEP_TIMEOUT=${BENCH_TIMEOUT:-420} bounded w4a8_bench python3 scripts/bench_megamoe_w4a8.py --out "$out/w4a8"
+  ;;
+*)
+  echo "unknown call $cmd (prepare | suite | ab | w4a8)" >&2; exit 2
+  ;;
+esac
