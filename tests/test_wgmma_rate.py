@@ -54,3 +54,38 @@ def test_the_shipped_batch_shape_does_not_spill():
     if u is None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton)")
     assert u["local_memory_instructions"] == 0 and u["wgmma"] == 16 and u["wgmma_waits"] == 4
+
+
+@pytest.mark.compile
+def test_swapped_rs_fragment_words_match_cute_layout():
+    """The swapped RS form widens each thread's weights straight into its A fragment: the rows and K that
+    ``swapped_fragment_row`` / ``swapped_fragment_word`` give every fragment byte are the ones CuTe's
+    ``m64nNk32`` E4M3 RS partition assigns (its layout evaluated at trace time; A's does not depend on N), and
+    its accumulator holds the (weight row, token) that ``consume_swapped``'s promotion scales assume."""
+    import cutlass.cute as cute
+    from cutlass import Float8E4M3FN
+    from quack import sm90_utils
+
+    coords, acc = {}, {}
+
+    @cute.jit
+    def probe():
+        mma = sm90_utils.make_tiled_mma(Float8E4M3FN, "K", "K", 64, source="RS")
+        for lt in list(range(128)):  # a Python loop (the DSL turns ``range`` into a device loop)
+            cA = mma.get_slice(lt).partition_A(cute.make_identity_tensor((64, w.BLOCK_K)))
+            coords[lt] = [tuple(cA[i]) for i in range(cute.size(cA))]
+            cC = mma.get_slice(lt).partition_C(cute.make_identity_tensor((64, 64)))
+            acc[lt] = [tuple(cC[i]) for i in range(cute.size(cC))]
+
+    cute.compile(probe)
+    for lt in range(128):
+        r0, q = w.swapped_fragment_row(lt), lt % 4
+        # the promotion's scales: element e = 4 j + 2 v1 + v0 is weight row r0 + 8 v1, token 8 j + 2 q + v0
+        assert acc[lt] == [(r0 + 8 * ((e // 2) % 2), 8 * (e // 4) + 2 * q + e % 2) for e in range(32)]
+        assert len(coords[lt]) == 64  # 16 words of four E4M3 bytes
+        for g in range(4):
+            for h in range(2):
+                for upper in range(2):
+                    word = w.swapped_fragment_word(g, h, upper)
+                    want = [(r0 + 8 * h, 32 * g + 16 * upper + 4 * q + i) for i in range(4)]
+                    assert coords[lt][4 * word:4 * word + 4] == want, (lt, g, h, upper)

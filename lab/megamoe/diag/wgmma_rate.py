@@ -129,10 +129,23 @@ VARIANTS = (
     Variant(256, 128, True, ping_pong=False, swap_rs_n=16),  # A and B swapped: the RS WGMMAs alone
     Variant(256, 128, True, ping_pong=False, swap_rs_n=64),
     Variant(256, 128, True, ping_pong=False, swap_rs_n=16, widen=True),  # ... widened into the A fragments
+    Variant(256, 128, True, ping_pong=False, swap_rs_n=32, widen=True),  # 1024-2048 tokens: 24-48 rows per expert
     Variant(256, 128, True, ping_pong=False, swap_rs_n=64, widen=True),
 )
 PACKED_WORDS = 256 * BLOCK_K // 8  # a packed E2M1 stage: 256 rows x 64 bytes
 BULK_WAIT_TRIES = 1 << 20
+
+
+def swapped_fragment_row(lt):
+    """Row r0 of an m64 tile whose weights thread ``lt`` (0-127) of a warpgroup holds in its RS A fragment; it
+    holds r0 and r0 + 8 (tests/test_wgmma_rate.py checks both helpers against CuTe's fragment layout)."""
+    return 16 * (lt // 32) + (lt % 32) // 4
+
+
+def swapped_fragment_word(g: int, h: int, upper: int) -> int:
+    """The RS A fragment's 32-bit word (of 16 per 128-K block) holding row r0 + 8 ``h``'s E4M3 weights at K
+    32 g + 16 ``upper`` + 4 q .. + 3 (q = lane % 4)."""
+    return 4 * g + 2 * upper + h
 
 
 class WgmmaRateSm90:
@@ -321,7 +334,7 @@ class WgmmaRateSm90:
         only stores its words in another order.)"""
         packed = storage.packed.get_tensor(cute.make_layout(PACKED_WORDS))
         q = lt % 4
-        r0 = 128 * wg + 64 * t + 16 * (lt // 32) + (lt % 32) // 4
+        r0 = 128 * wg + 64 * t + swapped_fragment_row(lt)
         shifts = storage.shifts.get_tensor(cute.make_layout(256))
         tables = storage.tables.get_tensor(cute.make_layout(TABLES))
         words = cute.recast_tensor(frag, Int32)
@@ -333,8 +346,8 @@ class WgmmaRateSm90:
                 codes = packed[row * (BLOCK_K // 8) + 4 * (g ^ swz) + q]  # 64-byte rows, 16-byte chunks
                 tb = tables[((word_sh << (24 - 8 * g)) >> 24) - MIN_SHIFT]
                 lo, hi = widen_e2m1x8(codes, (Int32(tb), Int32(tb >> 32)))
-                words[4 * g + h] = lo
-                words[4 * g + 2 + h] = hi
+                words[swapped_fragment_word(g, h, 0)] = lo
+                words[swapped_fragment_word(g, h, 1)] = hi
 
     @cute.jit
     def consume_swapped(self, tidx, bidx, mCycles: cute.Tensor, mSink: cute.Tensor, sA, storage):
