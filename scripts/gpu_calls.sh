@@ -7,16 +7,21 @@
 #                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder
 #   scripts/gpu_calls.sh suite   OUT      GPU: `tests -m gpu` (kernels compiled by 12 processes, then one process)
 #   scripts/gpu_calls.sh ab      OUT      GPU: W8A8 K-loop A/B, main against the trees in .kc/ (P 8 and 1)
+#   scripts/gpu_calls.sh ab_w4a8 OUT      GPU: the W4A8 swapped half tiles (.kc/swapped): their GPU tests, then A/B
 #   scripts/gpu_calls.sh w4a8    OUT      GPU: the WGMMA-rate variants, then the W4A8 bench with DeepGEMM
 #
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
-# w4a8 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT seconds, default 280) and logs to OUT.
+# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT
+# seconds, default 280) and logs to OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|w4a8 [OUT]}
+cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|ab_w4a8|w4a8 [OUT]}
 out=${2:-${OUT:-/tmp/gpu_calls}}
-# the K-loop experiments of docs/moe-core.md section 5 (reverted on main until timed)
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in another tree
+# the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
+# reverted on main until timed)
 AB_TREES=(lean=e11115d turns=916ac75)
+W4A8_TREE=swapped=ad4c424
 
 bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
   local name=$1; shift
@@ -37,12 +42,13 @@ prepare)
     [ -n "${WHEELS_PREPARE:-}" ] && "$WHEELS_PREPARE" .gpuwheels || echo "no .gpuwheels: set WHEELS_PREPARE"
   fi
   [ -d .gpuwheels/x ] || python3 -m pip download -q --no-deps -d .gpuwheels/x pytest-xdist execnet
-  for spec in "${AB_TREES[@]}"; do
+  for spec in "${AB_TREES[@]}" "$W4A8_TREE"; do
     name=${spec%%=*} commit=${spec#*=}
     [ -d ".kc/$name" ] || git worktree add -f ".kc/$name" "$commit" --detach > /dev/null
     git -C ".kc/$name" rev-parse HEAD > ".kc/$name/.xstage_commit"
   done
-  if [ -n "${DEEPGEMM_DIR:-}" ]; then mkdir -p .dgb && cp "$DEEPGEMM_DIR"/*.tar.xz .dgb/; else echo "no .dgb: set DEEPGEMM_DIR"; fi
+  if [ -n "${DEEPGEMM_DIR:-}" ]; then mkdir -p .dgb && cp "$DEEPGEMM_DIR"/*.tar.xz .dgb/
+  elif [ ! -d .dgb ]; then echo "no .dgb: set DEEPGEMM_DIR"; fi
   du -sh .gpuwheels/* .kc/* .dgb
   ;;
 suite)
@@ -60,6 +66,24 @@ ab)
   STEP_TIMEOUT=${AB_TIMEOUT:-560} bounded ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" \
     --precision w8a8 --P 8 1 --rounds 2 --out "$out/ab"
   ;;
+ab_w4a8)
+  mkdir -p "$out"
+  export XSTAGE_KERNEL_CACHE=/tmp/kcache
+  tree=.kc/${W4A8_TREE%%=*}
+  # correctness first, in the experiment's own tree (its tests pin its layout: kernel_codes, the swapped tiles):
+  # the widening, then bitwise W8A8 with partial and empty blocks (half tiles) and a checkpoint's layout
+  (cd "$tree" && export PYTHONPATH=$PWD:${PYTHONPATH:-} && STEP_TIMEOUT=240 bounded ab_w4a8_tests python3 -m pytest \
+    -q -x -p no:cacheprovider -m gpu tests/test_megamoe_fp4_widen.py tests/test_megamoe_w4a8_gpu.py \
+    -k "widening or zero_token or checkpoint")
+  if ! grep -qE "[0-9]+ (failed|error)|FAILED" "$out/ab_w4a8_tests.log"; then
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    for tokens in 256 1024; do  # 6 and 24 rows per expert: every half tile swapped (N 16, N 32)
+      STEP_TIMEOUT=150 bounded "ab_w4a8_$tokens" python3 scripts/diag/megamoe_ab_trees.py \
+        --tree main=. --tree "${W4A8_TREE%%=*}=$tree" --precision w4a8 --P 1 --tokens $tokens --rounds 2 \
+        --out "$out/ab_w4a8_$tokens"
+    done
+  fi
+  ;;
 w4a8)
   mkdir -p "$out"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -69,6 +93,6 @@ w4a8)
   STEP_TIMEOUT=${BENCH_TIMEOUT:-420} bounded w4a8_bench python3 scripts/bench_megamoe_w4a8.py --out "$out/w4a8"
   ;;
 *)
-  echo "unknown call $cmd (prepare | suite | ab | w4a8)" >&2; exit 2
+  echo "unknown call $cmd (prepare | suite | ab | ab_w4a8 | w4a8)" >&2; exit 2
   ;;
 esac
