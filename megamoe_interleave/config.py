@@ -104,8 +104,8 @@ def smem_plan(hidden: int, block_n: int, stages: int, dispatch_copy: str, *, pre
         ring = stages * (BLOCK_K_FP8 * BLOCK_M + block_n * (BLOCK_K_FP8 // 2 + 4)) \
             + WIDENED_BUFFERS * block_n * BLOCK_K_FP8
     other = 16 * stages + 12 * BLOCK_M  # ring mbarriers, row weights + Combine addresses
-    if precision == "w4a8":  # the group tables of every shift; the swapped half tiles' amax, 8 warps x 32 tokens
-        other += 8 * WIDEN_TABLES + 4 * 2 * 64
+    if precision == "w4a8":
+        other += 8 * WIDEN_TABLES  # the group tables of every shift
     if fp8:
         other += 4 * BLOCK_M + 4 * 2 * 64
     if dispatch_copy == "bulk":  # two bounce buffers (128-B aligned) + their mbarriers

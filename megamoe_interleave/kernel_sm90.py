@@ -90,7 +90,6 @@ class SharedTensors:
     sW: Any = None  # W4A8: the widened E4M3 B blocks (sm90_fp4)
     shifts: Any = None  # W4A8: each ring stage's shift words
     tables: Any = None  # W4A8: the group table of every shift
-    scratch: Any = None  # W4A8 swapped half tiles: FP32 words over sW (token scales, h amax)
 
 
 # The host-built arguments become a JIT argument here, where the DSL is imported (arguments.py).

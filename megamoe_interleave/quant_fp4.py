@@ -75,9 +75,6 @@ CHUNK_ELEMENTS = 1 << 27  # weights per slice of the per-expert functions (their
 # bits, and its bit 3 holds the sign of weight SIGN_SOURCE[j]. So weights 0-3's signs sit at bit 7 of the word's
 # bytes and weights 4-7's at bit 3, where one mask (and a shift by 4) puts them on the E4M3 bytes (fp4_widen).
 SIGN_SOURCE = (4, 0, 5, 1, 6, 2, 7, 3)
-# The kernel's code order within a 32-group: word q (nibbles 8q..8q+7) holds K 4q..4q+3, then 16+4q..16+4q+3, the
-# bytes an ``m64nNk32`` RS WGMMA's A fragment holds per thread (q = lane % 4; docs/w4a8.md, the swapped half tiles).
-FRAGMENT_K = tuple(4 * (p // 8) + p % 4 + 16 * (p % 8 // 4) for p in range(32))
 
 
 def _by_experts(fn):
@@ -192,27 +189,6 @@ def _move_signs(packed: torch.Tensor, source) -> torch.Tensor:
     return pack(((words & 7) | signs).reshape(nib.shape))
 
 
-def kernel_codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed codes ``uint8 [..., K/2]`` (K order) -> the fused kernel's: each 32-group's nibbles in
-    :data:`FRAGMENT_K` order, then the signs braided (:func:`braid_signs`); lossless (:func:`natural_codes`)."""
-    def reorder(p):
-        nib = unpack(p)
-        groups = nib.reshape(*nib.shape[:-1], -1, SCALE_GROUP)
-        return pack(groups[..., list(FRAGMENT_K)].reshape(nib.shape))
-    return braid_signs(_by_experts(reorder)(packed))
-
-
-def natural_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`kernel_codes`."""
-    inverse = [FRAGMENT_K.index(k) for k in range(SCALE_GROUP)]
-
-    def reorder(p):
-        nib = unpack(p)
-        groups = nib.reshape(*nib.shape[:-1], -1, SCALE_GROUP)
-        return pack(groups[..., inverse].reshape(nib.shape))
-    return _by_experts(reorder)(unbraid_signs(codes))
-
-
 def shift_words(d: torch.Tensor) -> torch.Tensor:
     """Per-group shifts ``d [..., N, K/32]`` -> the kernel's shift words ``int32 [..., K/128, N]``: a
     row's four shifts of one K block, group g in byte g, clamped below at ``fp4_widen.MIN_SHIFT``
@@ -227,14 +203,14 @@ def shift_words(d: torch.Tensor) -> torch.Tensor:
 
 def kernel_operands(w1_p, w1_sf, w2_p, w2_sf):
     """The fused W4A8 kernel's weight operands from the kernel-layout FP4 weights: ``(w1 codes, w1
-    block scales, w1 shift words, w2 codes, w2 block scales, w2 shift words)``. The codes in the
-    kernel's order (:func:`kernel_codes`); the block scales ``2^r`` are :func:`widen_weights`' (w1 in
+    block scales, w1 shift words, w2 codes, w2 block scales, w2 shift words)``. The codes with their
+    signs braided (:func:`braid_signs`); the block scales ``2^r`` are :func:`widen_weights`' (w1 in
     ``quant.kernel_w1_scales`` order), the shift words are ``d = e - r`` of each row and 32-group
     (:func:`shift_words`), so the kernel's widening is :func:`widen` bit for bit."""
     d1, r1 = _block_shift(untransform_w1(w1_sf))
     d2, r2 = _block_shift(w2_sf)
-    return (kernel_codes(w1_p), quant.kernel_w1_scales(torch.exp2(r1.float())), shift_words(interleave_w1(d1)),
-            kernel_codes(w2_p), torch.exp2(r2.float()), shift_words(d2))
+    return (braid_signs(w1_p), quant.kernel_w1_scales(torch.exp2(r1.float())), shift_words(interleave_w1(d1)),
+            braid_signs(w2_p), torch.exp2(r2.float()), shift_words(d2))
 
 
 def dequantize_weights(w1_p, w1_sf, w2_p, w2_sf, dtype=torch.float32):

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float8E4M3FN, Float32, Int32, Int64, Uint8, const_expr
+from cutlass import Float8E4M3FN, Int32, Int64, Uint8, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.utils import LayoutEnum
 from quack import sm90_utils
@@ -36,9 +36,7 @@ from .arguments import MegaMoEArgumentsW4A8
 from .config import BLOCK_K_FP8, BLOCK_M, WIDENED_BUFFERS
 from .fp4_widen import MIN_SHIFT, TABLES, group_table, shift_factor, widen_e2m1x8
 from .kernel_sm90 import TmaOperands
-from .sm90_fp4_swapped import SWAP_TOKENS, SwappedHalfTileMixin
 from .sm90_fp8 import MegaMoESm90W8A8
-from .sm90_fp8_mainloop import Fp8ConsumerMixin
 
 PACKED_K = BLOCK_K_FP8 // 2  # bytes of a packed B row per K block
 GROUPS = BLOCK_K_FP8 // 32  # 32-groups per K block (a shift each)
@@ -49,12 +47,11 @@ TmaOperandsW4A8 = mlir_namedtuple(NamedTuple("TmaOperandsW4A8", [(f, Any) for f 
                                              + [(f, Any) for f in ("tma_s1", "mS1", "tma_s2", "mS2")]))
 
 
-class MegaMoESm90W4A8(SwappedHalfTileMixin, MegaMoESm90W8A8):
+class MegaMoESm90W4A8(MegaMoESm90W8A8):
     """The fused kernel in W4A8 (``MegaMoEConfig(precision="w4a8")``; BN = 256, BK = 128, 3 stages)."""
 
     precision = "w4a8"
     b_dtype, b_tile_k, widened_buffers = Uint8, PACKED_K, WIDENED_BUFFERS
-    amax_words = 8 * max(SWAP_TOKENS)  # the swapped half tiles' h amax: 8 warps x their tokens (config.smem_plan)
 
     def stage_tx_bytes(self) -> int:
         return self.block_k * BLOCK_M * self.ab_bytes + self.block_n * (PACKED_K + 4)
@@ -101,9 +98,7 @@ class MegaMoESm90W4A8(SwappedHalfTileMixin, MegaMoESm90W8A8):
         return dataclasses.replace(sm, sB=storage.sB.get_tensor(mma.sB.outer, swizzle=mma.sB.inner, dtype=Uint8),
                                    sW=storage.sW.get_tensor(sW.outer, swizzle=sW.inner),
                                    shifts=storage.shifts.get_tensor(self.shift_layout()),
-                                   tables=storage.tables.get_tensor(cute.make_layout(TABLES)),
-                                   scratch=storage.sW.get_tensor(cute.make_layout(self.widened_buffers * self.block_n
-                                                                                  * self.block_k // 4), dtype=Float32))
+                                   tables=storage.tables.get_tensor(cute.make_layout(TABLES)))
 
     @cute.jit
     def precision_prologue(self, sm, tidx):
@@ -115,43 +110,9 @@ class MegaMoESm90W4A8(SwappedHalfTileMixin, MegaMoESm90W8A8):
 
     # -- consumers: widen, then W8A8's mainloop on the widened block
     def consumer_fragments(self, tiled_mma, tidx, sm):
-        """W8A8's fragments with B over the widened blocks, each followed by what the widening needs, then the
-        swapped half tiles' (:meth:`swapped_fragments`)."""
+        """W8A8's fragments with B over the widened blocks, each followed by what the widening needs."""
         full, half = super().consumer_fragments(tiled_mma, tidx, dataclasses.replace(sm, sB=sm.sW))
-        return full + ((sm, tidx),), half + ((sm, tidx),), self.swapped_fragments(full[1], tidx, sm)
-
-    @cute.jit
-    def tile_mma(self, ab_pipe, state, ok: Boolean, gm, frags, half: Boolean, num_k: cutlass.Constexpr, tile,
-                 l1: cutlass.Constexpr):
-        """A tile of at most 16 or 32 rows swapped (:meth:`mma_tile_swapped`), any other as W8A8's."""
-        frag_a, sw16, sw32 = frags[2]
-        sm, tidx = frags[0][6]
-        rows = tile.count - tile.m_block * BLOCK_M
-        t1 = Int64(0)
-        if rows <= SWAP_TOKENS[0]:
-            state, t1, ok = self.mma_tile_swapped(ab_pipe, state, ok, gm, sw16, frag_a, num_k, tile, l1, sm, tidx)
-        else:
-            if rows <= SWAP_TOKENS[1]:
-                state, t1, ok = self.mma_tile_swapped(ab_pipe, state, ok, gm, sw32, frag_a, num_k, tile, l1, sm,
-                                                      tidx)
-            else:
-                state, t1, ok = Fp8ConsumerMixin.tile_mma(self, ab_pipe, state, ok, gm, frags[:2], half, num_k, tile,
-                                                          l1)
-        return state, t1, ok
-
-    @cute.jit
-    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr, tile):
-        """The swapped tiles' staging (:meth:`stage_swapped`), any other tile's as W8A8's."""
-        _, sw16, sw32 = frags[2]
-        _, tidx = frags[0][6]
-        rows = tile.count - tile.m_block * BLOCK_M
-        if rows <= SWAP_TOKENS[0]:
-            self.stage_swapped(sw16, sm, tidx, swiglu_l1, part)
-        else:
-            if rows <= SWAP_TOKENS[1]:
-                self.stage_swapped(sw32, sm, tidx, swiglu_l1, part)
-            else:
-                MegaMoESm90W8A8.stage_output(self, frags[:2], half, sm, swiglu_l1, part, tile)
+        return full + ((sm, tidx),), half + ((sm, tidx),)
 
     @cute.jit
     def b_ready(self, frags, state, kt, half: cutlass.Constexpr):
@@ -176,7 +137,7 @@ class MegaMoESm90W4A8(SwappedHalfTileMixin, MegaMoESm90W8A8):
     def widen_stage(self, sm, tidx, stage, buf):
         """B row ``tidx`` of ring stage ``stage``: per 32-group one 16-byte load of codes (64-byte
         swizzle: chunk c at 16 (c ^ (row / 2 % 4))), its shift byte's :func:`group_table`, four
-        :func:`widen_e2m1x8` and two 16-byte stores of E4M3, K 0-15 then 16-31 (128-byte swizzle: chunk c at
+        :func:`widen_e2m1x8` and two 16-byte stores of E4M3 (128-byte swizzle: chunk c at
         16 (c ^ (row % 8)); both checked against the layouts in tests/test_megamoe_w4a8_compile.py)."""
         row = tidx
         word = sm.shifts[0, row, stage]
@@ -188,10 +149,9 @@ class MegaMoESm90W4A8(SwappedHalfTileMixin, MegaMoESm90W8A8):
             codes = xdev.load_shared_v4(src + ((16 * g) ^ swz_p))
             t = sm.tables[((word << (24 - 8 * g)) >> 24) - MIN_SHIFT]  # byte g, sign-extended: its shift's table
             table = (Int32(t), Int32(t >> 32))
-            lo, hi = [], []  # word q: K 4q..4q+3 and 16+4q.. of the group (quant_fp4.kernel_codes)
+            out = []
             for w in cutlass.range_constexpr(4):
-                a, b = widen_e2m1x8(codes[w], table)
-                lo.append(a)
-                hi.append(b)
-            xdev.store_shared_v4(dst + ((32 * g) ^ swz_w), *lo)
-            xdev.store_shared_v4(dst + ((32 * g + 16) ^ swz_w), *hi)
+                lo, hi = widen_e2m1x8(codes[w], table)
+                out += [lo, hi]
+            xdev.store_shared_v4(dst + ((32 * g) ^ swz_w), *out[:4])
+            xdev.store_shared_v4(dst + ((32 * g + 16) ^ swz_w), *out[4:])

@@ -103,7 +103,7 @@ class MegaMoESm90W8A8(Fp8ConsumerMixin, MegaMoESm90):
 
     # -- consumers: the L1 staging (h quantized) and the L2 staging; the mainloop is Fp8ConsumerMixin's
     @cute.jit
-    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr, tile):
+    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """L1: the E4M3 h tile and its rows' scales (:meth:`stage_h_fp8`); L2: the base's bf16 staging."""
         full_f, half_f = frags
         if const_expr(swiglu_l1):
@@ -112,7 +112,7 @@ class MegaMoESm90W8A8(Fp8ConsumerMixin, MegaMoESm90):
             else:
                 self.stage_h_fp8(full_f[1], full_f[4], sm, False)
         else:
-            ConsumerMixin.stage_output(self, frags, half, sm, swiglu_l1, part, tile)
+            ConsumerMixin.stage_output(self, frags, half, sm, swiglu_l1, part)
 
     @cute.jit
     def stage_l2(self, acc, tCcC, sm, row, vals, lo: cutlass.Constexpr, hi: cutlass.Constexpr,

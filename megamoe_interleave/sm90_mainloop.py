@@ -223,14 +223,14 @@ class ConsumerMixin:
                                           tile, True)
             t2 = self.timestamp()
             k2 = self.cycle_stamp()
-            t_slot = self.hand_off(frags, half, sm, True, 0, tile)
+            t_slot = self.hand_off(frags, half, sm, True, 0)
         else:
             state, t1, ok = self.tile_mma(ab_pipe, state, ok, gm, frags, half,
                                           self.intermediate // self.block_k, tile, False)
             t2 = self.timestamp()
             k2 = self.cycle_stamp()
             for part in cutlass.range_constexpr(self.l2_handoffs):
-                t_part = self.hand_off(frags, half, sm, False, part, tile)
+                t_part = self.hand_off(frags, half, sm, False, part)
                 if const_expr(part == 0):
                     t_slot = t_part
         if const_expr(self.trace):
@@ -296,18 +296,18 @@ class ConsumerMixin:
         return state, t1, ok
 
     @cute.jit
-    def hand_off(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr, tile):
+    def hand_off(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """Wait until the staging tile is free (EMPTY), stage the output (L1: all BN/2 h columns;
         L2: part ``part`` of l2_handoffs of the BN columns), arrive on FULL. Returns when the slot
         was free (tracing; else a constant)."""
         cute.arch.barrier(barrier_id=int(self.NamedBarrier.EpilogueEmpty), number_of_threads=self.handoff_threads)
         t_slot = self.barrier_timestamp(sm)
-        self.stage_output(frags, half, sm, swiglu_l1, part, tile)
+        self.stage_output(frags, half, sm, swiglu_l1, part)
         cute.arch.barrier_arrive(barrier_id=int(self.NamedBarrier.EpilogueFull), number_of_threads=self.handoff_threads)
         return t_slot
 
     @cute.jit
-    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr, tile):
+    def stage_output(self, frags, half: Boolean, sm, swiglu_l1: cutlass.Constexpr, part: cutlass.Constexpr):
         """The accumulators of the full or (``half``) the 64-row fragments into the staging tile.
         L1: all h columns. L2: all BN columns, or with two handoffs columns [part, part + 1) * BN/2:
         of the full fragment its elements [part, part + 1) * size/2 (each warpgroup holds all BN

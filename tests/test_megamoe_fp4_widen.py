@@ -263,6 +263,6 @@ def test_the_kernels_stage_widening_gives_the_recipes_bits(buf):
     words = quant_fp4.shift_words(d[None])[0]  # [1, 256]: one K block
     out = torch.full((256, 128), 0x7F, dtype=torch.uint8, device="cuda")
     fn = cached(("WidenStage-test",), lambda: _compile_stage().fn)
-    fn(quant_fp4.kernel_codes(quant_fp4.pack(nibbles)).cuda(), words[0].cuda(), out, buf)
+    fn(_braided_codes(quant_fp4.pack(nibbles)).cuda(), words[0].cuda(), out, buf)
     want = _emulate(nibbles, d.repeat_interleave(quant_fp4.SCALE_GROUP, dim=-1))
     assert torch.equal(out.cpu(), want)

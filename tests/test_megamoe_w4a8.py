@@ -91,10 +91,9 @@ def test_the_widening_in_fp16_that_the_kernel_plans_equals_the_recipe():
 
 
 def _widen_as_the_kernel(codes: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """The fused kernel's widening of ``codes`` [N, K/2] (kernel order: signs braided, each 32-group's nibbles in
-    FRAGMENT_K order) with its shift words [K/128, N], emulated as fp4_widen does it: a row's group g takes byte g of
-    its K block's word, sign-extended, as the factor 2^(7 + d) of two FP16 multiplies, then round-to-nearest-even to
-    E4M3, each byte stored at its nibble's K (uint8 [N, K])."""
+    """The fused kernel's widening of ``codes`` [N, K/2] (signs braided) with its shift words [K/128, N],
+    emulated as fp4_widen does it: a row's group g takes byte g of its K block's word, sign-extended, as the factor
+    2^(7 + d) of two FP16 multiplies, then round-to-nearest-even to E4M3 (uint8 [N, K])."""
     n = codes.shape[0]
     nib = quant_fp4.unpack(codes).to(torch.int32)
     # braided signs: byte j < 4 of a word's output takes bit 3 of nibble 2 j + 1, byte 4 + j that of nibble 2 j
@@ -104,10 +103,7 @@ def _widen_as_the_kernel(codes: torch.Tensor, words: torch.Tensor) -> torch.Tens
     d = torch.stack([(w << (24 - 8 * g)) >> 24 for g in range(4)], dim=-1).reshape(n, -1)  # [N, K/32]
     h = (((nib & 7) << 9) | (signs << 12)).to(torch.int16).view(torch.float16)
     f = torch.exp2((7 + d).float()).to(torch.float16).repeat_interleave(quant_fp4.SCALE_GROUP, dim=-1)
-    wide = (h * torch.tensor(2.0 ** 7, dtype=torch.float16) * f).to(torch.float8_e4m3fn).view(torch.uint8)
-    out = torch.empty_like(wide).view(n, -1, quant_fp4.SCALE_GROUP)
-    out[..., list(quant_fp4.FRAGMENT_K)] = wide.view(n, -1, quant_fp4.SCALE_GROUP)
-    return out.view(n, -1)
+    return (h * torch.tensor(2.0 ** 7, dtype=torch.float16) * f).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def test_kernel_operands_widen_to_the_recipe_bit_for_bit():
@@ -127,7 +123,7 @@ def test_kernel_operands_widen_to_the_recipe_bit_for_bit():
     w1_q, w1_s, w2_q, w2_s = quant_fp4.widen_weights(*fp4)
     c1, s1, sh1, c2, s2, sh2 = quant_fp4.kernel_operands(*fp4)
     assert sh1.shape == (E, H // 128, 2 * inter) and sh2.shape == (E, inter // 128, H) and sh1.dtype == torch.int32
-    assert torch.equal(quant_fp4.natural_codes(c1), fp4[0]) and torch.equal(quant_fp4.natural_codes(c2), fp4[2])
+    assert torch.equal(quant_fp4.unbraid_signs(c1), fp4[0]) and torch.equal(quant_fp4.unbraid_signs(c2), fp4[2])
     assert not torch.equal(c1, fp4[0]) and torch.equal(s1, w1_s) and torch.equal(s2, w2_s)
     for e in range(E):
         assert torch.equal(_widen_as_the_kernel(c1[e], sh1[e]), w1_q[e].view(torch.uint8))
@@ -243,17 +239,3 @@ def test_braided_signs_move_only_signs_and_come_back():
         bit = 8 * i + 7 if i < 4 else 8 * (i - 4) + 3
         assert (word >> bit) & 1 == int(nib[0, 0, 0, i]) >> 3
     assert torch.equal(quant_fp4.unbraid_signs(braided), packed)
-
-
-def test_kernel_codes_put_each_fragment_word_in_one_code_word():
-    """quant_fp4.kernel_codes: word q of a 32-group holds K 4q..4q+3 and 16+4q..16+4q+3 (an RS A fragment's
-    bytes per thread), signs braided within the word; natural_codes undoes it."""
-    g = torch.Generator().manual_seed(9)
-    packed = torch.randint(0, 256, (2, 3, 64), generator=g, dtype=torch.int32).to(torch.uint8)  # K = 128
-    codes = quant_fp4.kernel_codes(packed)
-    nib = quant_fp4.unpack(packed).reshape(2, 3, 4, 32)
-    got = quant_fp4.unpack(quant_fp4.unbraid_signs(codes)).reshape(2, 3, 4, 32)
-    for q in range(4):
-        k = [4 * q + i for i in range(4)] + [16 + 4 * q + i for i in range(4)]
-        assert torch.equal(got[..., 8 * q:8 * q + 8], nib[..., k])
-    assert torch.equal(quant_fp4.natural_codes(codes), packed)

@@ -80,26 +80,18 @@ def test_w4a8_builds_widen_into_pipelined_fp8_wgmma(tmp_path, schedule, P):
     tma = re.findall(r"cp\.async\.bulk\.tensor\.2d\S+", ptx)
     assert len(tma) == 6 and sum("multicast::cluster" in t for t in tma) == 2  # B multicast; A and shifts not
     loads, stores = ptx.count("ld.shared.v4.b32"), ptx.count("st.shared.v4.b32")
-    # four per widening site: one load, two stores per group; the swapped tiles' token scales, one store per form
-    # and chunk per thread (N x K/128 words: 16 and 32 tokens, L1 and L2)
-    ks = DSV4.hidden // 128, DSV4.intermediate // 128
-    token_stores = sum(-(-n * k // 4 // 256) for n in (16, 32) for k in ks)
-    assert loads >= 4 and stores == 2 * loads + token_stores
+    assert loads >= 4 and stores == 2 * loads  # four per widening site: one load, two stores per group
     assert ptx.count("mul.rn.f16x2") == 4 and ptx.count("prmt.b32") >= 8 * loads  # the tables once, lookups
     assert "cvt.rn.satfinite.e4m3x2.f16x2" in ptx and "fence.proxy.async.shared::cta" in ptx
     assert re.search(rf"bar\.sync\s+{int(NamedBarrier.Widen)}, 256;", ptx)
     assert re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
     sass, lines, _ = fp8_mainloop_sass(tool, cubin)
     assert re.search(r"\bHMUL2\b", sass) and re.search(r"\bF2FP\b", sass) and re.search(r"\bPRMT\b", sass)
-    # Up to eight words spill (stored once at the kernel's start; the consumers reload the full tiles' L2 staging
-    # addresses there, outside the K loops: the widening's and the swapped half tiles' registers pushed them out)
+    # One word spills (stored once at the kernel's start; the consumers reload it a few times per tile,
+    # outside the K loops: the widening's registers pushed it out at the 224 / 56 split)
     usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 32, "the W4A8 build spills more"
-    assert len([line for line in lines if re.search(r"\bSTL\b", line)]) <= 8
-    # the swapped half tiles (16 and 32 tokens): RS WGMMAs, A widened in registers from 4-byte code loads
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*\{", ptx)
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n32k32\.f32\.e4m3\.e4m3\s+\{[^}]*\},\s*\{", ptx)
-    assert ptx.count("ld.shared.b32 ") >= 16  # per m-tile 2 rows x 4 groups, two sizes
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 8, "the W4A8 build spills more"
+    assert len([line for line in lines if re.search(r"\bSTL\b", line)]) <= 1
 
 
 @pytest.mark.compile

@@ -317,27 +317,6 @@ def store_shared_b16(address, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def pinned(value, *, loc=None, ip=None) -> Int32:
-    """``value`` (Int32) through a ``mov`` that the compiler keeps where it is (side effects): what is derived from
-    it is computed after it, not hoisted out of the loop around it (so per-tile addresses do not stay live, and
-    spill, across a persistent kernel's tile loop)."""
-    from cutlass._mlir.dialects import llvm
-
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-                                 has_side_effects=True, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def load_shared_b32(address, *, loc=None, ip=None) -> Int32:
-    """``ld.shared.b32`` of a 4-byte aligned shared-memory ``address`` (32-bit), kept in program order
-    (side effects) as :func:`load_shared_v4`."""
-    from cutlass._mlir.dialects import llvm
-
-    return Int32(llvm.inline_asm(Int32.mlir_type, [Int32(address).ir_value(loc=loc, ip=ip)], "ld.shared.b32 $0, [$1];",
-                                 "=r,r", has_side_effects=True, loc=loc, ip=ip))
-
-
-@dsl_user_op
 def load_shared_v4(address, *, loc=None, ip=None):
     """``ld.shared.v4.b32`` of a 16-byte aligned shared-memory ``address`` (32-bit): four Int32. Kept
     in program order (side effects), so it stays behind the waits that make its data valid."""
