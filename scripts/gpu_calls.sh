@@ -21,7 +21,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in anothe
 # the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=916ac75)
-W4A8_TREE=swapped=ad4c424
+W4A8_TREE=swapped=eb37a26
 
 bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
   local name=$1; shift
@@ -44,7 +44,8 @@ prepare)
   [ -d .gpuwheels/x ] || python3 -m pip download -q --no-deps -d .gpuwheels/x pytest-xdist execnet
   for spec in "${AB_TREES[@]}" "$W4A8_TREE"; do
     name=${spec%%=*} commit=${spec#*=}
-    [ -d ".kc/$name" ] || git worktree add -f ".kc/$name" "$commit" --detach > /dev/null
+    if [ -d ".kc/$name" ]; then git -C ".kc/$name" checkout -q --detach "$commit"
+    else git worktree add -f ".kc/$name" "$commit" --detach > /dev/null; fi
     git -C ".kc/$name" rev-parse HEAD > ".kc/$name/.xstage_commit"
   done
   if [ -n "${DEEPGEMM_DIR:-}" ]; then mkdir -p .dgb && cp "$DEEPGEMM_DIR"/*.tar.xz .dgb/
