@@ -21,7 +21,7 @@ mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in anothe
 # the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=916ac75)
-W4A8_TREE=swapped=eb37a26
+W4A8_TREE=swapped=ff668d5
 
 bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
   local name=$1; shift
