@@ -327,11 +327,10 @@ class WgmmaRateSm90:
     @cute.jit
     def widen_fragment(self, storage, frag, wg, lt, t):
         """Weight m-tile ``t`` of warpgroup ``wg`` into this thread's RS A fragment (16 words: rows r0 and
-        r0 + 8, K 4q..4q+3 and 16+4q.. of each 32-group, the PTX fragment's a0-a15 per k32; the order is not
-        checked here, the rate does not depend on it), from the ring's packed stage as the TMA leaves it (64-byte
-        swizzle): word q of each 32-group of its two rows, one 4-byte load each. (For the fused kernel the host
-        would order a group's codes so that word q holds K 4q..4q+3 and 16+4q..: the full tiles' widening then
-        only stores its words in another order.)"""
+        r0 + 8, K 4q..4q+3 and 16+4q.. of each 32-group, the PTX fragment's a0-a15 per k32: checked against
+        CuTe's layout in tests/test_wgmma_rate.py), from the ring's packed stage as the TMA leaves it (64-byte
+        swizzle): word q of each 32-group of its two rows, one 4-byte load each (the codes are zeros here; the fused
+        kernel's host orders a group's codes so that word q holds those K, quant_fp4.kernel_codes in ff668d5)."""
         packed = storage.packed.get_tensor(cute.make_layout(PACKED_WORDS))
         q = lt % 4
         r0 = 128 * wg + 64 * t + swapped_fragment_row(lt)
