@@ -10,6 +10,7 @@
 #   scripts/gpu_calls.sh ab_w4a8 OUT      GPU: the W4A8 swapped half tiles (.kc/swapped): their GPU tests, then A/B
 #   scripts/gpu_calls.sh w4a8    OUT      GPU: the WGMMA-rate variants, then the W4A8 bench with DeepGEMM
 #
+# In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
 # ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
