@@ -19,6 +19,7 @@ cd "$(dirname "$0")/.."
 cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|ab_w4a8|w4a8 [OUT]}
 out=${2:-${OUT:-/tmp/gpu_calls}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in another tree
+export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}  # the GPU calls share compiled kernels
 # the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=916ac75)
@@ -54,23 +55,19 @@ prepare)
   du -sh .gpuwheels/* .kc/* .dgb
   ;;
 suite)
-  mkdir -p "$out"
   [ -d .gpuwheels/x ] && python3 -m pip install -q --no-index --no-deps --target /tmp/xstage-site .gpuwheels/x/*.whl
-  export XSTAGE_KERNEL_CACHE=/tmp/kcache PYTHONPATH=$PWD:${PYTHONPATH:-}
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
   bounded fill python3 -m pytest tests -m gpu -q -n 12 -p no:cacheprovider
   STEP_TIMEOUT=${SUITE_TIMEOUT:-250} bounded suite python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:xdist
   ;;
 ab)
-  mkdir -p "$out"
   trees=(--tree main=.)
   for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
-  export XSTAGE_KERNEL_CACHE=/tmp/kcache PYTHONPATH=$PWD:${PYTHONPATH:-}
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
   STEP_TIMEOUT=${AB_TIMEOUT:-560} bounded ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" \
     --precision w8a8 --P 8 1 --rounds 2 --out "$out/ab"
   ;;
 ab_w4a8)
-  mkdir -p "$out"
-  export XSTAGE_KERNEL_CACHE=/tmp/kcache
   tree=.kc/${W4A8_TREE%%=*}
   # correctness first, in the experiment's own tree (its tests pin its layout: kernel_codes, the swapped tiles):
   # the widening, then bitwise W8A8 with partial and empty blocks (half tiles) and a checkpoint's layout
@@ -87,7 +84,6 @@ ab_w4a8)
   fi
   ;;
 w4a8)
-  mkdir -p "$out"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
   STEP_TIMEOUT=100 bounded wgmma_rate python3 scripts/diag/wgmma_rate.py --out "$out/wgmma_rate"
   # lab.megamoe.deepgemm unpacks the bundle; DeepGEMM's JIT compiles with nvcc
