@@ -4,19 +4,22 @@
 # after `bash .gpuwheels/b/install.sh` (or `source /tmp/xstage-gpu-env.sh` on the same machine):
 #
 #   scripts/gpu_calls.sh prepare          CPU: wheels (.gpuwheels/a, b, x), the K-loop A/B trees (.kc/), DeepGEMM (.dgb/);
-#                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder
+#                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder,
+#                                         DGN_BUNDLE the NVFP4 fork's built package (docs/gpu.md)
 #   scripts/gpu_calls.sh suite   OUT      GPU: `tests -m gpu` (kernels compiled by 12 processes, then one process)
-#   scripts/gpu_calls.sh ab      OUT      GPU: W8A8 K-loop A/B, main against the trees in .kc/ (P 8 and 1)
+#   scripts/gpu_calls.sh ab      OUT      GPU: the full tile's K-loop orders in isolation (wgmma_rate), then the W8A8
+#                                         K-loop A/B, main against the trees in .kc/ (P 8 and 1)
 #   scripts/gpu_calls.sh ab_w4a8 OUT      GPU: the W4A8 swapped half tiles (.kc/swapped): their GPU tests, then A/B
 #   scripts/gpu_calls.sh w4a8    OUT      GPU: the WGMMA-rate variants, then the W4A8 bench with DeepGEMM
+#   scripts/gpu_calls.sh nvfp4   OUT      GPU: our W4A8 and W8A8 kernels against the fork's SM90 NVFP4 Mega MoE
 #
 # In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
-# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT
+# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|ab_w4a8|w4a8 [OUT]}
+cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|ab_w4a8|w4a8|nvfp4 [OUT]}
 out=${2:-${OUT:-/tmp/gpu_calls}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in another tree
 export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}  # the GPU calls share compiled kernels
@@ -52,6 +55,7 @@ prepare)
   done
   if [ -n "${DEEPGEMM_DIR:-}" ]; then mkdir -p .dgb && cp "$DEEPGEMM_DIR"/*.tar.xz .dgb/
   elif [ ! -d .dgb ]; then echo "no .dgb: set DEEPGEMM_DIR"; fi
+  if [ -n "${DGN_BUNDLE:-}" ]; then mkdir -p .dgb && cp "$DGN_BUNDLE" .dgb/dgn.tar.xz; fi
   du -sh .gpuwheels/* .kc/* .dgb
   ;;
 suite)
@@ -64,7 +68,10 @@ ab)
   trees=(--tree main=.)
   for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
-  STEP_TIMEOUT=${AB_TIMEOUT:-560} bounded ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" \
+  # do the two warpgroups lose the tensor pipe by finishing their batches together? (docs/moe-core.md section 5)
+  STEP_TIMEOUT=60 bounded kloop_rate python3 scripts/diag/wgmma_rate.py --only "1 fragment" "n192" \
+    --out "$out/kloop_rate"
+  STEP_TIMEOUT=${AB_TIMEOUT:-500} bounded ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" \
     --precision w8a8 --P 8 1 --rounds 2 --out "$out/ab"
   ;;
 ab_w4a8)
@@ -85,12 +92,23 @@ ab_w4a8)
   ;;
 w4a8)
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
-  STEP_TIMEOUT=100 bounded wgmma_rate python3 scripts/diag/wgmma_rate.py --out "$out/wgmma_rate"
+  STEP_TIMEOUT=100 bounded wgmma_rate python3 scripts/diag/wgmma_rate.py --only widen swapped --out "$out/wgmma_rate"
   # lab.megamoe.deepgemm unpacks the bundle; DeepGEMM's JIT compiles with nvcc
   export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(which nvcc)")")") XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
   STEP_TIMEOUT=${BENCH_TIMEOUT:-420} bounded w4a8_bench python3 scripts/bench_megamoe_w4a8.py --out "$out/w4a8"
   ;;
+nvfp4)
+  # the W4A8 layer's peer (issue 42): its own process, since the fork's package is also named deep_gemm
+  [ -f .dgb/dgn.tar.xz ] || { echo "no .dgb/dgn.tar.xz: build it (docs/gpu.md), then prepare with DGN_BUNDLE" >&2; exit 2; }
+  mkdir -p /tmp/dgn && tar -xJf .dgb/dgn.tar.xz -C /tmp/dgn
+  export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(which nvcc)")")") DG_JIT_CACHE_DIR=/tmp/dgcache_n
+  export PYTHONPATH=/tmp/dgn:$PWD:${PYTHONPATH:-}
+  for tokens in 256 1024; do  # the first includes the fork's JIT compile
+    STEP_TIMEOUT=270 bounded "nvfp4_$tokens" python3 scripts/bench_megamoe_fork.py --fork nvfp4 --tokens $tokens \
+      --trials 5 --out "$out/fork_nvfp4_$tokens"
+  done
+  ;;
 *)
-  echo "unknown call $cmd (prepare | suite | ab | ab_w4a8 | w4a8)" >&2; exit 2
+  echo "unknown call $cmd (prepare | suite | ab | ab_w4a8 | w4a8 | nvfp4)" >&2; exit 2
   ;;
 esac

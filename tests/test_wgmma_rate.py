@@ -20,6 +20,10 @@ def test_variants_reject_shapes_they_cannot_run():
         w.Variant(256, 128, True, ping_pong=False, swap_rs_n=12)  # N in steps of 8
     with pytest.raises(ValueError):
         w.Variant(256, 64, True, half=True)  # the half tile's batch is 128 columns per warpgroup
+    with pytest.raises(ValueError):
+        w.Variant(256, 128, True, order="turns")  # the order is the single fragment's (no ping-pong)
+    with pytest.raises(ValueError):
+        w.Variant(256, 128, True, ping_pong=False, order="alternate")
 
 
 @pytest.mark.compile
@@ -40,6 +44,8 @@ def test_variant_issues_its_batches(v):
         assert shapes == {str(v.slice_n): 4 * batches}  # 4 x k32 per 128-K stage and batch
         assert len(re.findall(r"wgmma\.wait_group", ptx)) == (batches if v.promote else 1)
     assert ptx.count("%clock64") == 2
+    # the warpgroups' order: a named-barrier arrive only where one warpgroup waits for the other's batch
+    assert bool(re.search(r"\bbar(rier)?\.(sync\.)?arrive\b", ptx)) == bool(v.order)
     assert ("cp.async.bulk.shared::cluster.global" in ptx) == v.refill
     # widen: 4 groups of 32 weights per thread and k-block, a table of 4 FP16 multiplies each (built per group in
     # the full tiles' widening, once per CTA where the half and swapped tiles look them up), 2 prmt per word

@@ -35,6 +35,7 @@ operands are zeros, so the rate is the instruction and operand stream's, not the
 
     python scripts/diag/wgmma_rate.py                 # every variant: a table and wgmma_rate.json
     python scripts/diag/wgmma_rate.py --compile-only  # no GPU: compile every variant (CI does)
+    python scripts/diag/wgmma_rate.py --only "1 fragment" n192   # the variants whose names contain these
 """
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ class Variant:
     widen: bool = False  # W4A8: widen a packed E2M1 stage into B before each k-block's WGMMAs
     half: bool = False  # a 64-row half tile: a warpgroup per 128 columns, one batch each
     swap_rs_n: int = 0  # a W4A8 half tile with A and B swapped: the weights (RS A) x this many tokens (B)
+    # one fragment: the warpgroups' batches as they come (""), warpgroup 1 one batch behind warpgroup 0 from the
+    # start ("stagger"), or each batch issued after the other warpgroup's has completed ("turns")
+    order: str = ""
 
     def __post_init__(self):
         if self.tile_n % self.slice_n or self.slice_n not in (64, 128, 192, 256) or self.tile_n > 256:
@@ -88,6 +92,9 @@ class Variant:
             raise ValueError("a half tile is the kernel's: 256 columns, a 128-column batch per warpgroup, promoted")
         if self.swap_rs_n and (self.half or self.swap_rs_n % 8 or not 8 <= self.swap_rs_n <= 64):
             raise ValueError(f"swap_rs_n: 8..64 tokens in steps of 8, got {self.swap_rs_n}")
+        if self.order not in ("", "stagger", "turns") or self.order and (
+                not self.promote or self.ping_pong or self.half or self.swap_rs_n or self.widen or self.refill):
+            raise ValueError(f"order {self.order!r}: '', 'stagger' or 'turns', for a full tile's single fragment")
 
     @property
     def rows(self) -> int:
@@ -103,7 +110,8 @@ class Variant:
             return "half n256: 2 WG x n128 + promote" + (" + widen E2M1" if self.widen else "")
         how = f"{self.tile_n // self.slice_n} x n{self.slice_n}" + (
             "" if not self.promote else " + promote" + ("" if self.ping_pong else ", 1 fragment")) + (
-            " + refill" if self.refill else "") + (" + widen E2M1" if self.widen else "")
+            " + refill" if self.refill else "") + (" + widen E2M1" if self.widen else "") + (
+            f", warpgroups {self.order}" if self.order else "")
         return f"tile n{self.tile_n}: {how}"
 
     @property
@@ -117,6 +125,10 @@ VARIANTS = (
     Variant(256, 64, True),  # the shipped W8A8 mainloop: 4 slices of 64, ping-pong
     Variant(256, 128, True),  # one batch per 128-column scale block, ping-pong (two 64-register fragments)
     Variant(256, 128, True, ping_pong=False),  # redesign option 1 as docs/moe-core.md has it: one fragment
+    # (the shipped W8A8 full tile). Do its warpgroups lose the pipe by finishing their batches together?
+    Variant(256, 128, True, ping_pong=False, order="stagger"),
+    Variant(256, 128, True, ping_pong=False, order="turns"),
+    Variant(192, 192, True, ping_pong=False),  # DeepGEMM's scheme: one n192 batch per 128 K, one fragment
     Variant(128, 64, True),
     Variant(128, 128, True),  # DeepGEMM-like width per promotion (its tile is 128 x 192 / 2 WGs)
     Variant(256, 256, False, refill=True, stages=2),  # the same with the refills' shared-memory writes
@@ -134,6 +146,7 @@ VARIANTS = (
 )
 PACKED_WORDS = 256 * BLOCK_K // 8  # a packed E2M1 stage: 256 rows x 64 bytes
 BULK_WAIT_TRIES = 1 << 20
+TURN_BARRIER = 4  # named barriers 4 and 5: the warpgroups' turns (1: the start, 2-3: a warpgroup's own)
 
 
 def swapped_fragment_row(lt):
@@ -425,6 +438,13 @@ class WgmmaRateSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the consumers start together
         t0 = xdev.clock64()
         src = Int64(mSource.iterator.toint())
+        wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+        if const_expr(v.order == "turns"):
+            if wg == 1:  # warpgroup 0 has the first turn
+                cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=THREADS)
+        if const_expr(v.order == "stagger"):
+            if wg == 1:
+                cute.arch.barrier(barrier_id=TURN_BARRIER, number_of_threads=THREADS)
         for kb in cutlass.range(v.k_blocks, unroll=1):
             s = kb % v.stages
             if const_expr(v.refill):
@@ -436,7 +456,14 @@ class WgmmaRateSm90:
                 sm90_utils.gemm_w_idx(mma_tile, acc, tCrA, tCrB[0], False, A_idx=s, B_idx=s, wg_wait=0)
             elif const_expr(not v.ping_pong):
                 for j in cutlass.range_constexpr(n_slices):
+                    if const_expr(v.order == "turns"):
+                        cute.arch.barrier(barrier_id=TURN_BARRIER + wg, number_of_threads=THREADS)
                     sm90_utils.gemm_w_idx(mma_slice, parts[0], tCrA, tCrB[j], True, A_idx=s, B_idx=s, wg_wait=0)
+                    if const_expr(v.order == "turns"):
+                        cute.arch.barrier_arrive(barrier_id=TURN_BARRIER + 1 - wg, number_of_threads=THREADS)
+                    if const_expr(v.order == "stagger" and j == 0):
+                        if kb == 0 and wg == 0:  # warpgroup 1 starts once warpgroup 0's first batch is done
+                            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=THREADS)
                     for e in cutlass.range_constexpr(cute.size(parts[0])):
                         acc[j * cute.size(parts[0]) + e] = acc[j * cute.size(parts[0]) + e] + parts[0][e] * c
             else:
@@ -451,6 +478,9 @@ class WgmmaRateSm90:
                     for e in cutlass.range_constexpr(cute.size(p)):
                         acc[(j - 1) * cute.size(p) + e] = acc[(j - 1) * cute.size(p) + e] + p[e] * c
         t1 = xdev.clock64()
+        if const_expr(v.order == "turns"):
+            if wg == 0:  # warpgroup 1's last turn handed back: no arrive left pending at exit
+                cute.arch.barrier(barrier_id=TURN_BARRIER, number_of_threads=THREADS)
         if const_expr(v.refill):
             if tidx == 0:  # the last two copies land before the CTA exits
                 for j in cutlass.range_constexpr(2):
@@ -530,13 +560,18 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results/h200/megamoe/wgmma_rate")
     ap.add_argument("--compile-only", action="store_true", help="compile every variant (no GPU) and exit")
+    ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                    help="only the variants whose name contains one of these (default: all)")
     args = ap.parse_args(argv)
+    variants = [v for v in VARIANTS if args.only is None or any(t in v.name for t in args.only)]
+    if not variants:
+        raise SystemExit(f"no variant's name contains any of {args.only}")
     if args.compile_only:
-        print(f"{'variant':58s} {'registers':>9s} {'LDL/STL':>8s} {'WGMMAs':>7s} {'waits':>6s}")
-        for v in VARIANTS:
+        print(f"{'variant':64s} {'registers':>9s} {'LDL/STL':>8s} {'WGMMAs':>7s} {'waits':>6s}")
+        for v in variants:
             compile_variant(v)
             u = sass_usage(v)
-            print(f"{v.name:58s} " + ("(no cuobjdump)" if u is None else
+            print(f"{v.name:64s} " + ("(no cuobjdump)" if u is None else
                   f"{u['registers']:9d} {u['local_memory_instructions']:8d} {u['wgmma']:7d} {u['wgmma_waits']:6d}"))
         return
     import torch
@@ -546,10 +581,10 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("wgmma_rate needs a Hopper GPU (sm_90); --compile-only does not")
     num_ctas = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = [measure(v, num_ctas) for v in VARIANTS]
-    print(f"{'variant':58s} {'cycles':>10s} {'per k-block':>11s} {'MAC/clk/SM':>11s} {'of 4096':>8s}")
+    rows = [measure(v, num_ctas) for v in variants]
+    print(f"{'variant':64s} {'cycles':>10s} {'per k-block':>11s} {'MAC/clk/SM':>11s} {'of 4096':>8s}")
     for r in rows:
-        print(f"{r['name']:58s} {r['cycles']:10.0f} {r['cycles_per_k_block']:11.0f} {r['macs_per_clk']:11.0f} "
+        print(f"{r['name']:64s} {r['cycles']:10.0f} {r['cycles_per_k_block']:11.0f} {r['macs_per_clk']:11.0f} "
               f"{r['of_peak']:8.1%}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "wgmma_rate.json"), "w") as f:
