@@ -6,6 +6,7 @@
 #   scripts/gpu_calls.sh prepare          CPU: wheels (.gpuwheels/a, b, x), the K-loop A/B trees (.kc/), DeepGEMM (.dgb/);
 #                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder,
 #                                         DGN_BUNDLE the NVFP4 fork's built package (docs/gpu.md)
+#   scripts/gpu_calls.sh precompile       CPU: the ab and ab_w4a8 calls' fused kernels into .kcache/<call> (a minute or two)
 #   scripts/gpu_calls.sh suite   OUT      GPU: `tests -m gpu` (kernels compiled by 12 processes, then one process)
 #   scripts/gpu_calls.sh ab      OUT      GPU: the full tile's K-loop orders in isolation (wgmma_rate), then the W8A8
 #                                         K-loop A/B, main against the trees in .kc/ (P 8 and 1)
@@ -15,14 +16,19 @@
 #
 # In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
-# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]. Each step is bounded (STEP_TIMEOUT
+# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; with ab and ab_w4a8 also .kcache/<call>
+# when precompiled (2 MB each: a carried cache is used, else /tmp/kcache). Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: scripts/gpu_calls.sh prepare|suite|ab|ab_w4a8|w4a8|nvfp4 [OUT]}
+cmd=${1:?usage: scripts/gpu_calls.sh prepare|precompile|suite|ab|ab_w4a8|w4a8|nvfp4 [OUT]}
 out=${2:-${OUT:-/tmp/gpu_calls}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in another tree
-export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}  # the GPU calls share compiled kernels
+# the GPU calls share compiled kernels; a cache precompiled on a CPU for this call is found (the file names hash the
+# compile environment, so the arch is set as on the CPU)
+export CUTE_DSL_ARCH=${CUTE_DSL_ARCH:-sm_90a}
+if [ -d ".kcache/$cmd" ]; then export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-$PWD/.kcache/$cmd}
+else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 # the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=916ac75)
@@ -39,7 +45,7 @@ bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAM
 case $cmd in
 prepare)
   git rev-parse HEAD > .xstage_commit
-  for ignored in /.gpuwheels/ /.kc/ /.dgb/ /.xstage_commit; do
+  for ignored in /.gpuwheels/ /.kc/ /.dgb/ /.kcache/ /.xstage_commit; do
     grep -qxF "$ignored" .git/info/exclude || echo "$ignored" >> .git/info/exclude
   done
   # WHEELS_PREPARE: the offline wheel bundle's builder (docs/gpu.md); DEEPGEMM_DIR: the DeepGEMM bundle
@@ -57,6 +63,19 @@ prepare)
   elif [ ! -d .dgb ]; then echo "no .dgb: set DEEPGEMM_DIR"; fi
   if [ -n "${DGN_BUNDLE:-}" ]; then mkdir -p .dgb && cp "$DGN_BUNDLE" .dgb/dgn.tar.xz; fi
   du -sh .gpuwheels/* .kc/* .dgb
+  ;;
+precompile)
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+  trees=(--tree main=.)
+  for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
+  XSTAGE_KERNEL_CACHE=$PWD/.kcache/ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" --precision w8a8 \
+    --P 8 1 --out "$out/precompile_ab" --compile-only
+  for tokens in 256 1024; do
+    XSTAGE_KERNEL_CACHE=$PWD/.kcache/ab_w4a8 python3 scripts/diag/megamoe_ab_trees.py --tree main=. \
+      --tree "${W4A8_TREE%%=*}=.kc/${W4A8_TREE%%=*}" --precision w4a8 --P 1 --tokens $tokens \
+      --out "$out/precompile_ab_w4a8" --compile-only
+  done
+  du -sh .kcache/*
   ;;
 suite)
   [ -d .gpuwheels/x ] && python3 -m pip install -q --no-index --no-deps --target /tmp/xstage-site .gpuwheels/x/*.whl
