@@ -13,15 +13,17 @@
 #   scripts/gpu_calls.sh ab_w4a8 OUT      GPU: the W4A8 swapped half tiles (.kc/swapped): their GPU tests, then A/B
 #   scripts/gpu_calls.sh w4a8    OUT      GPU: the WGMMA-rate variants, then the W4A8 bench with DeepGEMM
 #   scripts/gpu_calls.sh nvfp4   OUT      GPU: our W4A8 and W8A8 kernels against the fork's SM90 NVFP4 Mega MoE
+#   scripts/gpu_calls.sh sweep_w4a8 OUT   GPU: issue 42's X-Stage cells, 24 per world (P 1 2 4 8, 2048 / 4096 tokens,
+#                                         three routings); SWEEP_FROM=<its sweep_w4a8.json> continues an unfinished one
 #
 # In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
-# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; with ab and ab_w4a8 also .kcache/<call>
+# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; sweep_w4a8 [.xstage_commit]; with ab and ab_w4a8 also .kcache/<call>
 # when precompiled (2 MB each: a carried cache is used, else /tmp/kcache). Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: scripts/gpu_calls.sh prepare|precompile|suite|ab|ab_w4a8|w4a8|nvfp4 [OUT]}
+cmd=${1:?usage: scripts/gpu_calls.sh prepare|precompile|suite|ab|ab_w4a8|w4a8|nvfp4|sweep_w4a8 [OUT]}
 out=${2:-${OUT:-/tmp/gpu_calls}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in another tree
 # the GPU calls share compiled kernels; a cache precompiled on a CPU for this call is found (the file names hash the
@@ -127,7 +129,15 @@ nvfp4)
       --trials 5 --out "$out/fork_nvfp4_$tokens"
   done
   ;;
+sweep_w4a8)
+  # about 10 s a cell (the rerun of 2026-12-04): 48 cells fit one call; the JSON is written after every cell
+  [ -n "${SWEEP_FROM:-}" ] && cp "$SWEEP_FROM" "$out/sweep_w4a8.json"
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+  STEP_TIMEOUT=${SWEEP_TIMEOUT:-540} bounded sweep_w4a8 python3 scripts/sweep_megamoe.py --preset reduced \
+    --shapes deepseek-v4-flash --P 1 2 4 8 --tokens 2048 4096 --routing balanced skewed1 skewed2 --precision w4a8 \
+    --worlds loopback loopback+host --no-trace --out "$out/sweep_w4a8.json"
+  ;;
 *)
-  echo "unknown call $cmd (prepare | suite | ab | ab_w4a8 | w4a8 | nvfp4)" >&2; exit 2
+  echo "unknown call $cmd (prepare | precompile | suite | ab | ab_w4a8 | w4a8 | nvfp4 | sweep_w4a8)" >&2; exit 2
   ;;
 esac
