@@ -71,7 +71,7 @@ precompile)
   trees=(--tree main=.)
   for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
   XSTAGE_KERNEL_CACHE=$PWD/.kcache/ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" --precision w8a8 \
-    --P 8 1 --out "$out/precompile_ab" --compile-only
+    --P 8 1 --bits --out "$out/precompile_ab" --compile-only
   for tokens in 256 1024; do
     XSTAGE_KERNEL_CACHE=$PWD/.kcache/ab_w4a8 python3 scripts/diag/megamoe_ab_trees.py --tree main=. \
       --tree "${W4A8_TREE%%=*}=.kc/${W4A8_TREE%%=*}" --precision w4a8 --P 1 --tokens $tokens \
@@ -92,8 +92,9 @@ ab)
   # do the two warpgroups lose the tensor pipe by finishing their batches together? (docs/moe-core.md section 5)
   STEP_TIMEOUT=60 bounded kloop_rate python3 scripts/diag/wgmma_rate.py --only "1 fragment" "n192" \
     --out "$out/kloop_rate"
+  # --bits: the trees must give main's outputs bit for bit (a small fixed problem), then the timing
   STEP_TIMEOUT=${AB_TIMEOUT:-500} bounded ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" \
-    --precision w8a8 --P 8 1 --rounds 2 --out "$out/ab"
+    --precision w8a8 --P 8 1 --rounds 2 --bits --out "$out/ab"
   ;;
 ab_w4a8)
   tree=.kc/${W4A8_TREE%%=*}

@@ -807,3 +807,33 @@ def test_timeout_contention_args_and_outcomes(tmp_path):
     assert tc.classify(DeviceError("ring timeout")) == "device_error"
     assert tc.classify(RuntimeError("CUDA error: unspecified launch failure")) == "launch_failure"
     assert tc.classify(ValueError("bad shape")) == "other"
+
+
+def test_ab_trees_bits_compare_each_tree_s_outputs_with_the_first_s(tmp_path, monkeypatch):
+    """--bits: each tree's output hash (output_hash.py, run in the tree's directory and environment; here a stand-in
+    that hashes the tree's marker file) is set against the first tree's; a failed hash is reported, not equal."""
+    import json
+    import textwrap
+
+    from lab.megamoe.diag import ab_trees
+
+    stand_in = tmp_path / "output_hash.py"
+    stand_in.write_text(textwrap.dedent("""
+        import hashlib, json, os, sys
+        marker = open("marker").read()
+        if marker == "broken":
+            sys.exit("no kernel")
+        print("compiling...")
+        print(json.dumps({"sha256": hashlib.sha256(marker.encode()).hexdigest(), "argv": sys.argv[1:]}))
+    """))
+    monkeypatch.setattr(ab_trees, "OUTPUT_HASH", str(stand_in))
+    for name, marker in (("base", "x"), ("same", "x"), ("other", "y"), ("bad", "broken")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "marker").write_text(marker)
+    names = ["base", "same", "other", "bad"]
+    bits = {n: ab_trees.tree_bits(str(tmp_path / n), "w8a8", 60) for n in names}
+    assert bits["base"]["argv"] == ["--precision", "w8a8"] and "no kernel" in bits["bad"]["error"]
+    assert ab_trees.bits_verdicts(names, bits) == {"base": True, "same": True, "other": False, "bad": None}
+    assert ab_trees.tree_bits(str(tmp_path / "base"), "w4a8", 60, compile_only=True)["argv"] == [
+        "--precision", "w4a8", "--compile-only"]
+    assert json.loads(json.dumps(bits))  # what ab_trees.json records

@@ -6,6 +6,7 @@ time (the median of its calls after the first, then the median over the rounds) 
 tree's, next to the traced mainloops.
 
     python scripts/diag/megamoe_ab_trees.py --tree main=.kc/mainwt --tree new=. --P 1 8 --rounds 2 --out DIR
+    python scripts/diag/megamoe_ab_trees.py ... --bits   # first: do the trees compute the first tree's bits?
     XSTAGE_KERNEL_CACHE=.kernel-cache python scripts/diag/megamoe_ab_trees.py ... --compile-only   # ahead, on a CPU
 
 The trees travel to the GPU host with ``carry`` (docs/gpu.md). Writes ``ab_trees.json`` (every run's
@@ -101,6 +102,30 @@ def tile_budget_args(args, extra) -> list:
             *([] if args.routing == "balanced" else ["--routing", args.routing]), *extra, "--P", *map(str, args.P)]
 
 
+OUTPUT_HASH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "output_hash.py")
+
+
+def tree_bits(path: str, precision: str, timeout_s: int, compile_only: bool = False) -> dict:
+    """:mod:`output_hash` (this tree's file, run in the tree's environment) of the tree at ``path``: its
+    outputs' SHA-256 on a fixed small problem, or the failure's tail (``compile_only``: its kernels into
+    ``XSTAGE_KERNEL_CACHE``, no GPU)."""
+    cmd = [sys.executable, OUTPUT_HASH, "--precision", precision, *(["--compile-only"] if compile_only else [])]
+    try:
+        done = subprocess.run(cmd, cwd=path, env=tree_env(path), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stdout + done.stderr)[-2000:]}
+    return json.loads(lines[-1])
+
+
+def bits_verdicts(names, bits: dict) -> dict:
+    """{tree: whether its outputs' bits equal the first tree's} (None where either run failed)."""
+    first = bits[names[0]].get("sha256")
+    return {n: (None if first is None or "sha256" not in bits[n] else bits[n]["sha256"] == first) for n in names}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
@@ -117,6 +142,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="every tree once per round, the order alternating")
     ap.add_argument("--timeout-s", type=int, default=300, help="bound of one tree's run")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--bits", action="store_true",
+                    help="first hash each tree's outputs on a small fixed problem (output_hash.py): equal bits to the "
+                         "first tree's, for trees that must not change the results")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile every tree's builds into XSTAGE_KERNEL_CACHE once and exit (a CPU host is fine: "
                          "carry the cache, and the GPU run compiles nothing)")
@@ -145,8 +173,19 @@ def main(argv=None):
             done = subprocess.run(cmd, cwd=paths[name], env=env, capture_output=True, text=True)
             if done.returncode != 0:
                 sys.exit(f"{name}: compiling failed\n{(done.stdout + done.stderr)[-2000:]}")
+            if args.bits and "error" in (b := tree_bits(paths[name], args.precision, args.timeout_s, True)):
+                sys.exit(f"{name}: compiling the output hash's layer failed\n{b['error']}")
             bench.log(f"{name}: compiled")
         return
+    bits = {}
+    if args.bits:
+        for name in names:
+            bits[name] = tree_bits(paths[name], args.precision, args.timeout_s)
+            bench.log(f"{name}: outputs " + (bits[name]["sha256"][:16] if "sha256" in bits[name] else
+                                             f"not hashed: {bits[name]['error'][-300:]}"))
+        for name, same in bits_verdicts(names, bits).items():
+            bench.log(f"{name}: bits {'equal to' if same else 'unknown against' if same is None else 'DIFFER from'} "
+                      f"{names[0]}'s")
     budgets, failed = {}, []
     for r, name in bench.progress(run_order(names, args.rounds), desc="tree runs"):
         out = os.path.join(os.path.abspath(args.out), f"{name}_round{r}")
@@ -181,6 +220,7 @@ def main(argv=None):
         json.dump({"what": __doc__.splitlines()[0], "args": vars(args),
                    "trees": {n: dict(path=p, commit=tree_commit(p)) for n, p in trees}, "rows": rows,
                    "runs": {f"{n}_round{r}": b for (r, n), b in budgets.items()}, "failed": failed,
+                   "bits": bits, "bits_equal_first": bits_verdicts(names, bits) if bits else {},
                    "provenance": provenance.collect()}, f, indent=1)
 
 
