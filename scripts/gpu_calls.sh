@@ -17,7 +17,7 @@
 #                                         three routings); SWEEP_FROM=<its sweep_w4a8.json> continues an unfinished one
 #
 # In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
-# carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .xstage_commit];
+# carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .kc/stagger .xstage_commit];
 # ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; sweep_w4a8 [.xstage_commit]; with ab and ab_w4a8 also .kcache/<call>
 # when precompiled (2 MB each: a carried cache is used, else /tmp/kcache). Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
@@ -33,7 +33,7 @@ if [ -d ".kcache/$cmd" ]; then export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:
 else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 # the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
 # reverted on main until timed)
-AB_TREES=(lean=e11115d turns=916ac75)
+AB_TREES=(lean=e11115d turns=916ac75 stagger=3e363f6)
 W4A8_TREE=swapped=ff668d5
 
 bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
