@@ -99,14 +99,15 @@ ab)
 ab_w4a8)
   tree=.kc/${W4A8_TREE%%=*}
   # correctness first, in the experiment's own tree (its tests pin its layout: kernel_codes, the swapped tiles):
-  # the widening, then bitwise W8A8 with partial and empty blocks (half tiles) and a checkpoint's layout
-  (cd "$tree" && export PYTHONPATH=$PWD:${PYTHONPATH:-} && STEP_TIMEOUT=240 bounded ab_w4a8_tests python3 -m pytest \
+  # the widening, then bitwise W8A8 on W8A8's six cases (the only ones with 17-32-row blocks, the N 32 form: the
+  # review of 2026-12-05 counted them), with zero-token experts, and a checkpoint's layout
+  (cd "$tree" && export PYTHONPATH=$PWD:${PYTHONPATH:-} && STEP_TIMEOUT=300 bounded ab_w4a8_tests python3 -m pytest \
     -q -x -p no:cacheprovider -m gpu tests/test_megamoe_fp4_widen.py tests/test_megamoe_w4a8_gpu.py \
-    -k "widening or zero_token or checkpoint")
+    -k "widening or bitwise or zero_token or checkpoint")
   if ! grep -qE "[0-9]+ (failed|error)|FAILED" "$out/ab_w4a8_tests.log"; then
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     for tokens in 256 1024; do  # 6 and 24 rows per expert: every half tile swapped (N 16, N 32)
-      STEP_TIMEOUT=150 bounded "ab_w4a8_$tokens" python3 scripts/diag/megamoe_ab_trees.py \
+      STEP_TIMEOUT=120 bounded "ab_w4a8_$tokens" python3 scripts/diag/megamoe_ab_trees.py \
         --tree main=. --tree "${W4A8_TREE%%=*}=$tree" --precision w4a8 --P 1 --tokens $tokens --rounds 2 \
         --out "$out/ab_w4a8_$tokens"
     done
