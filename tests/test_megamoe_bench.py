@@ -837,3 +837,14 @@ def test_ab_trees_bits_compare_each_tree_s_outputs_with_the_first_s(tmp_path, mo
     assert ab_trees.tree_bits(str(tmp_path / "base"), "w4a8", 60, compile_only=True)["argv"] == [
         "--precision", "w4a8", "--compile-only"]
     assert json.loads(json.dumps(bits))  # what ab_trees.json records
+
+
+def test_output_hash_runs_its_problem_through_the_public_api_and_is_deterministic():
+    """lab/megamoe/diag/output_hash.py on a CPU (the torch backend): its problem goes through MegaMoE's public API as
+    the fused run will, and two runs give one hash (the seeded inputs), another seed another."""
+    from lab.megamoe.diag import output_hash as oh
+
+    a = oh.output_hash("bf16", device="cpu", backend="torch")
+    assert a["finite"] and len(a["sha256"]) == 64 and a["precision"] == "bf16"
+    assert oh.output_hash("bf16", device="cpu", backend="torch")["sha256"] == a["sha256"]
+    assert oh.output_hash("bf16", device="cpu", backend="torch", seed=1)["sha256"] != a["sha256"]

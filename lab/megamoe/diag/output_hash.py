@@ -18,28 +18,31 @@ EXPERTS, HIDDEN, INTERMEDIATE, TOPK = 16, 1024, 512, 4
 RANKS, TOKENS = 2, 384
 
 
-def output_hash(precision: str, schedule: str = "interleaved", seed: int = 0) -> dict:
-    """Build the layer, run one forward on the fixed problem and hash every rank's output bytes, in rank order."""
+def output_hash(precision: str, schedule: str = "interleaved", seed: int = 0, device: str = "cuda",
+                backend: str = "fused") -> dict:
+    """Build the layer, run one forward on the fixed problem and hash every rank's output bytes, in rank order
+    (``device`` / ``backend``: the CPU test runs the torch backend)."""
     import torch
 
     from megamoe_interleave import MegaMoE, MegaMoEConfig, make_world
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).bfloat16()
+        return (torch.randn(*shape, generator=g, device=device) * scale).bfloat16()
 
     w1 = randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5)
     w2 = randn(EXPERTS, HIDDEN, INTERMEDIATE, scale=INTERMEDIATE ** -0.5)
     xs = [randn(TOKENS, HIDDEN) for _ in range(RANKS)]
-    scores = [torch.rand(TOKENS, EXPERTS, generator=g, device="cuda") for _ in range(RANKS)]
+    scores = [torch.rand(TOKENS, EXPERTS, generator=g, device=device) for _ in range(RANKS)]
     idx = [s.topk(TOPK, dim=1).indices for s in scores]
     wts = [torch.softmax(s.topk(TOPK, dim=1).values, dim=1) for s in scores]
-    moe = MegaMoE(make_world("loopback", world_size=RANKS, device="cuda"), EXPERTS, HIDDEN, INTERMEDIATE, TOPK,
-                  TOKENS, MegaMoEConfig(schedule, precision=precision), backend="fused")
+    moe = MegaMoE(make_world("loopback", world_size=RANKS, device=device), EXPERTS, HIDDEN, INTERMEDIATE, TOPK,
+                  TOKENS, MegaMoEConfig(schedule, precision=precision), backend=backend)
     moe.load_weights(w1, w2)
     ys = moe.forward(xs, idx, wts)
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     h = hashlib.sha256()
     for y in ys:
         h.update(y.contiguous().view(torch.uint8).cpu().numpy().tobytes())
