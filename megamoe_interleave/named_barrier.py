@@ -12,5 +12,3 @@ class NamedBarrier(enum.IntEnum):
     Widen = 7  # W4A8 full tiles: both consumer warpgroups have widened their B rows
     WidenWg0 = 8  # W4A8 half tiles: consumer warpgroup 0 among itself
     WidenWg1 = 9  # ... warpgroup 1
-    ConsumerTurn0 = 10  # W8A8 full tiles: consumer warpgroup 0 may issue its next batch
-    ConsumerTurn1 = 11  # ... warpgroup 1
