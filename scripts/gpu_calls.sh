@@ -33,7 +33,7 @@ if [ -d ".kcache/$cmd" ]; then export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:
 else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 # the K-loop experiments of docs/moe-core.md section 5 and the W4A8 swapped half tiles of docs/w4a8.md (each
 # reverted on main until timed)
-AB_TREES=(lean=e11115d turns=916ac75 stagger=3e363f6)
+AB_TREES=(lean=e11115d turns=ab46bd5 stagger=3e363f6)
 W4A8_TREE=swapped=ff668d5
 
 bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
