@@ -36,6 +36,15 @@ else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 AB_TREES=(lean=e11115d turns=ab46bd5 stagger=3e363f6)
 W4A8_TREE=swapped=ff668d5
 
+ab_trees_args() {  # main and the K-loop experiments' trees as megamoe_ab_trees.py --tree options, into trees[]
+  trees=(--tree main=.)
+  for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
+}
+
+nvcc_home() {  # DeepGEMM's JIT compiles with nvcc: the toolkit it belongs to
+  dirname "$(dirname "$(readlink -f "$(which nvcc)")")"
+}
+
 bounded() {  # NAME CMD...: run CMD with the step timeout, its output in OUT/NAME.log and its tail here
   local name=$1; shift
   timeout "${STEP_TIMEOUT:-280}" "$@" > "$out/$name.log" 2>&1
@@ -68,8 +77,7 @@ prepare)
   ;;
 precompile)
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
-  trees=(--tree main=.)
-  for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
+  ab_trees_args
   XSTAGE_KERNEL_CACHE=$PWD/.kcache/ab python3 scripts/diag/megamoe_ab_trees.py "${trees[@]}" --precision w8a8 \
     --P 8 1 --bits --out "$out/precompile_ab" --compile-only
   for tokens in 256 1024; do
@@ -86,8 +94,7 @@ suite)
   STEP_TIMEOUT=${SUITE_TIMEOUT:-250} bounded suite python3 -m pytest tests -m gpu -q -p no:cacheprovider -p no:xdist
   ;;
 ab)
-  trees=(--tree main=.)
-  for spec in "${AB_TREES[@]}"; do trees+=(--tree "${spec%%=*}=.kc/${spec%%=*}"); done
+  ab_trees_args
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
   # do the two warpgroups lose the tensor pipe by finishing their batches together? (docs/moe-core.md section 5)
   STEP_TIMEOUT=60 bounded kloop_rate python3 scripts/diag/wgmma_rate.py --only "1 fragment" "n192" \
@@ -116,15 +123,15 @@ ab_w4a8)
 w4a8)
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
   STEP_TIMEOUT=100 bounded wgmma_rate python3 scripts/diag/wgmma_rate.py --only widen swapped --out "$out/wgmma_rate"
-  # lab.megamoe.deepgemm unpacks the bundle; DeepGEMM's JIT compiles with nvcc
-  export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(which nvcc)")")") XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
+  # lab.megamoe.deepgemm unpacks the bundle
+  export CUDA_HOME=$(nvcc_home) XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
   STEP_TIMEOUT=${BENCH_TIMEOUT:-420} bounded w4a8_bench python3 scripts/bench_megamoe_w4a8.py --out "$out/w4a8"
   ;;
 nvfp4)
   # the W4A8 layer's peer (issue 42): its own process, since the fork's package is also named deep_gemm
   [ -f .dgb/dgn.tar.xz ] || { echo "no .dgb/dgn.tar.xz: build it (docs/gpu.md), then prepare with DGN_BUNDLE" >&2; exit 2; }
   mkdir -p /tmp/dgn && tar -xJf .dgb/dgn.tar.xz -C /tmp/dgn
-  export CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(which nvcc)")")") DG_JIT_CACHE_DIR=/tmp/dgcache_n
+  export CUDA_HOME=$(nvcc_home) DG_JIT_CACHE_DIR=/tmp/dgcache_n
   export PYTHONPATH=/tmp/dgn:$PWD:${PYTHONPATH:-}
   for tokens in 256 1024; do  # the first includes the fork's JIT compile
     STEP_TIMEOUT=270 bounded "nvfp4_$tokens" python3 scripts/bench_megamoe_fork.py --fork nvfp4 --tokens $tokens \

@@ -34,9 +34,9 @@ def output_hash(precision: str, schedule: str = "interleaved", seed: int = 0, de
     w1 = randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, scale=HIDDEN ** -0.5)
     w2 = randn(EXPERTS, HIDDEN, INTERMEDIATE, scale=INTERMEDIATE ** -0.5)
     xs = [randn(TOKENS, HIDDEN) for _ in range(RANKS)]
-    scores = [torch.rand(TOKENS, EXPERTS, generator=g, device=device) for _ in range(RANKS)]
-    idx = [s.topk(TOPK, dim=1).indices for s in scores]
-    wts = [torch.softmax(s.topk(TOPK, dim=1).values, dim=1) for s in scores]
+    picks = [torch.rand(TOKENS, EXPERTS, generator=g, device=device).topk(TOPK, dim=1) for _ in range(RANKS)]
+    idx = [p.indices for p in picks]
+    wts = [torch.softmax(p.values, dim=1) for p in picks]
     moe = MegaMoE(make_world("loopback", world_size=RANKS, device=device), EXPERTS, HIDDEN, INTERMEDIATE, TOPK,
                   TOKENS, MegaMoEConfig(schedule, precision=precision), backend=backend)
     moe.load_weights(w1, w2)
