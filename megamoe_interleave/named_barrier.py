@@ -12,3 +12,4 @@ class NamedBarrier(enum.IntEnum):
     Widen = 7  # W4A8 full tiles: both consumer warpgroups have widened their B rows
     WidenWg0 = 8  # W4A8 half tiles: consumer warpgroup 0 among itself
     WidenWg1 = 9  # ... warpgroup 1
+    ConsumerStagger = 10  # W8A8 full tiles: warpgroup 0's first batch of the tile has completed

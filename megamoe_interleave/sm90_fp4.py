@@ -51,6 +51,8 @@ class MegaMoESm90W4A8(MegaMoESm90W8A8):
     """The fused kernel in W4A8 (``MegaMoEConfig(precision="w4a8")``; BN = 256, BK = 128, 3 stages)."""
 
     precision = "w4a8"
+    lean_k_loop = False  # the widening's state spilled with it (48 B of stack)
+    stagger_warpgroups = False  # the widening's barrier lines the warpgroups up every K block
     b_dtype, b_tile_k, widened_buffers = Uint8, PACKED_K, WIDENED_BUFFERS
 
     def stage_tx_bytes(self) -> int:
