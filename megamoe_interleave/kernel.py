@@ -38,6 +38,16 @@ def compile_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig, 
                           *fake_launch_arguments(hidden, intermediate, config.precision), options=options).fn
 
 
+def compiled_megamoe_sm90(hidden: int, intermediate: int, config: MegaMoEConfig):
+    """The fused kernel of a resolved ``config``, compiled once per process and, with
+    ``XSTAGE_KERNEL_CACHE``, kept on disk under a key of its program's sources (a GPU host given a
+    cache filled on a CPU loads it instead of compiling)."""
+    from xstage.cute_compile import cached
+
+    key = ("MegaMoESm90", hidden, intermediate, config.kernel_key())
+    return cached(key, lambda: compile_megamoe_sm90(hidden, intermediate, key[-1]), sources=kernel_sources())
+
+
 def fake_launch_arguments(hidden: int, intermediate: int, precision: str = "bf16"):
     """Fake arguments, scalars and stream for compiling without a GPU (:func:`.arguments.tensor_argument_spec`)."""
     from quack.compile_utils import make_fake_tensor

@@ -38,14 +38,9 @@ class FusedLauncher:
 
     # -- kernels ------------------------------------------------------------------------------
     def kernel(self, config: MegaMoEConfig):
-        from xstage.cute_compile import cached
+        from .kernel import compiled_megamoe_sm90
 
-        from .kernel import compile_megamoe_sm90, kernel_sources
-
-        layer = self.layer
-        key = ("MegaMoESm90", layer.hidden, layer.intermediate, config.kernel_key())
-        return cached(key, lambda: compile_megamoe_sm90(layer.hidden, layer.intermediate, key[-1]),
-                      sources=kernel_sources())
+        return compiled_megamoe_sm90(self.layer.hidden, self.layer.intermediate, config)
 
     def compile(self, device_plan: bool) -> None:
         from .act_quant import compiled_act_quant

@@ -6,7 +6,7 @@
 #   scripts/gpu_calls.sh prepare          CPU: wheels (.gpuwheels/a, b, x), the K-loop A/B trees (.kc/), DeepGEMM (.dgb/);
 #                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder,
 #                                         DGN_BUNDLE the NVFP4 fork's built package (docs/gpu.md)
-#   scripts/gpu_calls.sh precompile       CPU: the ab and ab_w4a8 calls' fused kernels into .kcache/<call> (a minute or two)
+#   scripts/gpu_calls.sh precompile       CPU: the ab, ab_w4a8 and sweep_w4a8 calls' fused kernels into .kcache/<call>
 #   scripts/gpu_calls.sh suite   OUT      GPU: `tests -m gpu` (kernels compiled by 12 processes, then one process)
 #   scripts/gpu_calls.sh ab      OUT      GPU: the full tile's K-loop orders in isolation (wgmma_rate), then the W8A8
 #                                         K-loop A/B, main against the trees in .kc/ (P 8 and 1)
@@ -18,7 +18,8 @@
 #
 # In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .kc/stagger .xstage_commit];
-# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; sweep_w4a8 [.xstage_commit]; with ab and ab_w4a8 also .kcache/<call>
+# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; sweep_w4a8 [.xstage_commit]; with ab, ab_w4a8
+# and sweep_w4a8 also .kcache/<call>
 # when precompiled (2 MB each: a carried cache is used, else /tmp/kcache). Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
 set -uo pipefail
@@ -35,6 +36,9 @@ else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=ab46bd5 stagger=3e363f6)
 W4A8_TREE=swapped=ff668d5
+# issue 42's X-Stage cells: 24 per world
+SWEEP_W4A8=(--preset reduced --shapes deepseek-v4-flash --P 1 2 4 8 --tokens 2048 4096 --routing balanced skewed1 skewed2
+  --precision w4a8 --worlds loopback loopback+host --no-trace)
 
 ab_trees_args() {  # main and the K-loop experiments' trees as megamoe_ab_trees.py --tree options, into trees[]
   trees=(--tree main=.)
@@ -85,6 +89,7 @@ precompile)
       --tree "${W4A8_TREE%%=*}=.kc/${W4A8_TREE%%=*}" --precision w4a8 --P 1 --tokens $tokens \
       --out "$out/precompile_ab_w4a8" --compile-only
   done
+  XSTAGE_KERNEL_CACHE=$PWD/.kcache/sweep_w4a8 python3 scripts/sweep_megamoe.py "${SWEEP_W4A8[@]}" --compile-only
   du -sh .kcache/*
   ;;
 suite)
@@ -142,9 +147,8 @@ sweep_w4a8)
   # about 10 s a cell (the rerun of 2026-12-04): 48 cells fit one call; the JSON is written after every cell
   [ -n "${SWEEP_FROM:-}" ] && cp "$SWEEP_FROM" "$out/sweep_w4a8.json"
   export PYTHONPATH=$PWD:${PYTHONPATH:-}
-  STEP_TIMEOUT=${SWEEP_TIMEOUT:-540} bounded sweep_w4a8 python3 scripts/sweep_megamoe.py --preset reduced \
-    --shapes deepseek-v4-flash --P 1 2 4 8 --tokens 2048 4096 --routing balanced skewed1 skewed2 --precision w4a8 \
-    --worlds loopback loopback+host --no-trace --out "$out/sweep_w4a8.json"
+  STEP_TIMEOUT=${SWEEP_TIMEOUT:-540} bounded sweep_w4a8 python3 scripts/sweep_megamoe.py "${SWEEP_W4A8[@]}" \
+    --out "$out/sweep_w4a8.json"
   ;;
 *)
   echo "unknown call $cmd (prepare | precompile | suite | ab | ab_w4a8 | w4a8 | nvfp4 | sweep_w4a8)" >&2; exit 2

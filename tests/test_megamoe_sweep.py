@@ -114,6 +114,23 @@ def test_time_estimate_scales_with_the_trials_the_flops_and_the_pcie_volume():
     assert two["compiles"] == 4 and two["per_world"]["loopback"]["cells"] == 2  # the same kernels
 
 
+def test_compile_only_compiles_each_cells_kernels_once_in_the_cells_precision(monkeypatch, tmp_path):
+    import megamoe_interleave.kernel as K
+
+    cells = [S.Cell("deepseek-v4-flash", r, 2048, w, 4, "w4a8") for r in ("balanced", "skewed1")
+             for w in ("loopback", "loopback+host")]
+    assert {k[2].precision for k in S.kernel_keys(cells[0])} == {"w4a8"}
+    built = []
+    monkeypatch.setattr(K, "compiled_megamoe_sm90", lambda h, i, config: built.append((h, i, config)))
+    monkeypatch.delenv("XSTAGE_KERNEL_CACHE", raising=False)
+    with pytest.raises(ValueError, match="XSTAGE_KERNEL_CACHE"):
+        S.compile_cells(cells, trace=False)
+    monkeypatch.setenv("XSTAGE_KERNEL_CACHE", str(tmp_path))
+    assert S.compile_cells(cells, trace=False, file=open(os.devnull, "w")) == 2
+    assert sorted(c.schedule for _, _, c in built) == ["expert_wave", "interleaved"]
+    assert all(c.precision == "w4a8" and not c.trace and (h, i) == (4096, 2048) for h, i, c in built)
+
+
 def test_the_reduced_preset_has_24_cells_per_world_within_ten_minutes():
     args = S.build_parser().parse_args(["--preset", "reduced"])
     cells = S.grid_from_args(args)

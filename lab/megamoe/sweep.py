@@ -277,10 +277,27 @@ def kernel_keys(cell: Cell, trace: bool = True, num_sms: int = 132) -> set:
     shape = get_shape(cell.shape)
     keys = set()
     for sched in SCHEDULES:
-        config = MegaMoEConfig(sched).resolve(shape, cell.P, cell.tokens, num_sms)
+        config = MegaMoEConfig(sched, precision=cell.precision).resolve(shape, cell.P, cell.tokens, num_sms)
         for traced in ((False, True) if trace else (False,)):
             keys.add((shape.hidden, shape.intermediate, dataclasses.replace(config, trace=traced).kernel_key()))
     return keys
+
+
+def compile_cells(cells: Sequence[Cell], trace: bool = True, num_sms: int = 132, file=None) -> int:
+    """Compile the fused kernels of ``cells`` (:func:`kernel_keys`) into ``XSTAGE_KERNEL_CACHE``, with
+    no GPU: a GPU host given the same cache loads them instead of compiling (scripts/gpu_calls.sh
+    precompile). Returns the number of kernels."""
+    from megamoe_interleave.kernel import compiled_megamoe_sm90
+    from xstage.cute_compile import KERNEL_CACHE_ENV
+
+    if not os.environ.get(KERNEL_CACHE_ENV):
+        raise ValueError(f"compiling ahead keeps the kernels for the GPU run: set {KERNEL_CACHE_ENV}")
+    keys = sorted(set().union(*(kernel_keys(c, trace, num_sms) for c in cells)), key=repr)
+    for i, (hidden, intermediate, config) in enumerate(keys):
+        print(f"compile {i + 1}/{len(keys)}: {config.precision} {config.schedule} H {hidden} I {intermediate}"
+              f"{' traced' if config.trace else ''}", file=file or sys.stdout, flush=True)
+        compiled_megamoe_sm90(hidden, intermediate, config)
+    return len(keys)
 
 
 def calls_per_cell(trials: int, trace_trials: int, trace: bool = True) -> float:
@@ -788,6 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop-on-error", action="store_true", help="stop at the first cell that fails")
     ap.add_argument("--dry-run", action="store_true",
                     help="print the cells, the skips and the estimated GPU time; run nothing")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile the cells' fused kernels into XSTAGE_KERNEL_CACHE (no GPU needed) and exit")
     return ap
 
 
@@ -828,6 +847,8 @@ def main(argv=None):
     describe(cells, args)
     if args.dry_run:
         return None
+    if args.compile_only:
+        return compile_cells(cells, args.trace)
     import torch
 
     if not torch.cuda.is_available():
