@@ -6,25 +6,26 @@
 #   scripts/gpu_calls.sh prepare          CPU: wheels (.gpuwheels/a, b, x), the K-loop A/B trees (.kc/), DeepGEMM (.dgb/);
 #                                         WHEELS_PREPARE / DEEPGEMM_DIR name the bundles' builder and folder,
 #                                         DGN_BUNDLE the NVFP4 fork's built package (docs/gpu.md)
-#   scripts/gpu_calls.sh precompile       CPU: the ab, ab_w4a8 and sweep_w4a8 calls' fused kernels into .kcache/<call>
+#   scripts/gpu_calls.sh precompile       CPU: the ab, ab_w4a8, sweep_w4a8 and ncu calls' fused kernels into .kcache/<call>
 #   scripts/gpu_calls.sh suite   OUT      GPU: `tests -m gpu` (kernels compiled by 12 processes, then one process)
 #   scripts/gpu_calls.sh ab      OUT      GPU: the full tile's K-loop orders in isolation (wgmma_rate), then the W8A8
 #                                         K-loop A/B, main against the trees in .kc/ (P 8 and 1)
 #   scripts/gpu_calls.sh ab_w4a8 OUT      GPU: the W4A8 swapped half tiles (.kc/swapped): their GPU tests, then A/B
 #   scripts/gpu_calls.sh w4a8    OUT      GPU: the WGMMA-rate variants, then the W4A8 bench with DeepGEMM
 #   scripts/gpu_calls.sh nvfp4   OUT      GPU: our W4A8 and W8A8 kernels against the fork's SM90 NVFP4 Mega MoE
+#   scripts/gpu_calls.sh ncu     OUT      GPU: our W8A8 kernel and DeepGEMM's two GEMMs under ncu (P 8), side by side
 #   scripts/gpu_calls.sh sweep_w4a8 OUT   GPU: issue 42's X-Stage cells, 24 per world (P 1 2 4 8, 2048 / 4096 tokens,
 #                                         three routings); SWEEP_FROM=<its sweep_w4a8.json> continues an unfinished one
 #
 # In the issues' order; each takes up to about 9 minutes, so a 30-minute device session fits three of them.
 # carry: suite [.gpuwheels/b .gpuwheels/x .xstage_commit]; ab [.kc/lean .kc/turns .kc/stagger .xstage_commit];
-# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8 and nvfp4 [.dgb .xstage_commit]; sweep_w4a8 [.xstage_commit]; with ab, ab_w4a8
-# and sweep_w4a8 also .kcache/<call>
+# ab_w4a8 [.kc/swapped .xstage_commit]; w4a8, nvfp4 and ncu [.dgb .xstage_commit]; sweep_w4a8 [.xstage_commit]; with ab,
+# ab_w4a8, sweep_w4a8 and ncu also .kcache/<call>
 # when precompiled (2 MB each: a carried cache is used, else /tmp/kcache). Each step is bounded (STEP_TIMEOUT
 # seconds, default 280) and logs to OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-cmd=${1:?usage: scripts/gpu_calls.sh prepare|precompile|suite|ab|ab_w4a8|w4a8|nvfp4|sweep_w4a8 [OUT]}
+cmd=${1:?usage: scripts/gpu_calls.sh prepare|precompile|suite|ab|ab_w4a8|w4a8|nvfp4|sweep_w4a8|ncu [OUT]}
 out=${2:-${OUT:-/tmp/gpu_calls}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # absolute: some calls run in another tree
 # the GPU calls share compiled kernels; a cache precompiled on a CPU for this call is found (the file names hash the
@@ -36,6 +37,10 @@ else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=ab46bd5 stagger=3e363f6)
 W4A8_TREE=swapped=ff668d5
+# ncu: the tensor pipe, issue slots and shared-memory wavefronts next to the sections' numbers
+NCU_METRICS=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,\
+smsp__inst_executed.sum
 # issue 42's X-Stage cells: 24 per world
 SWEEP_W4A8=(--preset reduced --shapes deepseek-v4-flash --P 1 2 4 8 --tokens 2048 4096 --routing balanced skewed1 skewed2
   --precision w4a8 --worlds loopback loopback+host --no-trace)
@@ -90,6 +95,8 @@ precompile)
       --out "$out/precompile_ab_w4a8" --compile-only
   done
   XSTAGE_KERNEL_CACHE=$PWD/.kcache/sweep_w4a8 python3 scripts/sweep_megamoe.py "${SWEEP_W4A8[@]}" --compile-only
+  XSTAGE_KERNEL_CACHE=$PWD/.kcache/ncu python3 scripts/sweep_megamoe.py --shapes deepseek-v4-flash --P 8 --tokens 8192 \
+    --routing balanced --worlds loopback --precision w8a8 --no-trace --compile-only  # the ncu driver's kernels
   du -sh .kcache/*
   ;;
 suite)
@@ -142,6 +149,20 @@ nvfp4)
     STEP_TIMEOUT=270 bounded "nvfp4_$tokens" python3 scripts/bench_megamoe_fork.py --fork nvfp4 --tokens $tokens \
       --trials 5 --out "$out/fork_nvfp4_$tokens"
   done
+  ;;
+ncu)
+  # issue 41: where our W8A8 kernel's tensor pipe idles next to DeepGEMM's (rank 0 of loopback P = 8, 8192 tokens per
+  # rank, 1536 rows per expert): issue slots, warp states, shared-memory wavefronts and bank conflicts
+  export PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=$(nvcc_home) XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
+  sections=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis
+    --section MemoryWorkloadAnalysis_Tables --metrics "$NCU_METRICS")
+  driver=(python3 scripts/diag/megamoe_ncu_driver.py --P 8 --schedule interleaved --option precision=w8a8)
+  bounded ncu_ours ncu --clock-control none "${sections[@]}" --kernel-name regex:MegaMoESm90 --launch-skip 8 \
+    --launch-count 1 --csv --page details "${driver[@]}"
+  bounded ncu_deepgemm ncu --clock-control none "${sections[@]}" --kernel-name regex:fp8_gemm --launch-skip 16 \
+    --launch-count 2 --csv --page details "${driver[@]}" --gemms deepgemm
+  python3 scripts/diag/megamoe_ncu_metrics.py "$out/ncu_ours.log" "$out/ncu_deepgemm.log" --out "$out" > /dev/null
+  grep -iE "tensor_op|issue|Eligible|shared|Bank|Elapsed Cycles" "$out/ncu_metrics.md" | cut -c1-240
   ;;
 sweep_w4a8)
   # about 10 s a cell (the rerun of 2026-12-04): 48 cells fit one call; the JSON is written after every cell

@@ -138,6 +138,32 @@ def test_pm_phases_splits_dram_bytes_by_the_traces_phases(tmp_path):
         trace_mod.read_pm_kernels(str(tmp_path / "bad.csv"))
 
 
+def test_ncu_metrics_sets_the_launches_of_details_exports_side_by_side(tmp_path, capsys):
+    """Two exports (the program's own output before one's header), three launches: a column each,
+    a metric one launch lacks left blank, a file without the header refused."""
+    import json
+
+    from lab.megamoe.diag import ncu_metrics
+
+    header = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name"'
+    row = lambda i, k, m, v: f'"{i}","{k}","SOL","{m}","%","{v}",""'  # noqa: E731
+    ours = tmp_path / "ours.csv"
+    ours.write_text("config: ...\n==PROF== done\n" + "\n".join([header, row(0, "MegaMoESm90", "Tensor", "61.0"),
+                                                                  row(0, "MegaMoESm90", "Issue", "50.0"),
+                                                                  '"0","MegaMoESm90","SOL","","","",""']) + "\n")
+    dg = tmp_path / "dg.csv"
+    dg.write_text("\n".join([header, row(0, "sm90_fp8_gemm", "Tensor", "90.1"), row(1, "sm90_fp8_gemm", "Tensor", "82.4")]))
+    columns, rows = ncu_metrics.side_by_side([str(ours), str(dg)])
+    assert [c[0] for c in columns] == ["ours", "dg", "dg"]
+    assert rows == [(("SOL", "Tensor", "%"), ["61.0", "90.1", "82.4"]), (("SOL", "Issue", "%"), ["50.0", "", ""])]
+    ncu_metrics.main([str(ours), str(dg), "--out", str(tmp_path / "out")])
+    assert "| SOL | Tensor | % | 61.0 | 90.1 | 82.4 |" in capsys.readouterr().out
+    assert len(json.loads((tmp_path / "out" / "ncu_metrics.json").read_text())["columns"]) == 3
+    (tmp_path / "bad.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="no ncu details header"):
+        ncu_metrics.read_details(str(tmp_path / "bad.csv"))
+
+
 def test_ncu_source_splits_samples_by_role_and_opcode(tmp_path, capsys):
     """The source-counter summary: rows from the consumers' setmaxnreg on are the consumers',
     opcodes lose predicate and modifiers, shares are of each role's samples, and an export of two

@@ -10,6 +10,7 @@ trace_clock       the SM clock inside the kernel from its trace (scripts/diag/me
 trace_timeline    mainloop cycles over time from a trace (scripts/diag/megamoe_trace_timeline.py)
 api_profile       host time of MegaMoE.forward outside the kernels (scripts/diag/profile_megamoe_api.py)
 ncu_source        warp stalls by role and instruction from an ncu source export (scripts/diag/megamoe_ncu_source.py)
+ncu_metrics       kernels side by side from ncu details exports (scripts/diag/megamoe_ncu_metrics.py)
 sass_report       a build's registers, stack, local accesses, WGMMA waits, K-loop moves (scripts/diag/megamoe_sass.py)
 wgmma_rate        the W8A8 mainloop's WGMMA batch shapes alone (scripts/diag/wgmma_rate.py)
 tile_budget       where each tile's time goes, from the trace (scripts/diag/megamoe_tile_budget.py)
