@@ -37,10 +37,10 @@ else export XSTAGE_KERNEL_CACHE=${XSTAGE_KERNEL_CACHE:-/tmp/kcache}; fi
 # reverted on main until timed)
 AB_TREES=(lean=e11115d turns=ab46bd5 stagger=3e363f6)
 W4A8_TREE=swapped=ff668d5
-# ncu: the tensor pipe, issue slots and shared-memory wavefronts next to the sections' numbers
+# ncu: the tensor pipe, issue slots and bank conflicts next to the sections' numbers
+# (l1tex__data_pipe_lsu_wavefronts_mem_shared reads n/a on driver 580; results/h200/megamoe/ncu_p8)
 NCU_METRICS=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,\
-l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,\
-smsp__inst_executed.sum
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__inst_executed.sum
 # issue 42's X-Stage cells: 24 per world
 SWEEP_W4A8=(--preset reduced --shapes deepseek-v4-flash --P 1 2 4 8 --tokens 2048 4096 --routing balanced skewed1 skewed2
   --precision w4a8 --worlds loopback loopback+host --no-trace)
@@ -152,17 +152,17 @@ nvfp4)
   ;;
 ncu)
   # issue 41: where our W8A8 kernel's tensor pipe idles next to DeepGEMM's (rank 0 of loopback P = 8, 8192 tokens per
-  # rank, 1536 rows per expert): issue slots, warp states, shared-memory wavefronts and bank conflicts
+  # rank, 1536 rows per expert): issue slots, warp states, bank conflicts (results/h200/megamoe/ncu_p8)
   export PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=$(nvcc_home) XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
   sections=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis
-    --section MemoryWorkloadAnalysis_Tables --metrics "$NCU_METRICS")
+    --metrics "$NCU_METRICS")
   driver=(python3 scripts/diag/megamoe_ncu_driver.py --P 8 --schedule interleaved --option precision=w8a8)
   bounded ncu_ours ncu --clock-control none "${sections[@]}" --kernel-name regex:MegaMoESm90 --launch-skip 8 \
     --launch-count 1 --csv --page details "${driver[@]}"
   bounded ncu_deepgemm ncu --clock-control none "${sections[@]}" --kernel-name regex:fp8_gemm --launch-skip 16 \
     --launch-count 2 --csv --page details "${driver[@]}" --gemms deepgemm
   python3 scripts/diag/megamoe_ncu_metrics.py "$out/ncu_ours.log" "$out/ncu_deepgemm.log" --out "$out" > /dev/null
-  grep -iE "tensor_op|issue|Eligible|shared|Bank|Elapsed Cycles" "$out/ncu_metrics.md" | cut -c1-240
+  grep -iE "tensor_op|issue|Eligible|bank|Elapsed Cycles" "$out/ncu_metrics.md" | cut -c1-240
   ;;
 sweep_w4a8)
   # about 10 s a cell (the rerun of 2026-12-04): 48 cells fit one call; the JSON is written after every cell
