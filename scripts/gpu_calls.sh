@@ -156,9 +156,9 @@ ncu)
   export PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=$(nvcc_home) XSTAGE_DEEPGEMM_BUNDLE=$PWD/.dgb
   sections=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats --section ComputeWorkloadAnalysis
     --metrics "$NCU_METRICS")
-  driver=(python3 scripts/diag/megamoe_ncu_driver.py --P 8 --schedule interleaved --option precision=w8a8)
+  driver=(python3 scripts/diag/megamoe_ncu_driver.py --P 8)
   bounded ncu_ours ncu --clock-control none "${sections[@]}" --kernel-name regex:MegaMoESm90 --launch-skip 8 \
-    --launch-count 1 --csv --page details "${driver[@]}"
+    --launch-count 1 --csv --page details "${driver[@]}" --schedule interleaved --option precision=w8a8
   bounded ncu_deepgemm ncu --clock-control none "${sections[@]}" --kernel-name regex:fp8_gemm --launch-skip 16 \
     --launch-count 2 --csv --page details "${driver[@]}" --gemms deepgemm
   python3 scripts/diag/megamoe_ncu_metrics.py "$out/ncu_ours.log" "$out/ncu_deepgemm.log" --out "$out" > /dev/null

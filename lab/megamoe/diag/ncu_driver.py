@@ -17,9 +17,9 @@ call, so it computes the real y): one forward, the fill, then the two forwards a
 ``--launch-skip P`` still picks the second of them. Its kernel is named after the subclass:
 select it with ``--kernel-name regex:NoDispatchCopy`` (``regex:MegaMoE`` profiles nothing).
 
-``--gemms deepgemm``: DeepGEMM's two GEMMs (``m_grouped_fp8_gemm_nt_contiguous`` L1 and L2, the same rows per
-expert; the bundle of docs/gpu.md) of every rank, twice, so ``--kernel-name regex:sm90_fp8_gemm --launch-skip 2P
---launch-count 2`` picks rank 0's second pair (scripts/gpu_calls.sh ncu).
+``--gemms deepgemm``: no fused layer, only DeepGEMM's two GEMMs (``m_grouped_fp8_gemm_nt_contiguous`` L1 and L2,
+the same rows per expert; the bundle of docs/gpu.md) of every rank, twice, so ``--kernel-name
+regex:sm90_fp8_gemm --launch-skip 2P --launch-count 2`` picks rank 0's second pair (scripts/gpu_calls.sh ncu).
 
 ``--option NAME=VALUE`` sets a MegaMoEConfig field of the fused kernel (e.g. dispatch_window=0,
 dispatch_copy=lsu, stages=4; integers are passed as int, anything else as a string).
@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--schedule", default="expert_wave", choices=["expert_wave", "interleaved"])
     ap.add_argument("--no-dispatch-copy", action="store_true", help="the kernel without its Dispatch copy (see above)")
     ap.add_argument("--gemms", choices=("torch", "deepgemm"), default="torch",
-                    help="whose grouped GEMMs run after the fused calls (deepgemm: see above)")
+                    help="torch: its GEMMs after the fused calls; deepgemm: DeepGEMM's alone (see above)")
     ap.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                     help="a MegaMoEConfig field of the fused kernel, e.g. dispatch_window=0 (repeatable)")
     args = ap.parse_args()
@@ -52,6 +52,8 @@ def main():
     P, T = args.P, args.tokens
     s = get_shape("deepseek-v4-flash")
     w1, w2, xs, idx, wts = make_problem(s, "balanced", P, T)
+    if args.gemms == "deepgemm":
+        return deepgemm_gemms(s, P, w1, w2, idx)
     if args.no_dispatch_copy:
         from lab.megamoe.diag.no_dispatch_copy import NoDispatchCopyMoE, fill_pool
 
@@ -65,21 +67,25 @@ def main():
     moe.forward(xs, idx, wts)
     moe.forward(xs, idx, wts)
     torch.cuda.synchronize()
-    if args.gemms == "deepgemm":
-        from lab.megamoe import deepgemm
-
-        dg, why = deepgemm.load()
-        if dg is None:
-            raise SystemExit(why)
-        # every rank's two launches once (inside, with its check), then again: ncu takes rank 0's second pair
-        all_gemms, _ = deepgemm.grouped_gemms(dg, s, P, w1, w2, deepgemm.rows_per_expert(s, P, idx))
-        all_gemms()
-    else:
-        _, rank0_gemms = grouped_gemms(s, P, w1, w2, idx, wts, ranks=[0])  # the bench's baseline, rank 0 only
-        for _ in range(2):
-            rank0_gemms()
+    _, rank0_gemms = grouped_gemms(s, P, w1, w2, idx, wts, ranks=[0])  # the bench's baseline, rank 0 only
+    for _ in range(2):
+        rank0_gemms()
     torch.cuda.synchronize()
     print("done; last fused call", moe.last_kernel_us, "us")
+
+
+def deepgemm_gemms(shape, P: int, w1, w2, idx) -> None:
+    """``--gemms deepgemm``: no fused layer; every rank's two DeepGEMM launches once (inside
+    ``grouped_gemms``, with its check), then again, so ncu takes rank 0's second pair."""
+    from lab.megamoe import deepgemm
+
+    dg, why = deepgemm.load()
+    if dg is None:
+        raise SystemExit(why)
+    all_gemms, _ = deepgemm.grouped_gemms(dg, shape, P, w1, w2, deepgemm.rows_per_expert(shape, P, idx))
+    all_gemms()
+    torch.cuda.synchronize()
+    print("done: DeepGEMM's two GEMMs of every rank, twice", flush=True)
 
 
 if __name__ == "__main__":
